@@ -1,0 +1,165 @@
+"""Load a recipe YAML, apply dotted ``key=value`` overrides, validate into a :class:`RecipeConfig`.
+
+Every failure is a :class:`ConfigError` raised before any work starts, naming the dotted key and the
+rule broken (unknown key with a did-you-mean suggestion, wrong type, out-of-range value, cross-field
+rule), or the file and line for a missing file / malformed YAML.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from typing import Any, Iterable, Optional
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from moerl.config.schema import RecipeConfig
+
+
+class ConfigError(ValueError):
+    """A recipe that cannot run. ``str(err)`` lists every problem, one per line."""
+
+
+class _Loader(yaml.SafeLoader):
+    """yaml.SafeLoader that also reads YAML 1.2 floats without a dot (``1e-4``, ``3E5``) as floats.
+
+    PyYAML implements YAML 1.1, where ``lr: 1e-4`` is the *string* "1e-4"; that trips strict typing.
+    """
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _yaml_load(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader derives from SafeLoader
+
+
+# ----------------------------------------------------------------------------- overrides
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """Split ``"a.b.c=value"`` into (["a", "b", "c"], yaml-parsed value).
+
+    Raises:
+        ConfigError: no ``=``, an empty key part, or a value that is not valid YAML.
+    """
+    if not isinstance(item, str) or "=" not in item:
+        raise ConfigError(f"override {item!r} must look like dotted.key=value (e.g. rollout.n_samples_per_prompt=8)")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    if any(not p for p in parts):
+        raise ConfigError(f"override {item!r}: empty part in key {key!r}")
+    try:
+        value = _yaml_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {item!r}: value {raw!r} is not valid YAML ({e})") from None
+    return parts, value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """Apply dotted overrides to a nested dict in place (creating missing sections) and return it."""
+    for item in overrides:
+        parts, value = parse_override(item)
+        node = raw
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                where = ".".join(parts[: i + 1])
+                raise ConfigError(f"override {item!r}: '{where}' is a value ({child!r}), not a section")
+            node = child
+        node[parts[-1]] = value
+    return raw
+
+
+# ----------------------------------------------------------------------------- error text
+def _section_model(loc: tuple) -> Optional[type[BaseModel]]:
+    """The pydantic model class that owns the last element of ``loc`` (None if not a model path)."""
+    model: type[BaseModel] = RecipeConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model
+
+
+def _format_error(err: dict[str, Any]) -> str:
+    loc = tuple(err.get("loc", ()))
+    key = ".".join(str(p) for p in loc)
+    etype = err.get("type", "")
+    if etype == "extra_forbidden":
+        model = _section_model(loc)
+        msg = f"unknown key '{key}'"
+        if model is not None:
+            names = list(model.model_fields)
+            close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.6)
+            prefix = ".".join(str(p) for p in loc[:-1])
+            if close:
+                msg += f"; did you mean '{prefix + '.' if prefix else ''}{close[0]}'?"
+            else:
+                msg += f" (valid keys{' of ' + prefix if prefix else ''}: {', '.join(names)})"
+        return msg
+    text = str(err.get("msg", ""))
+    if etype == "value_error":  # our cross-field rules already name their keys
+        return text.removeprefix("Value error, ")
+    got = err.get("input")
+    if isinstance(got, dict):
+        return f"{key or '<recipe>'}: {text}"
+    return f"{key or '<recipe>'}: {text} (got {got!r})"
+
+
+def validate_config(raw: Any, source: str = "<recipe>") -> RecipeConfig:
+    """Validate a nested dict into a RecipeConfig, converting pydantic errors to a ConfigError."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the recipe must be a YAML mapping of sections, got {type(raw).__name__}")
+    try:
+        return RecipeConfig.model_validate(raw)
+    except ValidationError as e:
+        lines = [_format_error(err) for err in e.errors()]
+        raise ConfigError(f"invalid recipe {source}:\n  " + "\n  ".join(lines)) from None
+
+
+def load_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> RecipeConfig:
+    """Read the recipe YAML at ``path``, apply ``overrides`` and validate.
+
+    Args:
+        path: recipe file (e.g. ``configs/tiny_arith.yaml``).
+        overrides: dotted ``key=value`` strings applied in order; values are parsed as YAML
+            (``rollout.n_samples_per_prompt=8`` -> int, ``model.init_from=null`` -> None).
+
+    Raises:
+        ConfigError: missing file, malformed YAML (with its line), bad override, unknown key
+            (with a did-you-mean), wrong type, out-of-range value or broken cross-field rule.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ConfigError(f"recipe file not found: {path}")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        raw = _yaml_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e)
+        ctx, ctx_mark = getattr(e, "context", None), getattr(e, "context_mark", None)
+        if ctx and ctx_mark is not None and ctx_mark is not mark:
+            problem += f" ({ctx} at line {ctx_mark.line + 1})"
+        raise ConfigError(f"malformed YAML in {path}{where}: {problem}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the recipe must be a YAML mapping of sections, got {type(raw).__name__}")
+    if isinstance(overrides, str):
+        overrides = [overrides]
+    apply_overrides(raw, overrides)
+    return validate_config(raw, source=path)

@@ -1,0 +1,374 @@
+"""Typed recipe schema: one frozen pydantic object passed down the whole run, never mutated.
+
+Every section forbids unknown keys and is strict about types (an ``int`` field rejects ``true`` and
+``8.5``; a ``str`` field rejects ``5``; a ``float`` field accepts ints). Field constraints (positive
+ints, probabilities...) are declared on the fields; rules that tie several fields together live in
+``model_validator``s and name every dotted key they involve. Errors are turned into one readable
+:class:`moerl.config.loader.ConfigError` by :func:`moerl.config.loader.load_config`.
+
+The defaults are those of ``configs/tiny_arith.yaml`` (a 2-core CPU demo: 3-digit addition, a
+1.4M-parameter Qwen3-MoE), so a recipe only lists what it changes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+_STRICT = ConfigDict(extra="forbid", frozen=True, strict=True, validate_default=True)
+
+PORT_MIN = 1024
+PORT_MAX = 65535
+VOCAB_MULTIPLE = 64
+
+
+class _Section(BaseModel):
+    model_config = _STRICT
+
+
+class HFModelConfig(_Section):
+    """The Hugging Face ``config.json`` fields of the policy (Qwen3-MoE naming).
+
+    ``vocab_size = None`` means "the tokenizer size rounded up to a multiple of 64"; resolve it with
+    :meth:`resolve_vocab_size` once the tokenizer is known.
+    """
+
+    num_hidden_layers: int = Field(3, ge=1)
+    hidden_size: int = Field(128, ge=1)
+    num_attention_heads: int = Field(4, ge=1)
+    num_key_value_heads: int = Field(2, ge=1)
+    head_dim: int = Field(32, ge=1)
+    num_experts: int = Field(8, ge=1)
+    num_experts_per_tok: int = Field(2, ge=1)
+    moe_intermediate_size: int = Field(128, ge=1)
+    intermediate_size: int = Field(256, ge=1)
+    max_position_embeddings: int = Field(64, ge=2)
+    rope_theta: float = Field(10000.0, gt=0)
+    rms_norm_eps: float = Field(1.0e-6, gt=0)
+    norm_topk_prob: bool = True
+    tie_word_embeddings: bool = True
+    vocab_size: Optional[int] = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _cross_fields(self) -> "HFModelConfig":
+        p = "model.hf_config"
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"{p}.num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                f"{p}.num_key_value_heads ({self.num_key_value_heads}) (grouped-query attention)"
+            )
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"{p}.num_experts_per_tok ({self.num_experts_per_tok}) must be <= "
+                f"{p}.num_experts ({self.num_experts})"
+            )
+        return self
+
+    def resolve_vocab_size(self, tokenizer_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
+        """The embedding rows to build for a tokenizer of ``tokenizer_size`` tokens (``len(tokenizer)``).
+
+        Returns ``vocab_size`` when set, else ``tokenizer_size`` rounded up to ``multiple``.
+
+        Raises:
+            ValueError: ``vocab_size`` is set but smaller than the tokenizer.
+        """
+        if tokenizer_size < 1:
+            raise ValueError(f"tokenizer_size must be >= 1, got {tokenizer_size}")
+        if self.vocab_size is None:
+            return int(math.ceil(tokenizer_size / multiple) * multiple)
+        if self.vocab_size < tokenizer_size:
+            raise ValueError(
+                f"model.hf_config.vocab_size ({self.vocab_size}) is smaller than the tokenizer "
+                f"({tokenizer_size} tokens); set it to >= {tokenizer_size} or null"
+            )
+        return self.vocab_size
+
+
+class ModelConfig(_Section):
+    """Policy model: HF config, optional HF checkpoint to start from, parameter dtype."""
+
+    hf_config: HFModelConfig = HFModelConfig()
+    init_from: Optional[str] = None  # HF checkpoint dir; None = random init (then SFT warm start)
+    params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class ParallelConfig(_Section):
+    """Megatron-Core model parallel sizes; dp_size is derived from the world size (see check_world_size)."""
+
+    tp_size: int = Field(1, ge=1)
+    pp_size: int = Field(1, ge=1)
+    ep_size: int = Field(1, ge=1)
+
+
+class DataConfig(_Section):
+    """Prompt data: the built-in arithmetic generator or user jsonl files."""
+
+    task: Literal["arithmetic", "jsonl"] = "arithmetic"
+    train_path: Optional[str] = None
+    eval_path: Optional[str] = None
+    prompt_key: str = Field("prompt", min_length=1)
+    label_key: str = Field("label", min_length=1)
+    num_train: int = Field(20000, ge=1)  # arithmetic only
+    num_eval: int = Field(300, ge=1)  # arithmetic only
+    digits: int = Field(3, ge=1, le=9)  # arithmetic only
+    tokenizer_path: Optional[str] = None  # None = build moerl's byte-level tokenizer
+    reward: str = "arithmetic"  # verifier: a name registered in moerl.rewards (get_reward_fn)
+
+    @model_validator(mode="after")
+    def _cross_fields(self) -> "DataConfig":
+        from moerl.rewards import available_reward_fns  # light import (no torch/transformers)
+
+        if self.reward not in available_reward_fns():
+            raise ValueError(
+                f"data.reward {self.reward!r} is not a registered reward function; choose one of "
+                f"{available_reward_fns()} (or register yours with moerl.rewards.register_reward_fn "
+                "before loading the recipe)"
+            )
+        if self.task == "jsonl":
+            missing = [k for k in ("train_path", "eval_path") if getattr(self, k) is None]
+            if missing:
+                raise ValueError(
+                    " and ".join(f"data.{k}" for k in missing)
+                    + " must be set when data.task is 'jsonl' (paths to jsonl files of "
+                    f"{{\"{self.prompt_key}\": ..., \"{self.label_key}\": ...}} rows)"
+                )
+        else:
+            space = 10 ** (2 * self.digits)
+            if self.num_train + self.num_eval > space:
+                raise ValueError(
+                    f"data.num_train + data.num_eval ({self.num_train + self.num_eval}) exceeds the "
+                    f"{space} distinct {self.digits}-digit addition problems; lower them or raise data.digits"
+                )
+        return self
+
+
+class RolloutConfig(_Section):
+    """Rollout servers behind sglang-router and the sampling parameters."""
+
+    num_servers: int = Field(2, ge=1)
+    threads_per_server: int = Field(1, ge=1)
+    host: str = Field("127.0.0.1", min_length=1)
+    base_port: int = 30000  # server i listens on base_port + i
+    router_port: int = 29000
+    router_policy: Literal["round_robin", "cache_aware", "random", "power_of_two"] = "round_robin"
+    n_samples_per_prompt: int = Field(8, ge=1)
+    rollout_batch_size: int = Field(16, ge=1)  # prompts per step
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = disabled
+    max_new_tokens: int = Field(8, ge=1)
+    request_timeout_s: float = Field(60.0, gt=0)
+    max_retries: int = Field(2, ge=0)
+    startup_timeout_s: float = Field(120.0, gt=0)
+    weight_sync: Literal["disk", "tensor"] = "disk"
+
+    @model_validator(mode="after")
+    def _cross_fields(self) -> "RolloutConfig":
+        last = self.base_port + self.num_servers - 1
+        if not (PORT_MIN <= self.base_port and last <= PORT_MAX):
+            raise ValueError(
+                f"rollout.base_port ({self.base_port}) .. base_port + num_servers - 1 ({last}) must lie "
+                f"in {PORT_MIN}..{PORT_MAX}"
+            )
+        if not PORT_MIN <= self.router_port <= PORT_MAX:
+            raise ValueError(f"rollout.router_port ({self.router_port}) must lie in {PORT_MIN}..{PORT_MAX}")
+        if self.base_port <= self.router_port <= last:
+            raise ValueError(
+                f"rollout.router_port ({self.router_port}) collides with the server ports "
+                f"rollout.base_port..base_port+num_servers-1 ({self.base_port}..{last}); pick another"
+            )
+        if not self.temperature > 0:
+            raise ValueError(f"rollout.temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"rollout.top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        return self
+
+
+class AlgorithmConfig(_Section):
+    """Advantage estimator, policy loss, KL and MoE balancing loss."""
+
+    advantage_estimator: Literal["grpo", "dr_grpo"] = "grpo"
+    policy_loss: Literal["gspo", "ppo"] = "gspo"
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "seq-mean-token-mean"
+    eps_clip_low: float = Field(3.0e-4, ge=0)
+    eps_clip_high: float = Field(4.0e-4, ge=0)
+    kl_coef: float = Field(0.0, ge=0)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    filter_uniform_groups: bool = True
+    moe_aux_loss_coeff: float = Field(1.0e-3, ge=0)
+    moe_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "aux_loss"
+
+
+class TrainConfig(_Section):
+    """RL actor optimisation (AdamW)."""
+
+    num_steps: int = Field(60, ge=1)
+    global_batch_size: int = Field(128, ge=1)  # samples per optimizer step
+    micro_batch_size: int = Field(32, ge=1)
+    lr: float = Field(1.0e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    clip_grad: float = Field(1.0, gt=0)
+    num_threads: int = Field(2, ge=1)  # torch threads of the trainer process
+    save_every: int = Field(0, ge=0)  # steps; 0 = only at the end
+
+    @model_validator(mode="after")
+    def _cross_fields(self) -> "TrainConfig":
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"train.global_batch_size ({self.global_batch_size}) must be divisible by "
+                f"train.micro_batch_size ({self.micro_batch_size})"
+            )
+        return self
+
+
+class SFTConfig(_Section):
+    """Supervised warm start on the task's gold answers, stopped at a held-out greedy accuracy."""
+
+    enabled: bool = True
+    lr: float = Field(1.0e-3, gt=0)
+    global_batch_size: int = Field(128, ge=1)
+    micro_batch_size: int = Field(128, ge=1)
+    max_steps: int = Field(3000, ge=1)
+    eval_every: int = Field(50, ge=1)  # steps
+    eval_prompts: int = Field(100, ge=1)
+    target_accuracy: float = Field(0.3, gt=0, le=1)  # stop when greedy eval accuracy first reaches it
+
+    @model_validator(mode="after")
+    def _cross_fields(self) -> "SFTConfig":
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"sft.global_batch_size ({self.global_batch_size}) must be divisible by "
+                f"sft.micro_batch_size ({self.micro_batch_size})"
+            )
+        return self
+
+
+class EvalConfig(_Section):
+    """Greedy held-out evaluation during RL."""
+
+    num_prompts: int = Field(300, ge=1)
+    every_steps: int = Field(10, ge=0)  # 0 = only before and after training
+
+
+class LogConfig(_Section):
+    tensorboard: bool = True
+    wandb_project: Optional[str] = None
+    log_every: int = Field(1, ge=1)
+
+
+class RecipeConfig(_Section):
+    """The whole run recipe (see configs/tiny_arith.yaml for every key with a comment)."""
+
+    seed: int = Field(1234, ge=0)
+    output_dir: str = Field("runs/tiny_arith", min_length=1)
+    model: ModelConfig = ModelConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    train: TrainConfig = TrainConfig()
+    sft: SFTConfig = SFTConfig()
+    eval: EvalConfig = EvalConfig()
+    log: LogConfig = LogConfig()
+
+    @model_validator(mode="after")
+    def _cross_sections(self) -> "RecipeConfig":
+        r, t = self.rollout, self.train
+        samples = r.rollout_batch_size * r.n_samples_per_prompt
+        if samples % t.global_batch_size:
+            raise ValueError(
+                f"rollout.rollout_batch_size * rollout.n_samples_per_prompt ({r.rollout_batch_size} * "
+                f"{r.n_samples_per_prompt} = {samples}) must be divisible by train.global_batch_size "
+                f"({t.global_batch_size})"
+            )
+        if r.n_samples_per_prompt < 2:
+            raise ValueError(
+                f"rollout.n_samples_per_prompt must be >= 2 with algorithm.advantage_estimator "
+                f"'{self.algorithm.advantage_estimator}': a group of 1 response has no group baseline, "
+                "so every advantage would be 0 (and filter_uniform_groups would drop every group)"
+            )
+        if self.data.task == "arithmetic" and self.eval.num_prompts > self.data.num_eval:
+            raise ValueError(
+                f"eval.num_prompts ({self.eval.num_prompts}) must be <= data.num_eval ({self.data.num_eval})"
+            )
+        if self.sft.eval_prompts > self.eval.num_prompts:
+            raise ValueError(
+                f"sft.eval_prompts ({self.sft.eval_prompts}) must be <= eval.num_prompts ({self.eval.num_prompts})"
+            )
+        ep, ne = self.parallel.ep_size, self.model.hf_config.num_experts
+        if ne % ep:
+            raise ValueError(f"parallel.ep_size ({ep}) must divide model.hf_config.num_experts ({ne})")
+        if r.max_new_tokens >= self.model.hf_config.max_position_embeddings:
+            raise ValueError(
+                f"rollout.max_new_tokens ({r.max_new_tokens}) must be < "
+                f"model.hf_config.max_position_embeddings ({self.model.hf_config.max_position_embeddings})"
+            )
+        if self.data.task == "arithmetic" and r.max_new_tokens < self.data.digits + 2:
+            raise ValueError(
+                f"rollout.max_new_tokens ({r.max_new_tokens}) must be >= data.digits + 2 "
+                f"({self.data.digits + 2}): the sum of two {self.data.digits}-digit numbers plus the eos token"
+            )
+        return self
+
+    # ------------------------------------------------------------------ layout
+    def check_world_size(self, world_size: int) -> int:
+        """Validate the parallel layout for ``world_size`` ranks and return dp_size.
+
+        dp_size = world_size / (tp_size * pp_size) (Megatron-Core convention, cp_size = 1). Expert
+        parallelism is carved out of dp * tp (Megatron-Core's expert-data-parallel group), so
+        dp_size * tp_size must be divisible by ep_size. Every optimizer step must split into whole
+        micro-batches on each DP rank: train/sft global_batch_size % (micro_batch_size * dp_size) == 0.
+
+        Raises:
+            ConfigError-compatible ValueError naming the parallel.* / *.global_batch_size key.
+        """
+        from moerl.config.loader import ConfigError  # local import: loader imports this module
+
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError(f"world_size must be a positive int, got {world_size!r}")
+        p = self.parallel
+        mp = p.tp_size * p.pp_size
+        if world_size % mp:
+            raise ConfigError(
+                f"world_size ({world_size}) must be divisible by parallel.tp_size * parallel.pp_size "
+                f"({p.tp_size} * {p.pp_size} = {mp})"
+            )
+        dp = world_size // mp
+        if (dp * p.tp_size) % p.ep_size:
+            raise ConfigError(
+                f"parallel.ep_size ({p.ep_size}) must divide dp_size * parallel.tp_size "
+                f"({dp} * {p.tp_size}) for world_size {world_size}"
+            )
+        for name, sec in (("train", self.train), ("sft", self.sft)):
+            if sec.global_batch_size % (sec.micro_batch_size * dp):
+                raise ConfigError(
+                    f"{name}.global_batch_size ({sec.global_batch_size}) must be divisible by "
+                    f"{name}.micro_batch_size * dp_size ({sec.micro_batch_size} * {dp}) for world_size {world_size}"
+                )
+        # Lifted by issue #3 (tensor / pipeline parallelism).
+        if p.pp_size != 1:
+            raise ConfigError(f"parallel.pp_size = {p.pp_size} is not yet supported (must be 1)")
+        if p.tp_size != 1:
+            raise ConfigError(f"parallel.tp_size = {p.tp_size} is not yet supported (must be 1)")
+        return dp
+
+    # ------------------------------------------------------------------ dump
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-python nested dict (JSON/YAML-safe) of every resolved value."""
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        """The resolved recipe as YAML; ``load_config`` of it gives back an equal RecipeConfig."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+
+    def save(self, path: str) -> None:
+        """Write :meth:`to_yaml` to ``path`` (e.g. ``<output_dir>/recipe.yaml``)."""
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.to_yaml())

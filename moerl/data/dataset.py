@@ -1,0 +1,196 @@
+"""Prompt datasets (jsonl -> ``datasets.Dataset``) and a resumable, deterministic prompt sampler.
+
+Files are checked line by line *before* anything is computed, so a bad row fails the run at start-up
+with its row number and the recipe key to fix, not deep inside a rollout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+from typing import Any, Iterator, Optional, Sequence
+
+import datasets
+from datasets import Value
+
+_DEFAULT_CACHE = os.path.join(tempfile.gettempdir(), f"moerl-datasets-cache-{os.getuid() if hasattr(os, 'getuid') else 0}")
+
+
+class DatasetError(ValueError):
+    """A prompt file that cannot be used; the message names the file, the row and the recipe key."""
+
+
+def _check_jsonl(path: str, prompt_key: str, label_key: str) -> int:
+    """Validate every line of ``path``; return the number of rows. Rows are numbered by line (1-based)."""
+    name = os.path.basename(path)
+    label_type: Optional[type] = None
+    label_row = 0
+    rows = 0
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"row {lineno} of {path} is not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise DatasetError(f"row {lineno} of {path} is a JSON {type(row).__name__}, not an object")
+            for key, recipe_key in ((prompt_key, "data.prompt_key"), (label_key, "data.label_key")):
+                if key not in row:
+                    raise DatasetError(f"row {lineno} of {name} has no field '{key}' ({recipe_key}); file {path}")
+            prompt, label = row[prompt_key], row[label_key]
+            if not isinstance(prompt, str) or not prompt:
+                raise DatasetError(
+                    f"row {lineno} of {name}: field '{prompt_key}' (data.prompt_key) must be a non-empty "
+                    f"string, got {prompt!r}; file {path}"
+                )
+            if isinstance(label, bool) or not isinstance(label, (str, int)):
+                raise DatasetError(
+                    f"row {lineno} of {name}: field '{label_key}' (data.label_key) must be a string or an "
+                    f"integer, got {label!r}; file {path}"
+                )
+            if label_type is None:
+                label_type, label_row = type(label), lineno
+            elif type(label) is not label_type:
+                raise DatasetError(
+                    f"row {lineno} of {name}: field '{label_key}' is {type(label).__name__} but row "
+                    f"{label_row} holds {label_type.__name__}; use one type for every label; file {path}"
+                )
+            rows += 1
+    return rows
+
+
+def load_prompt_dataset(
+    path: str | os.PathLike,
+    prompt_key: str = "prompt",
+    label_key: str = "label",
+    *,
+    recipe_key: Optional[str] = None,
+    cache_dir: Optional[str] = None,
+) -> datasets.Dataset:
+    """Load a jsonl prompt file with ``datasets``' json loader after validating every row.
+
+    Args:
+        path: jsonl file, one JSON object per line (blank lines are skipped).
+        prompt_key / label_key: field names of the prompt text and the verifier label
+            (``data.prompt_key`` / ``data.label_key``).
+        recipe_key: the recipe key that gave ``path`` (``"data.train_path"`` / ``"data.eval_path"``),
+            named in the missing-file error.
+        cache_dir: where ``datasets`` writes its Arrow cache (default: a per-user temp dir; pass the
+            run dir to keep it with the run). No network is used.
+
+    Returns:
+        A ``datasets.Dataset`` with every column of the file, in file order; the label column is cast
+        to string (``int`` labels become their decimal text).
+
+    Raises:
+        DatasetError (a ValueError): missing file, invalid JSON or non-object line, a row without the
+            prompt/label field, a non-string/empty prompt, a label that is not a string or integer (or
+            mixes the two), or no rows at all. Row numbers are 1-based line numbers.
+    """
+    path = os.fspath(path)
+    key_hint = f" ({recipe_key})" if recipe_key else " (data.train_path / data.eval_path)"
+    if not os.path.isfile(path):
+        raise DatasetError(f"prompt file not found: {path}{key_hint}")
+    num_rows = _check_jsonl(path, prompt_key, label_key)
+    if num_rows == 0:
+        raise DatasetError(f"prompt file {path}{key_hint} holds no rows")
+    try:
+        ds = datasets.load_dataset(
+            "json", data_files=os.path.abspath(path), split="train", cache_dir=cache_dir or _DEFAULT_CACHE
+        )
+    except Exception as e:  # noqa: BLE001 - e.g. a column of mixed types in a field moerl does not use
+        raise DatasetError(f"datasets could not read {path}{key_hint}: {e}") from e
+    if ds.features[label_key] != Value("string"):
+        ds = ds.cast_column(label_key, Value("string"))
+    if len(ds) != num_rows:  # pragma: no cover - would mean our line check and pyarrow disagree
+        raise DatasetError(f"{path}: read {len(ds)} rows but validated {num_rows}")
+    return ds
+
+
+class PromptSampler:
+    """Deterministic, resumable, epoch-wise shuffled batches of dataset rows.
+
+    Epoch e visits the rows in the order ``random.Random(f"moerl-sampler:{seed}:{e}").shuffle``; batches
+    take the next ``batch_size`` rows of that order. A batch that reaches the end of an epoch continues
+    with the start of the next one, so no row is dropped or repeated within an epoch (a batch larger
+    than the dataset spans several epochs). ``state_dict()`` / ``load_state_dict()`` store the
+    (epoch, position) cursor, so a resumed run draws exactly the batches the original run would have.
+
+    Args:
+        dataset: a ``datasets.Dataset`` or any sequence whose items are row dicts.
+        batch_size: rows per batch (``rollout.rollout_batch_size``).
+        seed: the recipe seed.
+    """
+
+    def __init__(self, dataset: Sequence[Any], batch_size: int, seed: int = 0) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if len(dataset) == 0:
+            raise ValueError("PromptSampler needs a non-empty dataset")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.seed = int(seed)
+        self.num_rows = len(dataset)
+        self.epoch = 0
+        self.position = 0  # rows of the current epoch already handed out
+        self._order_epoch = -1
+        self._order: list[int] = []
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        """The row indices of ``epoch`` in visiting order (a permutation of range(num_rows))."""
+        if epoch != self._order_epoch:
+            order = list(range(self.num_rows))
+            random.Random(f"moerl-sampler:{self.seed}:{epoch}").shuffle(order)
+            self._order, self._order_epoch = order, epoch
+        return self._order
+
+    def next_indices(self) -> list[int]:
+        """Row indices of the next batch (length batch_size) and advance the cursor."""
+        out: list[int] = []
+        while len(out) < self.batch_size:
+            order = self.epoch_order(self.epoch)
+            take = min(self.batch_size - len(out), self.num_rows - self.position)
+            out.extend(order[self.position : self.position + take])
+            self.position += take
+            if self.position == self.num_rows:
+                self.epoch += 1
+                self.position = 0
+        return out
+
+    def next_batch(self) -> list[dict[str, Any]]:
+        """The next batch as a list of row dicts (e.g. ``{"prompt": "123+456=", "label": "579"}``)."""
+        return [self.dataset[i] for i in self.next_indices()]
+
+    def __iter__(self) -> Iterator[list[dict[str, Any]]]:
+        return self
+
+    def __next__(self) -> list[dict[str, Any]]:
+        return self.next_batch()
+
+    def state_dict(self) -> dict[str, int]:
+        """``{"epoch", "position", "seed", "num_rows"}`` (JSON-safe ints)."""
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_rows": self.num_rows}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore the cursor saved by :meth:`state_dict`.
+
+        Raises:
+            ValueError: a missing entry, a position outside [0, num_rows), or a state saved with a
+                different seed or dataset size (the order would not match the original run).
+        """
+        missing = {"epoch", "position", "seed", "num_rows"} - set(state)
+        if missing:
+            raise ValueError(f"sampler state lacks {sorted(missing)}")
+        if int(state["seed"]) != self.seed or int(state["num_rows"]) != self.num_rows:
+            raise ValueError(
+                f"sampler state was saved with seed={state['seed']}, num_rows={state['num_rows']} but this "
+                f"sampler has seed={self.seed}, num_rows={self.num_rows}; resume with the same seed and data"
+            )
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position < self.num_rows:
+            raise ValueError(f"sampler state has epoch={epoch}, position={position} outside the dataset")
+        self.epoch, self.position = epoch, position

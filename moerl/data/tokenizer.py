@@ -1,0 +1,172 @@
+"""moerl's offline byte-level tokenizer and the prompt/response encoding helpers.
+
+The tokenizer is built with the Hugging Face ``tokenizers`` library (no download): a BPE model whose
+vocabulary is exactly the 256 byte symbols of the GPT-2 byte-to-unicode map and no merges, so token
+id == byte value (``"0"`` -> 48, ``"+"`` -> 43) and every digit is its own token. Four special tokens
+follow at ids 256..259: ``<|pad|>``, ``<|endoftext|>`` (eos), ``<|user|>``, ``<|assistant|>``. It is
+saved as ``tokenizer.json`` + ``tokenizer_config.json`` (with the chat template inside), so
+``transformers.AutoTokenizer``, SGLang and moerl's reference server all load it from the directory.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import shutil
+import tempfile
+from typing import Optional
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+PAD_TOKEN = "<|pad|>"
+EOS_TOKEN = "<|endoftext|>"
+USER_TOKEN = "<|user|>"
+ASSISTANT_TOKEN = "<|assistant|>"
+SPECIAL_TOKENS = (PAD_TOKEN, EOS_TOKEN, USER_TOKEN, ASSISTANT_TOKEN)
+
+# One user turn -> "<|user|>{content}"; an assistant turn -> "<|assistant|>{content}<|endoftext|>";
+# add_generation_prompt appends "<|assistant|>". Other roles are rejected.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}" + USER_TOKEN + "{{ message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}" + ASSISTANT_TOKEN + "{{ message['content'] }}" + EOS_TOKEN +
+    "{% else %}{{ raise_exception('unsupported chat role: ' + message['role']) }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}" + ASSISTANT_TOKEN + "{% endif %}"
+)
+
+_SAVED_FILES = ("tokenizer.json", "tokenizer_config.json")
+_TOKENIZER_CONFIG = {
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    "eos_token": EOS_TOKEN,
+    "pad_token": PAD_TOKEN,
+    "additional_special_tokens": [USER_TOKEN, ASSISTANT_TOKEN],
+    "chat_template": CHAT_TEMPLATE,
+    "clean_up_tokenization_spaces": False,
+}
+
+
+def byte_to_unicode() -> dict[int, str]:
+    """The reversible byte -> printable-unicode map of GPT-2's byte-level BPE (used by
+    ``tokenizers.pre_tokenizers.ByteLevel``): printable Latin-1 bytes map to themselves, the other 68
+    bytes to code points 256, 257, ... in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    table: dict[int, str] = {}
+    extra = 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _make_fast_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {ch: b for b, ch in byte_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        extra_special_tokens=[USER_TOKEN, ASSISTANT_TOKEN],
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def build_tokenizer(out_dir: str | os.PathLike) -> PreTrainedTokenizerFast:
+    """Build moerl's byte-level tokenizer, save it to ``out_dir`` and return it loaded from there.
+
+    Vocabulary: 256 byte tokens (id == byte value) + ``<|pad|>`` 256, ``<|endoftext|>`` 257 (eos),
+    ``<|user|>`` 258, ``<|assistant|>`` 259; ``len(tokenizer) == 260``. Deterministic: building
+    twice gives identical files, and files already identical on disk are left untouched (files are
+    written to a temp dir and moved in with ``os.replace``, so concurrent builders do not corrupt them).
+    """
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    tok = _make_fast_tokenizer()
+    tmp = tempfile.mkdtemp(prefix=".tok-", dir=out_dir)
+    try:
+        tok.save_pretrained(tmp, save_jinja_files=False)
+        # Portable tokenizer_config.json: the class and key names transformers 4.x and 5.x (and SGLang)
+        # both read; save_pretrained of transformers 5 writes v5-only names ("TokenizersBackend").
+        with open(os.path.join(tmp, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump(_TOKENIZER_CONFIG, f, indent=2, ensure_ascii=False)
+            f.write("\n")
+        for name in _SAVED_FILES:
+            src, dst = os.path.join(tmp, name), os.path.join(out_dir, name)
+            if not (os.path.isfile(dst) and filecmp.cmp(src, dst, shallow=False)):
+                os.replace(src, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return load_tokenizer(out_dir)
+
+
+def load_tokenizer(path: str | os.PathLike, recipe_key: str = "data.tokenizer_path") -> PreTrainedTokenizerBase:
+    """Load a tokenizer directory (moerl's or any HF tokenizer with a chat template and an eos token).
+
+    Raises:
+        ValueError: ``path`` is not a directory holding a tokenizer, or the tokenizer lacks an eos
+            token or a chat template (the message names ``recipe_key``).
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"tokenizer directory not found: {path} ({recipe_key}); set it to a HF tokenizer dir or null")
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - re-raised with the recipe key
+        raise ValueError(f"cannot load a tokenizer from {path} ({recipe_key}): {e}") from e
+    if tok.eos_token_id is None:
+        raise ValueError(f"tokenizer at {path} ({recipe_key}) has no eos token; responses could never stop")
+    if not getattr(tok, "chat_template", None):
+        raise ValueError(f"tokenizer at {path} ({recipe_key}) has no chat_template; add one to tokenizer_config.json")
+    return tok
+
+
+def tokenizer_from_config(tokenizer_path: Optional[str], run_dir: str | os.PathLike) -> PreTrainedTokenizerBase:
+    """``data.tokenizer_path`` -> tokenizer: None builds moerl's tokenizer into ``<run_dir>/tokenizer``."""
+    if tokenizer_path is None:
+        return build_tokenizer(os.path.join(os.fspath(run_dir), "tokenizer"))
+    return load_tokenizer(tokenizer_path)
+
+
+def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt_text: str) -> str:
+    """The prompt as a single user turn plus the generation prompt, as text (e.g. ``"<|user|>1+2=<|assistant|>"``)."""
+    if not isinstance(prompt_text, str):
+        raise TypeError(f"prompt_text must be a str, got {type(prompt_text).__name__}")
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt_text}], add_generation_prompt=True, tokenize=False
+    )
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt_text: str) -> list[int]:
+    """Token ids of the chat-templated prompt with the generation prompt (what the policy continues).
+
+    With moerl's tokenizer ``"123+456="`` -> ``[258, 49, 50, 51, 43, 52, 53, 54, 61, 259]``.
+    No bos/eos is added beyond what the template writes.
+    """
+    return tokenizer.encode(render_prompt(tokenizer, prompt_text), add_special_tokens=False)
+
+
+def encode_sft_example(
+    tokenizer: PreTrainedTokenizerBase, prompt_text: str, response_text: str
+) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask) of prompt + gold response + eos for supervised warm start.
+
+    ids = encode_prompt(prompt) + ids(response) + [eos]; the mask is 0 on prompt tokens and 1 on the
+    response and eos tokens (both lists have the same length).
+    """
+    prompt_ids = encode_prompt(tokenizer, prompt_text)
+    response_ids = tokenizer.encode(response_text, add_special_tokens=False) + [tokenizer.eos_token_id]
+    return prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)
+
+
+def decode_response(tokenizer: PreTrainedTokenizerBase, response_ids: list[int]) -> str:
+    """Response text with special tokens (eos, pad, role markers) removed, as the verifiers expect."""
+    return tokenizer.decode(list(response_ids), skip_special_tokens=True)

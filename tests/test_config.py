@@ -1,0 +1,306 @@
+"""Recipe schema, YAML loading, overrides and validation errors (moerl/config)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moerl.config import ConfigError, RecipeConfig, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "tiny_arith.yaml"
+
+# The recipe as specified for the tiny arithmetic demo (written out by hand, not from the schema).
+EXPECTED_TINY = {
+    "seed": 1234,
+    "output_dir": "runs/tiny_arith",
+    "model": {
+        "hf_config": {
+            "num_hidden_layers": 3, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+            "intermediate_size": 256, "max_position_embeddings": 64, "rope_theta": 10000.0,
+            "rms_norm_eps": 1.0e-6, "norm_topk_prob": True, "tie_word_embeddings": True, "vocab_size": None,
+        },
+        "init_from": None,
+        "params_dtype": "float32",
+    },
+    "parallel": {"tp_size": 1, "pp_size": 1, "ep_size": 1},
+    "data": {
+        "task": "arithmetic", "train_path": None, "eval_path": None, "prompt_key": "prompt", "label_key": "label",
+        "num_train": 20000, "num_eval": 300, "digits": 3, "tokenizer_path": None, "reward": "arithmetic",
+    },
+    "rollout": {
+        "num_servers": 2, "threads_per_server": 1, "host": "127.0.0.1", "base_port": 30000, "router_port": 29000,
+        "router_policy": "round_robin", "n_samples_per_prompt": 8, "rollout_batch_size": 16, "temperature": 1.0,
+        "top_p": 1.0, "top_k": -1, "max_new_tokens": 8, "request_timeout_s": 60.0, "max_retries": 2,
+        "startup_timeout_s": 120.0, "weight_sync": "disk",
+    },
+    "algorithm": {
+        "advantage_estimator": "grpo", "policy_loss": "gspo", "loss_agg_mode": "seq-mean-token-mean",
+        "eps_clip_low": 3.0e-4, "eps_clip_high": 4.0e-4, "kl_coef": 0.0, "kl_estimator": "k3",
+        "filter_uniform_groups": True, "moe_aux_loss_coeff": 1.0e-3, "moe_load_balancing_type": "aux_loss",
+    },
+    "train": {
+        "num_steps": 60, "global_batch_size": 128, "micro_batch_size": 32, "lr": 1.0e-4, "weight_decay": 0.0,
+        "adam_beta1": 0.9, "adam_beta2": 0.999, "clip_grad": 1.0, "num_threads": 2, "save_every": 0,
+    },
+    "sft": {
+        "enabled": True, "lr": 1.0e-3, "global_batch_size": 128, "micro_batch_size": 128, "max_steps": 3000,
+        "eval_every": 50, "eval_prompts": 100, "target_accuracy": 0.3,
+    },
+    "eval": {"num_prompts": 300, "every_steps": 10},
+    "log": {"tensorboard": True, "wandb_project": None, "log_every": 1},
+}
+
+
+def _write(tmp_path: Path, text: str, name: str = "r.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def _err(overrides, path=TINY) -> str:
+    with pytest.raises(ConfigError) as ei:
+        load_config(path, overrides)
+    return str(ei.value)
+
+
+# ----------------------------------------------------------------------------- loading
+def test_tiny_recipe_matches_spec_and_schema_defaults():
+    cfg = load_config(TINY)
+    assert cfg.to_dict() == EXPECTED_TINY
+    assert cfg == RecipeConfig()  # schema defaults are the tiny recipe
+    assert cfg.rollout.n_samples_per_prompt == 8 and cfg.model.hf_config.num_experts == 8
+
+
+def test_yaml_dump_round_trips(tmp_path):
+    cfg = load_config(TINY, ["rollout.temperature=0.7", "model.init_from=/ckpt/x", "data.digits=4"])
+    assert yaml.safe_load(cfg.to_yaml()) == cfg.to_dict()
+    out = tmp_path / "recipe.yaml"
+    cfg.save(str(out))
+    again = load_config(out)
+    assert again == cfg
+    assert again.rollout.temperature == 0.7 and again.model.init_from == "/ckpt/x" and again.data.digits == 4
+
+
+def test_overrides_parse_yaml_values_and_apply_in_order():
+    cfg = load_config(
+        TINY,
+        [
+            "rollout.n_samples_per_prompt=4",  # int
+            "train.lr=1e-5",  # YAML-1.2 float without a dot
+            "model.init_from=null",
+            "log.wandb_project=my proj",
+            "algorithm.filter_uniform_groups=false",
+            "train.num_steps=5",
+            "train.num_steps=7",  # last one wins
+            "rollout.rollout_batch_size=32",
+        ],
+    )
+    assert cfg.rollout.n_samples_per_prompt == 4 and isinstance(cfg.rollout.n_samples_per_prompt, int)
+    assert cfg.train.lr == pytest.approx(1e-5)
+    assert cfg.model.init_from is None
+    assert cfg.log.wandb_project == "my proj"
+    assert cfg.algorithm.filter_uniform_groups is False
+    assert cfg.train.num_steps == 7
+
+
+def test_float_without_dot_in_yaml_file(tmp_path):
+    p = _write(tmp_path, "train:\n  lr: 3e-5\nalgorithm:\n  eps_clip_low: 2E-4\n")
+    cfg = load_config(p)
+    assert cfg.train.lr == pytest.approx(3e-5) and cfg.algorithm.eps_clip_low == pytest.approx(2e-4)
+
+
+def test_partial_recipe_takes_defaults(tmp_path):
+    cfg = load_config(_write(tmp_path, "seed: 7\n"))
+    assert cfg.seed == 7 and cfg.train.num_steps == 60
+    assert load_config(_write(tmp_path, "", "empty.yaml")) == RecipeConfig()
+
+
+def test_config_is_frozen():
+    cfg = load_config(TINY)
+    with pytest.raises(Exception):
+        cfg.seed = 1  # type: ignore[misc]
+    with pytest.raises(Exception):
+        cfg.rollout.temperature = 0.5  # type: ignore[misc]
+
+
+# ----------------------------------------------------------------------------- errors
+@pytest.mark.parametrize(
+    "override,key,suggestion",
+    [
+        ("rollout.n_sample_per_prompt=8", "rollout.n_sample_per_prompt", "rollout.n_samples_per_prompt"),
+        ("model.hf_config.num_expert=4", "model.hf_config.num_expert", "model.hf_config.num_experts"),
+        ("trian.lr=1.0", "trian", "train"),
+    ],
+)
+def test_unknown_key_did_you_mean(override, key, suggestion):
+    msg = _err([override])
+    assert f"unknown key '{key}'" in msg and f"did you mean '{suggestion}'" in msg
+
+
+def test_unknown_key_in_file_without_close_match_lists_valid_keys(tmp_path):
+    msg = _err([], _write(tmp_path, "rollout:\n  zzzz: 1\n"))
+    assert "unknown key 'rollout.zzzz'" in msg and "n_samples_per_prompt" in msg
+
+
+@pytest.mark.parametrize(
+    "override,fragment",
+    [
+        ("rollout.n_samples_per_prompt=eight", "rollout.n_samples_per_prompt: Input should be a valid integer"),
+        ("train.num_steps=true", "train.num_steps: Input should be a valid integer"),
+        ("train.num_steps=2.5", "train.num_steps"),
+        ("data.label_key=5", "data.label_key: Input should be a valid string"),
+        ("log.tensorboard=maybe", "log.tensorboard"),
+        ("algorithm.policy_loss=grpo", "algorithm.policy_loss: Input should be 'gspo' or 'ppo'"),
+        ("rollout=3", "rollout: Input should be a valid dictionary"),
+        ("train.micro_batch_size=0", "train.micro_batch_size: Input should be greater than or equal to 1"),
+        ("rollout.max_retries=-1", "rollout.max_retries"),
+        ("train.adam_beta2=1.0", "train.adam_beta2"),
+        ("sft.target_accuracy=1.5", "sft.target_accuracy"),
+        ("model.params_dtype=fp32", "model.params_dtype"),
+    ],
+)
+def test_wrong_type_or_range_names_the_key(override, fragment):
+    assert fragment in _err([override])
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="recipe file not found: .*nope.yaml"):
+        load_config("/no/such/dir/nope.yaml")
+
+
+def test_malformed_yaml_reports_line(tmp_path):
+    p = _write(tmp_path, "seed: 1\ntrain:\n  lr: [1, 2\n  num_steps: 3\nlog: {\n")
+    msg = _err([], p)
+    assert "malformed YAML" in msg and str(p) in msg
+    assert "line " in msg
+    line = int(msg.split("line ")[1].split(",")[0])
+    assert 3 <= line <= 5  # the unclosed list opened on line 3
+
+
+def test_malformed_yaml_bad_indent_line(tmp_path):
+    p = _write(tmp_path, "seed: 1\ntrain:\n  lr: 1.0\n num_steps: 3\n")
+    assert "line 4" in _err([], p)
+
+
+def test_top_level_must_be_mapping(tmp_path):
+    assert "mapping" in _err([], _write(tmp_path, "- a\n- b\n"))
+
+
+@pytest.mark.parametrize(
+    "override,fragment",
+    [
+        ("seed", "must look like dotted.key=value"),
+        ("seed.x=1", "'seed' is a value"),
+        ("a..b=1", "empty part"),
+        ("train.lr=[1,", "not valid YAML"),
+    ],
+)
+def test_bad_override_syntax(override, fragment):
+    assert fragment in _err([override])
+
+
+# ----------------------------------------------------------------------------- cross-field rules
+@pytest.mark.parametrize(
+    "overrides,fragment",
+    [
+        (["train.micro_batch_size=48"], "train.global_batch_size (128) must be divisible by train.micro_batch_size (48)"),
+        (["rollout.rollout_batch_size=12"], "rollout.rollout_batch_size * rollout.n_samples_per_prompt (12 * 8 = 96)"),
+        (["sft.micro_batch_size=96"], "sft.global_batch_size (128) must be divisible by sft.micro_batch_size (96)"),
+        (["rollout.base_port=80"], "rollout.base_port (80)"),
+        (["rollout.base_port=65535"], "must lie in 1024..65535"),  # 2 servers need 65535 and 65536
+        (["rollout.router_port=70000"], "rollout.router_port (70000) must lie in 1024..65535"),
+        (["rollout.router_port=30001"], "rollout.router_port (30001) collides with the server ports"),
+        (["rollout.router_port=30000"], "collides"),
+        (["rollout.temperature=0"], "rollout.temperature must be > 0"),
+        (["rollout.top_p=0"], "rollout.top_p must be in (0, 1]"),
+        (["rollout.top_p=1.01"], "rollout.top_p must be in (0, 1]"),
+        (["rollout.top_k=0"], "rollout.top_k"),
+        (["algorithm.eps_clip_low=-0.1"], "algorithm.eps_clip_low"),
+        (["algorithm.eps_clip_high=-1e-4"], "algorithm.eps_clip_high"),
+        (["model.hf_config.num_key_value_heads=3"], "model.hf_config.num_attention_heads (4) must be divisible by model.hf_config.num_key_value_heads (3)"),
+        (["model.hf_config.num_experts_per_tok=9"], "model.hf_config.num_experts_per_tok (9) must be <= model.hf_config.num_experts (8)"),
+        (["data.task=jsonl"], "data.train_path and data.eval_path must be set when data.task is 'jsonl'"),
+        (["data.task=jsonl", "data.train_path=a.jsonl"], "data.eval_path must be set"),
+        (["eval.num_prompts=301"], "eval.num_prompts (301) must be <= data.num_eval (300)"),
+        (["rollout.n_samples_per_prompt=1", "train.global_batch_size=16", "train.micro_batch_size=16"],
+         "rollout.n_samples_per_prompt must be >= 2"),
+        (["rollout.n_samples_per_prompt=1", "train.global_batch_size=16", "train.micro_batch_size=16",
+          "algorithm.advantage_estimator=dr_grpo", "algorithm.filter_uniform_groups=false"],
+         "rollout.n_samples_per_prompt must be >= 2"),
+        (["sft.eval_prompts=200", "eval.num_prompts=150"], "sft.eval_prompts (200) must be <= eval.num_prompts (150)"),
+        (["parallel.ep_size=3"], "parallel.ep_size (3) must divide model.hf_config.num_experts (8)"),
+        (["data.digits=1", "data.num_train=90", "data.num_eval=20", "eval.num_prompts=20", "sft.eval_prompts=20"],
+         "exceeds the 100 distinct 1-digit"),
+        (["rollout.max_new_tokens=4"], "rollout.max_new_tokens (4) must be >= data.digits + 2 (5)"),
+        (["data.reward=exact_match"], "data.reward 'exact_match' is not a registered reward function"),
+        (["rollout.max_new_tokens=64"], "must be < model.hf_config.max_position_embeddings (64)"),
+    ],
+)
+def test_cross_field_rules(overrides, fragment):
+    assert fragment in _err(overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["rollout.top_p=1.0", "rollout.top_k=1"],
+        ["rollout.router_port=30002"],  # just past the last server port
+        ["rollout.router_port=29999"],  # just before the first
+        ["rollout.base_port=65534"],  # 2 servers: 65534, 65535
+        ["algorithm.eps_clip_low=0", "algorithm.eps_clip_high=0"],
+        ["eval.num_prompts=300", "sft.eval_prompts=300"],
+        ["rollout.n_samples_per_prompt=2", "rollout.rollout_batch_size=64"],
+        ["data.task=jsonl", "data.train_path=a.jsonl", "data.eval_path=b.jsonl", "eval.num_prompts=1000", "sft.eval_prompts=100"],
+        ["rollout.max_new_tokens=5"],
+        ["parallel.ep_size=8"],
+    ],
+)
+def test_boundary_values_are_accepted(overrides):
+    load_config(TINY, overrides)
+
+
+# ----------------------------------------------------------------------------- world size
+def test_check_world_size_returns_dp_size():
+    cfg = load_config(TINY)
+    assert cfg.check_world_size(1) == 1
+    cfg = load_config(TINY, ["sft.micro_batch_size=32", "parallel.ep_size=4"])
+    assert cfg.check_world_size(4) == 4  # 128 % (32 * 4) == 0, ep 4 divides dp*tp = 4
+
+
+@pytest.mark.parametrize(
+    "overrides,world,fragment",
+    [
+        ([], 2, "sft.global_batch_size (128) must be divisible by sft.micro_batch_size * dp_size (128 * 2)"),
+        (["sft.micro_batch_size=32"], 8, "train.global_batch_size (128) must be divisible by train.micro_batch_size * dp_size (32 * 8)"),
+        (["parallel.ep_size=2"], 1, "parallel.ep_size (2) must divide dp_size * parallel.tp_size (1 * 1)"),
+        (["parallel.tp_size=2"], 3, "world_size (3) must be divisible by parallel.tp_size * parallel.pp_size (2 * 1 = 2)"),
+        (["parallel.pp_size=2", "parallel.tp_size=2"], 6, "(2 * 2 = 4)"),
+        (["parallel.tp_size=2"], 2, "parallel.tp_size = 2 is not yet supported"),
+        (["parallel.pp_size=2"], 2, "parallel.pp_size = 2 is not yet supported"),
+        ([], 0, "world_size must be a positive int"),
+    ],
+)
+def test_check_world_size_errors(overrides, world, fragment):
+    cfg = load_config(TINY, overrides)
+    with pytest.raises(ConfigError) as ei:
+        cfg.check_world_size(world)
+    assert fragment in str(ei.value)
+
+
+def test_resolve_vocab_size():
+    hf = load_config(TINY).model.hf_config
+    assert [hf.resolve_vocab_size(n) for n in (1, 64, 65, 256, 260)] == [64, 64, 128, 256, 320]
+    hf300 = load_config(TINY, ["model.hf_config.vocab_size=300"]).model.hf_config
+    assert hf300.resolve_vocab_size(260) == 300
+    with pytest.raises(ValueError, match="model.hf_config.vocab_size"):
+        hf300.resolve_vocab_size(400)
+
+
+def test_repo_configs_all_load():
+    for p in sorted((REPO / "configs").glob("*.yaml")):
+        assert isinstance(load_config(p), RecipeConfig), os.fspath(p)
