@@ -1,0 +1,204 @@
+"""Megatron-Core distributed checkpoints (torch_dist format) for model + optimizer, atomic.
+
+The checkpoint is written by all ranks into ``<path>.tmp`` (a name every rank agrees on without
+communication), then rank 0 renames it to ``path`` after a barrier. A crash mid-save leaves at
+most a stale ``.tmp`` directory; ``path`` is either the old or the new checkpoint (a crash
+between rank 0's two renames leaves the old one at ``<path>.old``).
+
+Model weights in torch_dist reshard on load: a checkpoint saved at one TP/EP/PP layout loads into
+another (shared design CPU_MEGATRON.md). The distributed optimizer's state is saved in its
+``dp_reshardable`` format (reshards across data parallelism only; megatron-core 0.16.1's
+``fully_reshardable`` gathers with ``.cuda()`` and ``fully_sharded_model_space`` is rejected by
+dist_checkpointing), so after a TP/EP/PP change load with ``optimizer=None``. The saver may use
+multiprocessing (spawn): scripts calling it need an ``if __name__ == "__main__":`` guard; it also
+needs ``psutil``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["save_dist_checkpoint", "load_dist_checkpoint", "unwrap_model"]
+
+SHARDED_STRATEGY = ("torch_dist", 1)
+_OPTIM_SHARDING_TYPE = "dp_reshardable"
+_EXTRA_KEY = "moerl_extra"
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Strip Megatron DDP / Float16Module wrappers (their ``.module`` attribute)."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+def _metadata() -> dict:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "distrib_optim_sharding_type": _OPTIM_SHARDING_TYPE,
+        "chained_optim_avoid_prefix": True,
+        "singleton_local_shards": False,
+        "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True),
+    }
+
+
+def _ensure_optimizer_state(optimizer) -> None:
+    """Give a fresh (never stepped) torch Adam inside a Megatron optimizer zero-valued state.
+
+    megatron-core 0.16.1 without Apex/TE reads ``state["step"]`` of every parameter in
+    ``DistributedOptimizer.state_dict()`` (called by ``sharded_state_dict(is_loading=True)``) and
+    asserts there is exactly one value, so loading into a fresh optimizer fails. The zeros are
+    overwritten by the checkpoint's values; parameters are not touched.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(opt, "optimizer", None)
+        init_state_fn = getattr(opt, "init_state_fn", None)
+        if inner is None or init_state_fn is None:
+            continue
+        if any(len(inner.state[p]) == 0 for g in inner.param_groups for p in g["params"]):
+            init_state_fn(inner, getattr(opt, "config", None))
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    inner.state[p].setdefault("step", torch.tensor(0.0))
+
+
+def _restore_torch_adam_steps(optimizer) -> None:
+    """Set every parameter's torch-Adam ``step`` from its param group after a load.
+
+    megatron-core 0.16.1 (torch optimizer path, i.e. no Apex/TE) saves the step in the param
+    groups, but its dp_reshardable loader then copies the *pre-load* per-parameter step over it,
+    and gives all parameters one shared step tensor (which torch Adam would increment once per
+    parameter). Each parameter gets its own tensor holding the checkpoint's step.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            continue
+        for group in inner.param_groups:
+            if "step" not in group or group["step"] is None:
+                continue
+            for p in group["params"]:
+                if "step" in inner.state[p]:
+                    inner.state[p]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+
+
+def _sharded_state_dict(model, optimizer, is_loading: bool) -> dict:
+    if is_loading and optimizer is not None:
+        _ensure_optimizer_state(optimizer)
+    metadata = _metadata()
+    model_sd = unwrap_model(model).sharded_state_dict(metadata=metadata)
+    state = {"model": model_sd}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
+    return state
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def save_dist_checkpoint(model, optimizer, path: Union[str, os.PathLike], extra: Optional[dict] = None) -> Path:
+    """Save model (and optimizer) state with megatron.core.dist_checkpointing, torch_dist format.
+
+    Collective: every rank of the job must call it with the same ``path``.
+
+    Args:
+        model: the Megatron GPTModel, possibly wrapped in Megatron DDP.
+        optimizer: a MegatronOptimizer from get_megatron_optimizer, or None (model only).
+        path: checkpoint directory on a file system all ranks share; replaced if it exists.
+        extra: picklable, rank-independent values (step, weight_version, data-loader position,
+            RNG seeds...) stored in the checkpoint's common state; returned by
+            ``load_dist_checkpoint``.
+
+    Returns:
+        Path of the checkpoint directory.
+
+    Raises:
+        TypeError: ``extra`` is not a dict.
+    """
+    from megatron.core import dist_checkpointing
+
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(f"extra must be a dict, got {type(extra).__name__}")
+    path = Path(path).absolute()
+    tmp = path.with_name(path.name + ".tmp")
+    if _rank() == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    _barrier()
+    state = _sharded_state_dict(model, optimizer, is_loading=False)
+    state[_EXTRA_KEY] = dict(extra or {})
+    dist_checkpointing.save(
+        state,
+        str(tmp),
+        sharded_strategy=SHARDED_STRATEGY,
+        content_metadata={"moerl_optim_sharding_type": _OPTIM_SHARDING_TYPE, "has_optimizer": optimizer is not None},
+    )
+    _barrier()
+    if _rank() == 0:
+        old = path.with_name(path.name + ".old")
+        if old.exists():
+            shutil.rmtree(old)
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if old.exists():
+            shutil.rmtree(old)
+    _barrier()
+    return path
+
+
+def load_dist_checkpoint(model, optimizer, path: Union[str, os.PathLike]) -> dict[str, Any]:
+    """Load a checkpoint written by ``save_dist_checkpoint`` into ``model`` (and ``optimizer``).
+
+    Collective. The current TP/EP/PP layout may differ from the saving one (torch_dist reshards).
+    Model parameters are loaded strictly (every parameter must be in the checkpoint).
+
+    Args:
+        model: a freshly built (or trained) GPTModel, possibly DDP-wrapped, same architecture.
+        optimizer: the MegatronOptimizer to restore, or None to load the model only.
+        path: checkpoint directory.
+
+    Returns:
+        the ``extra`` dict given at save time.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a directory.
+        ValueError: an optimizer is requested but the checkpoint has none.
+    """
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no checkpoint directory at {path}")
+    content = dist_checkpointing.load_content_metadata(str(path)) or {}
+    if optimizer is not None and not content.get("has_optimizer", True):
+        raise ValueError(f"checkpoint {path} has no optimizer state; pass optimizer=None")
+    state = _sharded_state_dict(model, optimizer, is_loading=True)
+    loaded = dist_checkpointing.load(state, str(path), sharded_strategy=SHARDED_STRATEGY)
+    unwrap_model(model).load_state_dict(loaded["model"], strict=True)
+    if optimizer is not None:
+        # no_grad: with fp32 params the distributed optimizer's main params are views of the
+        # model params, and 0.16.1 copies into them in place.
+        with torch.no_grad():
+            optimizer.load_state_dict(loaded["optimizer"])
+        _restore_torch_adam_steps(optimizer)
+    return dict(loaded.get(_EXTRA_KEY, {}))

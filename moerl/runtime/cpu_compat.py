@@ -1,0 +1,511 @@
+"""CPU compatibility layer for megatron-core 0.16.1 (gloo, no CUDA, no Transformer Engine, no Apex).
+
+megatron-core assumes CUDA in a handful of places. ``apply_cpu_patches()`` installs one small,
+named, reversible patch per measured breakage (shared design CPU_MEGATRON.md, "What breaks"):
+
+======================================  =====  ==============================================
+patch name                              item   error it removes
+======================================  =====  ==============================================
+``rng_tracker``                         1      model_parallel_cuda_manual_seed -> "Torch not
+                                               compiled with CUDA enabled"
+``current_device``                      2      torch.cuda.current_device() -> same error
+``te_general_gemm``                     3      NameError: name 'te_general_gemm' is not defined
+``alltoall_streams``                    4      "torch.cuda.Stream requires CUDA support"
+``cuda_factories``                      5      torch.zeros(..., device="cuda") in schedules and
+                                               the default causal mask -> CUDA error
+``torch_norm_sequence_parallel``        7      AssertionError "sequence parallel not supported
+                                               by torch LayerNorm"
+``optimizer_cuda_checks``               8      clip_grad / distributed optimizer asserting
+                                               'torch.cuda.FloatTensor' and allocating on "cuda"
+``cuda_synchronize``                    new    dist_checkpointing torch_dist save ->
+                                               torch.cuda.synchronize() CUDA error
+======================================  =====  ==============================================
+
+Item 9 (TorchInductor compiling the jit fusers, ~25 s cold) is handled by setting
+``TORCHDYNAMO_DISABLE=1``; its dropout RNG warning is filtered by ``rng_tracker``. Item 6
+(``add_bias_linear=True``) is avoided by the model builder (moerl.models.qwen3_moe sets
+``add_bias_linear=False``).
+
+The whole layer is a no-op when ``torch.cuda.is_available()``. Every patch records the attribute
+it replaced so that tests can temporarily undo one patch with ``without_patch(name)`` and show the
+original error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+__all__ = [
+    "PATCH_NAMES",
+    "apply_cpu_patches",
+    "applied_patches",
+    "cuda_type_names",
+    "patch_missing_te_general_gemm",
+    "without_patch",
+]
+
+_LOCK = threading.RLock()
+_MISSING = object()
+
+
+@dataclass
+class _Patch:
+    """Book-keeping for one applied patch: the (owner, attribute, original, replacement) swaps."""
+
+    name: str
+    swaps: list[tuple[Any, str, Any, Any]] = field(default_factory=list)
+
+    def set(self, owner: Any, attr: str, value: Any) -> None:
+        # Only an attribute defined on the owner itself is restored; an inherited one is deleted.
+        original = vars(owner).get(attr, _MISSING)
+        self.swaps.append((owner, attr, original, value))
+        setattr(owner, attr, value)
+
+    def undo(self) -> None:
+        for owner, attr, original, _ in reversed(self.swaps):
+            if original is _MISSING:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, original)
+
+    def redo(self) -> None:
+        for owner, attr, _, value in self.swaps:
+            setattr(owner, attr, value)
+
+
+_APPLIED: dict[str, _Patch] = {}
+
+
+def _cuda_is_absent() -> bool:
+    return not torch.cuda.is_available()
+
+
+# --------------------------------------------------------------------------------------------
+# 1. RNG tracker
+# --------------------------------------------------------------------------------------------
+
+
+def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False):
+    """CPU stand-in for megatron's ``_get_cuda_rng_state``: the global CPU generator's state."""
+    del device, clone, graph_safe
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False):
+    """CPU stand-in for megatron's ``_set_cuda_rng_state``: set the global CPU generator."""
+    del device, graph_safe
+    torch.set_rng_state(new_state)
+
+
+def _cpu_tracker_add(self, name: str, seed: int) -> None:
+    """CPU version of ``CudaRNGStatesTracker.add``: a CPU generator state seeded with ``seed``.
+
+    Same duplicate-seed / duplicate-name checks as upstream; the global CPU RNG is not touched.
+    """
+    self._is_initialized = True
+    if seed in self.seeds_:
+        raise Exception(f"seed {seed} already exists")
+    self.seeds_.add(seed)
+    if name in self.states_:
+        raise Exception(f"cuda rng state {name} already exists")
+    self.states_[name] = torch.Generator().manual_seed(int(seed)).get_state()
+
+
+class _DropCpuRngChangedWarning(logging.Filter):
+    """The tracker's fork() warns 'CPU RNG state changed within GPU RNG context' whenever dropout
+    runs inside it. On CPU the tracked state *is* the CPU generator, so the warning is noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:  # noqa: A003 - logging API name
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+_RNG_FILTER = _DropCpuRngChangedWarning()
+
+
+def patch_rng_tracker(p: _Patch) -> None:
+    """Item 1: ``tensor_parallel.model_parallel_cuda_manual_seed`` raises
+    ``AssertionError: Torch not compiled with CUDA enabled`` (from ``torch.cuda.get_rng_state`` in
+    ``CudaRNGStatesTracker.add``).
+
+    Fix: the tracker's named states become CPU generator states seeded with upstream's offsets
+    (data-parallel ``seed``, model-parallel ``seed + 2718 + tp_rank``, expert-parallel
+    ``seed + 1024 + 100 * ep_rank + etp_rank``; the offsets are computed by the unchanged upstream
+    ``model_parallel_cuda_manual_seed``), and the tracker's get/set state helpers (used by
+    ``fork()`` and by activation recompute) read and write the global CPU generator.
+    """
+    from megatron.core.tensor_parallel import random as mrandom
+
+    p.set(mrandom, "_get_cuda_rng_state", _cpu_get_rng_state)
+    p.set(mrandom, "_set_cuda_rng_state", _cpu_set_rng_state)
+    p.set(mrandom.CudaRNGStatesTracker, "add", _cpu_tracker_add)
+    logger = logging.getLogger(mrandom.__name__)
+    if _RNG_FILTER not in logger.filters:
+        logger.addFilter(_RNG_FILTER)
+
+
+# --------------------------------------------------------------------------------------------
+# 2. torch.cuda.current_device()
+# --------------------------------------------------------------------------------------------
+
+
+def patch_current_device(p: _Patch) -> None:
+    """Item 2: ``torch.cuda.current_device()`` raises ``AssertionError: Torch not compiled with
+    CUDA enabled``; megatron-core uses its result as a device (layers' weights with
+    use_cpu_initialization, the router, rotary embeddings, TP mappings, DDP buffers, ...).
+
+    Fix: while CUDA is absent, ``torch.cuda.current_device()`` returns ``"cpu"``.
+    """
+    original = torch.cuda.current_device
+
+    @functools.wraps(original)
+    def current_device():
+        if torch.cuda.is_available():
+            return original()
+        return "cpu"
+
+    p.set(torch.cuda, "current_device", current_device)
+
+
+def patch_cuda_synchronize(p: _Patch) -> None:
+    """Found here (not in CPU_MEGATRON.md's list): dist_checkpointing's torch_dist saver preloads
+    tensors to host with ``non_blocking=True`` and then calls ``torch.cuda.synchronize()``
+    (filesystem_async.preload_tensors) -> ``AssertionError: Torch not compiled with CUDA
+    enabled``; the cached-plan check in state_dict_saver allocates on ``device='cuda'``.
+
+    Fix: while CUDA is absent, ``torch.cuda.synchronize()`` is a no-op (there is no device queue
+    to wait for), and CUDA factory calls in state_dict_saver allocate on CPU.
+    """
+    from megatron.core.dist_checkpointing.strategies import state_dict_saver
+
+    original = torch.cuda.synchronize
+
+    @functools.wraps(original)
+    def synchronize(device=None):
+        if torch.cuda.is_available():
+            return original(device)
+        return None
+
+    p.set(torch.cuda, "synchronize", synchronize)
+    _redirect_cuda_factories(p, state_dict_saver)
+
+
+# --------------------------------------------------------------------------------------------
+# 3. te_general_gemm
+# --------------------------------------------------------------------------------------------
+
+
+def patch_te_general_gemm(p: _Patch) -> None:
+    """Item 3 (megatron-core 0.16.1 only): ``moe_utils.RouterGatingLinearFunction`` (used when
+    ``moe_router_dtype`` is set) reads ``te_general_gemm``, which is only defined when Transformer
+    Engine imports -> ``NameError: name 'te_general_gemm' is not defined`` (also on a GPU without
+    TE).
+
+    Fix: define ``moe_utils.te_general_gemm = None`` so the torch.mm fallback runs.
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if "te_general_gemm" not in moe_utils.__dict__:
+        p.set(moe_utils, "te_general_gemm", None)
+
+
+def patch_missing_te_general_gemm() -> None:
+    """Apply patch 3 alone (safe on GPU too: it only defines the name when TE is absent)."""
+    _apply("te_general_gemm", patch_te_general_gemm)
+
+
+# --------------------------------------------------------------------------------------------
+# 4. alltoall dispatcher CUDA streams
+# --------------------------------------------------------------------------------------------
+
+
+class _NoStream:
+    """Placeholder for MoEAlltoAllTokenDispatcher.cuda_dtoh_stream on CPU (never used)."""
+
+    def __repr__(self) -> str:
+        return "<cpu: no device-to-host stream>"
+
+
+def _cpu_maybe_dtoh_and_synchronize(self, point: str, tokens_per_expert=None):
+    """CPU version of ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize``: every tensor is
+    already on the host, so there is nothing to copy and nothing to synchronise."""
+    del self, point
+    return tokens_per_expert
+
+
+def patch_alltoall_streams(p: _Patch) -> None:
+    """Item 4: ``MoEAlltoAllTokenDispatcher.__init__`` creates ``torch.cuda.Stream()`` ->
+    ``RuntimeError: torch.cuda.Stream requires CUDA support``; its device-to-host sync uses
+    ``torch.cuda.current_stream()`` / ``torch.cuda.stream()``.
+
+    Fix: a placeholder class-level stream (so __init__ creates none) and a no-op host sync.
+    The allgather dispatcher needs no fix.
+    """
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as D
+
+    p.set(D, "cuda_dtoh_stream", _NoStream())
+    p.set(D, "_maybe_dtoh_and_synchronize", _cpu_maybe_dtoh_and_synchronize)
+
+
+# --------------------------------------------------------------------------------------------
+# 5 and 8. device="cuda" literals in factory calls
+# --------------------------------------------------------------------------------------------
+
+_FACTORY_NAMES = frozenset(
+    {
+        "tensor",
+        "as_tensor",
+        "zeros",
+        "ones",
+        "empty",
+        "full",
+        "arange",
+        "rand",
+        "randn",
+        "randint",
+        "zeros_like",
+        "ones_like",
+        "empty_like",
+        "full_like",
+    }
+)
+
+
+def _to_cpu_device(device: Any) -> Any:
+    if isinstance(device, torch.device):
+        return torch.device("cpu") if device.type == "cuda" else device
+    if isinstance(device, str) and device.startswith("cuda"):
+        return "cpu"
+    if isinstance(device, int) and not isinstance(device, bool):
+        return "cpu"  # a CUDA device index
+    return device
+
+
+class _CpuFactoryTorch:
+    """Stand-in for the ``torch`` module inside one megatron module: every attribute is torch's,
+    except that tensor factories map a CUDA ``device=`` to CPU and drop ``pin_memory``."""
+
+    def __init__(self, real_torch):
+        object.__setattr__(self, "_real", real_torch)
+        object.__setattr__(self, "_wrapped", {})
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._real, name)
+        if name not in _FACTORY_NAMES:
+            return value
+        wrapped = self._wrapped.get(name)
+        if wrapped is None:
+
+            @functools.wraps(value)
+            def wrapped(*args, **kwargs):
+                if "device" in kwargs:
+                    kwargs["device"] = _to_cpu_device(kwargs["device"])
+                if kwargs.get("pin_memory"):
+                    kwargs["pin_memory"] = False
+                return value(*args, **kwargs)
+
+            self._wrapped[name] = wrapped
+        return wrapped
+
+    def __repr__(self) -> str:
+        return f"<moerl cpu-factory proxy of {self._real!r}>"
+
+
+def _redirect_cuda_factories(p: _Patch, module) -> None:
+    if not isinstance(module.__dict__.get("torch"), _CpuFactoryTorch):
+        p.set(module, "torch", _CpuFactoryTorch(torch))
+
+
+def patch_cuda_factories(p: _Patch) -> None:
+    """Item 5: ``attention_mask=None`` makes the default causal mask with
+    ``torch.ones(sq, sq, device="cuda")`` (transformer/utils.py), and the schedules
+    (no-pipelining and 1F1B) allocate ``torch.zeros([], device="cuda")`` -> ``Torch not compiled
+    with CUDA enabled``. Same literal in the MoE logging tracker and ``broadcast_data``.
+
+    Fix: inside those modules only, tensor factories with a CUDA ``device=`` allocate on CPU.
+    (moerl still passes an explicit causal mask, see ``moerl.models.qwen3_moe.causal_attention_mask``.)
+    """
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.tensor_parallel import data as tp_data
+    from megatron.core.transformer import utils as transformer_utils
+    from megatron.core.transformer.moe import moe_utils
+
+    for module in (schedules, transformer_utils, moe_utils, tp_data):
+        _redirect_cuda_factories(p, module)
+
+
+_CPU_TO_CUDA_TYPE = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+    "torch.DoubleTensor": "torch.cuda.DoubleTensor",
+}
+
+
+@contextlib.contextmanager
+def cuda_type_names() -> Iterator[None]:
+    """Within the block, ``tensor.type()`` (no argument) of a CPU float tensor returns the CUDA
+    type name (e.g. ``'torch.cuda.FloatTensor'``). Only used around the megatron optimizer calls
+    that check type names; ``tensor.type(dtype)`` conversions are untouched."""
+    with _LOCK:
+        original = torch.Tensor.__dict__.get("type", _MISSING)
+        real_type = torch.Tensor.type
+
+        def type_(self, dtype=None, non_blocking=False, **kwargs):
+            if dtype is None and not kwargs and self.device.type == "cpu":
+                name = real_type(self)
+                return _CPU_TO_CUDA_TYPE.get(name, name)
+            return real_type(self, dtype, non_blocking, **kwargs)
+
+        torch.Tensor.type = type_
+        try:
+            yield
+        finally:
+            if original is _MISSING:
+                del torch.Tensor.type
+            else:
+                torch.Tensor.type = original
+
+
+def _with_cuda_type_names(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with cuda_type_names():
+            return fn(*args, **kwargs)
+
+    wrapper.__moerl_cpu_wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapper
+
+
+def patch_optimizer_cuda_checks(p: _Patch) -> None:
+    """Item 8: with ``clip_grad > 0``, ``clip_grad_by_total_norm_fp32`` asserts
+    ``param.grad.type() == 'torch.cuda.FloatTensor'`` (AssertionError); the fp16/bf16 and
+    distributed optimizers sort parameters by ``param.type()`` CUDA names and raise
+    ``TypeError: Wrapped parameters must be one of torch.cuda.FloatTensor, ...`` for CPU params;
+    the grad-norm / FP32 optimizer / grad scaler allocate with ``device='cuda'``.
+
+    Fix: those calls see CUDA type names for CPU tensors (scoped to the call), and CUDA factory
+    calls in the optimizer modules allocate on CPU.
+    """
+    from megatron.core import utils as mcore_utils
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, grad_scaler
+    from megatron.core.optimizer import optimizer as mopt
+
+    for module in (clip_grads, mopt, grad_scaler, distrib_optimizer, mcore_utils):
+        _redirect_cuda_factories(p, module)
+
+    wrapped_clip = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+    p.set(clip_grads, "clip_grad_by_total_norm_fp32", wrapped_clip)
+    p.set(mopt, "clip_grad_by_total_norm_fp32", wrapped_clip)
+    for cls in (mopt.Float16OptimizerWithFloat16Params, distrib_optimizer.DistributedOptimizer):
+        p.set(cls, "__init__", _with_cuda_type_names(cls.__dict__["__init__"]))
+
+
+# --------------------------------------------------------------------------------------------
+# 7. torch norm with sequence parallelism
+# --------------------------------------------------------------------------------------------
+
+
+def patch_torch_norm_sequence_parallel(p: _Patch) -> None:
+    """Item 7: TP > 1 with MoE requires ``sequence_parallel=True``, and the torch (non-Apex,
+    non-TE) norm ``WrappedTorchNorm`` asserts ``not config.sequence_parallel`` ->
+    ``AssertionError: sequence parallel not supported by torch LayerNorm``.
+
+    Fix: build the norm from a copy of the config with sequence_parallel off, then mark its
+    parameters ``sequence_parallel = True`` so finalize_model_grads all-reduces their gradients
+    over the TP group (what Transformer Engine's norms do).
+    """
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    original_new = WrappedTorchNorm.__dict__["__new__"]
+
+    def __new__(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
+        if not getattr(config, "sequence_parallel", False):
+            return original_new(cls, config, hidden_size, eps, *args, **kwargs)
+        local_config = copy.copy(config)
+        object.__setattr__(local_config, "sequence_parallel", False)
+        norm = original_new(cls, local_config, hidden_size, eps, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    p.set(WrappedTorchNorm, "__new__", staticmethod(__new__))
+
+
+# --------------------------------------------------------------------------------------------
+# Registry
+# --------------------------------------------------------------------------------------------
+
+_PATCHES: dict[str, Callable[[_Patch], None]] = {
+    "rng_tracker": patch_rng_tracker,
+    "current_device": patch_current_device,
+    "cuda_synchronize": patch_cuda_synchronize,
+    "te_general_gemm": patch_te_general_gemm,
+    "alltoall_streams": patch_alltoall_streams,
+    "cuda_factories": patch_cuda_factories,
+    "torch_norm_sequence_parallel": patch_torch_norm_sequence_parallel,
+    "optimizer_cuda_checks": patch_optimizer_cuda_checks,
+}
+
+PATCH_NAMES: tuple[str, ...] = tuple(_PATCHES)
+
+
+def _apply(name: str, fn: Callable[[_Patch], None]) -> None:
+    with _LOCK:
+        if name in _APPLIED:
+            return
+        patch = _Patch(name)
+        try:
+            fn(patch)
+        except Exception:
+            patch.undo()
+            raise
+        _APPLIED[name] = patch
+
+
+def apply_cpu_patches() -> bool:
+    """Install every CPU patch (idempotent). Returns True when patches are active.
+
+    Does nothing and returns False when ``torch.cuda.is_available()``. On CPU it also sets
+    ``TORCHDYNAMO_DISABLE=1`` (item 9: megatron's jit fusers would otherwise compile with Inductor,
+    ~25 s cold) unless the variable is already set.
+    """
+    if not _cuda_is_absent():
+        return False
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    for name, fn in _PATCHES.items():
+        _apply(name, fn)
+    return True
+
+
+def applied_patches() -> tuple[str, ...]:
+    """Names of the patches currently installed."""
+    return tuple(_APPLIED)
+
+
+@contextlib.contextmanager
+def without_patch(name: str) -> Iterator[None]:
+    """Temporarily undo one installed patch (for tests that reproduce the original error).
+
+    Raises:
+        ValueError: ``name`` is not one of ``PATCH_NAMES`` or is not installed.
+    """
+    if name not in _PATCHES:
+        raise ValueError(f"unknown patch {name!r}; expected one of {PATCH_NAMES}")
+    with _LOCK:
+        patch = _APPLIED.get(name)
+        if patch is None:
+            raise ValueError(f"patch {name!r} is not installed; call apply_cpu_patches() first")
+        patch.undo()
+        try:
+            yield
+        finally:
+            patch.redo()

@@ -1,0 +1,377 @@
+"""CPU compatibility layer and runtime init for megatron-core 0.16.1 (moerl.runtime).
+
+Each patch test first undoes that one patch (``without_patch``) and reproduces the original
+megatron-core error, then shows the patched behaviour against an independent reference.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU compatibility layer tests")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _mp_helpers as h  # noqa: E402
+
+from moerl.models.qwen3_moe import build_gpt_model, causal_attention_mask, make_hf_config  # noqa: E402
+from moerl.runtime import cpu_compat  # noqa: E402
+from moerl.runtime.distributed import DistInfo, destroy_distributed, init_distributed, validate_layout  # noqa: E402
+
+CUDA_ERROR = "CUDA"  # "Torch not compiled with CUDA enabled" / "requires CUDA support"
+
+
+@pytest.fixture
+def dist():
+    info = init_distributed(seed=1234)
+    try:
+        yield info
+    finally:
+        destroy_distributed()
+
+
+def _hf(**changes):
+    return make_hf_config({**h.TINY_FIELDS, **changes})
+
+
+def _model(**overrides):
+    torch.manual_seed(0)
+    return build_gpt_model(_hf(), **overrides)
+
+
+def _batch(b=2, s=10, vocab=h.TINY_FIELDS["vocab_size"]):
+    tokens = torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(5))
+    return tokens, torch.arange(s).unsqueeze(0).expand(b, s)
+
+
+# ------------------------------------------------------------------------------------------
+# apply_cpu_patches itself
+# ------------------------------------------------------------------------------------------
+
+
+def test_apply_is_idempotent_and_sets_dynamo_flag(dist):
+    assert set(cpu_compat.applied_patches()) == set(cpu_compat.PATCH_NAMES)
+    current_device = torch.cuda.current_device
+    assert cpu_compat.apply_cpu_patches() is True
+    assert torch.cuda.current_device is current_device  # nothing re-wrapped
+    assert os.environ.get("TORCHDYNAMO_DISABLE") == "1"
+    with pytest.raises(ValueError, match="unknown patch"):
+        with cpu_compat.without_patch("no_such_patch"):
+            pass
+
+
+# ------------------------------------------------------------------------------------------
+# 1. RNG tracker
+# ------------------------------------------------------------------------------------------
+
+
+def test_rng_tracker_patch(dist, caplog):
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+    with cpu_compat.without_patch("rng_tracker"):
+        with pytest.raises((AssertionError, RuntimeError), match=CUDA_ERROR):
+            model_parallel_cuda_manual_seed(77)
+
+    model_parallel_cuda_manual_seed(77)
+    tracker = get_cuda_rng_tracker()
+    expected_seeds = {"data-parallel-rng": 77, "model-parallel-rng": 77 + 2718, "expert-parallel-rng": 77 + 1024}
+    for name, seed in expected_seeds.items():
+        assert torch.equal(tracker.get_states()[name], torch.Generator().manual_seed(seed).get_state()), name
+
+    torch.manual_seed(5)
+    ref_outside = torch.Generator().manual_seed(5)
+    ref_mp = torch.Generator().manual_seed(77 + 2718)
+    a = torch.rand(3)
+    caplog.set_level(logging.WARNING)
+    with tracker.fork():
+        inside1 = torch.rand(4)
+    b = torch.rand(3)
+    with tracker.fork():
+        inside2 = torch.rand(4)
+    # the fork draws from the model-parallel stream and continues it across forks ...
+    assert torch.equal(inside1, torch.rand(4, generator=ref_mp))
+    assert torch.equal(inside2, torch.rand(4, generator=ref_mp))
+    # ... while the default CPU stream outside is untouched by the forks
+    assert torch.equal(a, torch.rand(3, generator=ref_outside))
+    assert torch.equal(b, torch.rand(3, generator=ref_outside))
+    assert "CPU RNG state changed" not in caplog.text
+
+
+# ------------------------------------------------------------------------------------------
+# 2. torch.cuda.current_device
+# ------------------------------------------------------------------------------------------
+
+
+def test_current_device_patch(dist):
+    tokens, pos = _batch()
+    mask = causal_attention_mask(tokens.shape[1])
+    with cpu_compat.without_patch("current_device"):
+        with pytest.raises((AssertionError, RuntimeError), match=CUDA_ERROR):
+            torch.cuda.current_device()
+        model = _model()
+        with pytest.raises((AssertionError, RuntimeError), match=CUDA_ERROR):
+            model(tokens, pos, mask)  # rotary embedding moves inv_freq to current_device()
+        with pytest.raises((AssertionError, RuntimeError), match=CUDA_ERROR):
+            h.build_ddp_and_optimizer(model, use_distributed_optimizer=False)  # DDP buffers
+    assert torch.cuda.current_device() == "cpu"
+    model = _model()
+    logits = model(tokens, pos, mask)
+    assert logits.shape == (*tokens.shape, h.TINY_FIELDS["vocab_size"])
+    ddp, _ = h.build_ddp_and_optimizer(model, use_distributed_optimizer=False)
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    assert all(p.main_grad.device.type == "cpu" for p in model.parameters())
+
+
+# ------------------------------------------------------------------------------------------
+# 3. te_general_gemm
+# ------------------------------------------------------------------------------------------
+
+
+def test_te_general_gemm_patch(dist):
+    from megatron.core.transformer.moe.moe_utils import RouterGatingLinearFunction
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 8, generator=g, requires_grad=True)
+    w = torch.randn(3, 8, generator=g, requires_grad=True)
+    with cpu_compat.without_patch("te_general_gemm"):
+        with pytest.raises(NameError, match="te_general_gemm"):
+            RouterGatingLinearFunction.apply(x, w, None, torch.float32)
+    out = RouterGatingLinearFunction.apply(x, w, None, torch.float32)
+    ref = x.detach() @ w.detach().T
+    assert torch.allclose(out, ref, atol=1e-6)
+    out.sum().backward()
+    assert torch.allclose(x.grad, w.detach().sum(0).expand(5, 8), atol=1e-6)
+    assert torch.allclose(w.grad, x.detach().sum(0).expand(3, 8), atol=1e-6)
+    # and the router of a whole model with moe_router_dtype="fp32" runs
+    tokens, pos = _batch()
+    logits = _model(moe_router_dtype="fp32")(tokens, pos, causal_attention_mask(tokens.shape[1]))
+    assert torch.isfinite(logits).all()
+
+
+# ------------------------------------------------------------------------------------------
+# 4. alltoall dispatcher streams
+# ------------------------------------------------------------------------------------------
+
+
+def test_alltoall_streams_patch(dist):
+    with cpu_compat.without_patch("alltoall_streams"):
+        with pytest.raises(RuntimeError, match="torch.cuda.Stream requires CUDA"):
+            _model(moe_token_dispatcher_type="alltoall")
+    alltoall = _model(moe_token_dispatcher_type="alltoall")
+    allgather = _model(moe_token_dispatcher_type="allgather")
+    allgather.load_state_dict(alltoall.state_dict())
+    tokens, pos = _batch()
+    mask = causal_attention_mask(tokens.shape[1])
+    a, b = alltoall(tokens, pos, mask), allgather(tokens, pos, mask)
+    assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+    a.float().pow(2).mean().backward()
+    assert all(p.grad is not None for n, p in alltoall.named_parameters() if "local_experts" in n)
+
+
+# ------------------------------------------------------------------------------------------
+# 5. device="cuda" in the default causal mask and the schedules
+# ------------------------------------------------------------------------------------------
+
+
+def test_cuda_factories_patch_mask_and_schedule(dist):
+    model = _model()
+    tokens, pos = _batch()
+    with cpu_compat.without_patch("cuda_factories"):
+        with pytest.raises((AssertionError, RuntimeError), match=CUDA_ERROR):
+            model(tokens, pos, None)
+        ddp, opt = h.build_ddp_and_optimizer(model, use_distributed_optimizer=False)
+        labels = torch.zeros_like(tokens)
+        with pytest.raises((AssertionError, RuntimeError), match=CUDA_ERROR):
+            h.megatron_train_step(ddp, opt, tokens, labels, forward_only=True)
+    # patched: the default mask is the causal mask
+    explicit = model(tokens, pos, causal_attention_mask(tokens.shape[1]))
+    assert torch.equal(model(tokens, pos, None), explicit)
+    from megatron.core.transformer.utils import get_default_causal_mask
+
+    assert torch.equal(get_default_causal_mask(6), causal_attention_mask(6)[0, 0])
+    # and the no-pipelining schedule runs a forward-only step (value checked in the optimizer test)
+    loss, _ = h.megatron_train_step(ddp, opt, tokens, labels, forward_only=True)
+    assert loss > 0
+
+
+# ------------------------------------------------------------------------------------------
+# 7. torch norm with sequence parallelism
+# ------------------------------------------------------------------------------------------
+
+
+def test_torch_norm_sequence_parallel_patch(dist):
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    config = copy.copy(_model().config)
+    config.sequence_parallel = True  # (TransformerConfig refuses SP at tp=1, so set it afterwards)
+    with cpu_compat.without_patch("torch_norm_sequence_parallel"):
+        with pytest.raises(AssertionError, match="sequence parallel not supported"):
+            WrappedTorchNorm(config=config, hidden_size=16, eps=1e-6)
+    norm = WrappedTorchNorm(config=config, hidden_size=16, eps=1e-6)
+    assert isinstance(norm, torch.nn.RMSNorm)
+    assert all(getattr(p, "sequence_parallel", False) for p in norm.parameters())
+    assert config.sequence_parallel is True  # the caller's config is not modified
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(3, 16)
+    ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight
+    assert torch.allclose(norm(x), ref, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_tp2_sequence_parallel_matches_tp1(tmp_path):
+    """torchrun, 2 gloo processes, TP=2 + sequence parallel + distributed optimizer: the losses
+    and grad norms of two train steps equal the single-process TP=1 run (same CPU init)."""
+    tp2 = h.run_torchrun("tp2", 2, tmp_path / "tp2.json")
+    tp1 = h.tp_sp_case(tp_size=1)
+    assert tp2["world_size"] == 2 and tp2["dp_size"] == 1
+    assert tp2["losses"][0] == pytest.approx(tp1["losses"][0], rel=1e-6)
+    assert tp2["grad_norms"][0] == pytest.approx(tp1["grad_norms"][0], rel=1e-5)
+    # after Adam steps (lr 1e-2) reduction-order rounding is amplified (Adam normalises tiny
+    # gradients to ~lr-sized updates), measured ~3e-6 after one step and ~1e-4 after two
+    assert tp2["losses"][1] == pytest.approx(tp1["losses"][1], rel=1e-4)
+    assert tp2["grad_norms"][1] == pytest.approx(tp1["grad_norms"][1], rel=1e-4)
+    assert tp2["losses"][2] == pytest.approx(tp1["losses"][2], rel=1e-3)
+
+
+# ------------------------------------------------------------------------------------------
+# 8. optimizer: clip_grad and distributed optimizer type checks; one full train step
+# ------------------------------------------------------------------------------------------
+
+
+def _reference_step(model, tokens, labels, lr=1e-2, clip=1.0):
+    """Plain torch: loss, backward, clip_grad_norm_, AdamW (no weight decay) on ``model``."""
+    pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    loss = model(tokens, pos, causal_attention_mask(tokens.shape[1]), labels=labels).float().mean()
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0).step()
+    return loss.item(), grad_norm.item()
+
+
+@pytest.mark.parametrize("use_distributed_optimizer", [False, True])
+def test_optimizer_cuda_checks_patch_full_train_step(dist, use_distributed_optimizer):
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 2.0)
+    with cpu_compat.without_patch("optimizer_cuda_checks"):
+        from megatron.core.optimizer import clip_grads
+
+        with pytest.raises(AssertionError):
+            clip_grads.clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=10.0)
+        # FP32Optimizer / MixedPrecisionOptimizer allocate their scales with device='cuda'
+        with pytest.raises((AssertionError, RuntimeError), match=CUDA_ERROR):
+            h.build_ddp_and_optimizer(_model(), use_distributed_optimizer=use_distributed_optimizer)
+    clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=10.0)
+    assert torch.allclose(p.grad, torch.full((3,), 2.0 / (10.0 + 1e-6)))
+    assert torch.zeros(2).type() == "torch.FloatTensor"  # scoped: no leak outside the calls
+    with cpu_compat.cuda_type_names():
+        assert torch.nn.Parameter(torch.zeros(2)).type() == "torch.cuda.FloatTensor"
+        assert torch.zeros(2, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
+        assert torch.zeros(2).type(torch.float64).dtype == torch.float64  # conversions untouched
+
+    model = _model()
+    reference = _model()
+    reference.load_state_dict(model.state_dict())
+    ddp, opt = h.build_ddp_and_optimizer(model, use_distributed_optimizer=use_distributed_optimizer)
+    tokens, labels = h.fixed_batch(h.TINY_FIELDS["vocab_size"])
+    fwd_loss, _ = h.megatron_train_step(ddp, opt, tokens, labels, forward_only=True)
+    loss, grad_norm = h.megatron_train_step(ddp, opt, tokens, labels)
+    ref_loss, ref_grad_norm = _reference_step(reference, tokens, labels)
+    assert fwd_loss == pytest.approx(ref_loss, rel=1e-6)
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    assert grad_norm == pytest.approx(ref_grad_norm, rel=1e-5)
+    assert grad_norm > 1.0  # so clipping was active
+    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+        assert torch.allclose(a, b, atol=1e-6), name
+    after, _ = h.megatron_train_step(ddp, opt, tokens, labels, forward_only=True)
+    assert after < fwd_loss
+
+
+# ------------------------------------------------------------------------------------------
+# cuda_synchronize (found while wiring dist_checkpointing)
+# ------------------------------------------------------------------------------------------
+
+
+def test_cuda_synchronize_patch(dist, tmp_path):
+    from megatron.core import dist_checkpointing
+
+    model = _model()
+    with cpu_compat.without_patch("cuda_synchronize"):
+        with pytest.raises((AssertionError, RuntimeError), match=CUDA_ERROR):
+            torch.cuda.synchronize()
+    assert torch.cuda.synchronize() is None
+    dist_checkpointing.save(model.sharded_state_dict(), str(tmp_path), sharded_strategy=("torch_dist", 1))
+    assert (tmp_path / "metadata.json").exists()
+
+
+# ------------------------------------------------------------------------------------------
+# init_distributed / destroy_distributed
+# ------------------------------------------------------------------------------------------
+
+
+def test_init_destroy_twice_and_seeding():
+    import random
+
+    import numpy as np
+    from megatron.core import parallel_state as ps
+
+    for _ in range(2):
+        info = init_distributed(seed=42, num_threads=1)
+        try:
+            assert isinstance(info, DistInfo)
+            assert (info.rank, info.world_size, info.dp_size, info.tp_size, info.pp_size) == (0, 1, 1, 1, 1)
+            assert info.backend == "gloo" and info.device == torch.device("cpu")
+            assert ps.model_parallel_is_initialized()
+            assert torch.get_num_threads() == 1
+            assert torch.equal(torch.rand(4), torch.rand(4, generator=torch.Generator().manual_seed(42)))
+            assert random.random() == random.Random(42).random()
+            assert np.random.rand() == np.random.RandomState(42).rand()
+            with pytest.raises(RuntimeError, match="already initialised"):
+                init_distributed()
+        finally:
+            destroy_distributed()
+        assert not ps.model_parallel_is_initialized()
+        assert not torch.distributed.is_initialized()
+    destroy_distributed()  # no-op when nothing is initialised
+
+
+def test_bad_layouts_raise_with_the_rule():
+    with pytest.raises(ValueError, match=r"not divisible by tp_size\*pp_size"):
+        init_distributed(tp_size=2)
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(ValueError, match=r"etp_size\*ep_size\*pp_size"):
+        validate_layout(4, tp_size=2, pp_size=1, ep_size=4, etp_size=2)
+    assert validate_layout(4, tp_size=2, pp_size=1, ep_size=2, etp_size=1) == 2
+    assert validate_layout(8, tp_size=2, pp_size=2, ep_size=4, etp_size=1) == 2
+    with pytest.raises(ValueError, match="tp_size must be >= 1"):
+        init_distributed(tp_size=0)
+    with pytest.raises(TypeError, match="ep_size"):
+        init_distributed(ep_size=1.5)
+
+
+def test_torchrun_env_single_rank(monkeypatch):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    info = init_distributed(seed=3, num_threads=1)
+    try:
+        assert info.world_size == 1 and torch.distributed.get_world_size() == 1
+    finally:
+        destroy_distributed()
+    monkeypatch.delenv("MASTER_PORT")
+    with pytest.raises(ValueError, match="MASTER_PORT"):
+        init_distributed()
