@@ -1,0 +1,289 @@
+"""Async HTTP client of the rollout router (SGLang native /generate), with retries and liveness checks.
+
+The RL loop sends one /generate per SAMPLE (sglang-router accepts one sampling_params dict and one
+string rid per request; the servers batch concurrent requests) and turns each response into Sample
+fields with :func:`parse_generate_item`::
+
+    reqs = [body for g, ids in enumerate(prompts)
+            for body in group_requests(ids, n, sampling_params, seeds=[seed_of(step, g, k) for k in range(n)])]
+    outs = RolloutClient(cluster.router_url, cluster=cluster).generate_many(reqs)  # dicts, in order
+    items = [parse_generate_item(o) for o in outs]          # group g = items[g*n:(g+1)*n]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import httpx
+
+from moerl.rollout.errors import RolloutRequestError
+
+_RETRY_STATUS = {408, 429, 500, 502, 503, 504}
+
+
+class _Pools:
+    """Several httpx.AsyncClient connection pools used round-robin.
+
+    One httpx pool's bookkeeping grows quadratically with the number of requests waiting on it
+    (measured: 512 concurrent POSTs took 5 s on one client, 0.5 s spread over 16), so concurrency is
+    spread over pools of ``per_pool`` connections each.
+    """
+
+    def __init__(self, n_pools: int, per_pool: int, timeout_s: float):
+        timeout = httpx.Timeout(timeout_s, connect=min(10.0, timeout_s))
+        limits = httpx.Limits(max_connections=per_pool, max_keepalive_connections=per_pool)
+        self.clients = [httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+                        for _ in range(max(1, n_pools))]
+        self._next = 0
+
+    def pick(self) -> httpx.AsyncClient:
+        c = self.clients[self._next % len(self.clients)]
+        self._next += 1
+        return c
+
+    async def aclose(self) -> None:
+        for c in self.clients:
+            await c.aclose()
+
+
+class RolloutClient:
+    """Client of one router (or one server) URL, on httpx.AsyncClient: async API plus a sync batch call.
+
+    Args:
+        router_url: base URL, e.g. cluster.router_url.
+        timeout_s: per-request timeout in seconds (whole response).
+        max_retries: retries after the first attempt, on connection errors, timeouts and HTTP
+            408/429/5xx, with exponential backoff (backoff_s * 2**k, jittered, capped at 10 s).
+        cluster: optional RolloutCluster; its check_alive() runs before every attempt and after every
+            failure, so a dead server surfaces as RolloutServerDiedError naming it (sglang-router
+            itself would otherwise hide a dead worker by retrying on the others).
+        max_connections: connections in all (spread over pools of connections_per_pool).
+    Async use: ``await client.generate(...)`` / ``await client.agenerate_many(...)`` (pools are
+    made per event loop and closed by ``await client.aclose()``). Sync use:
+    ``client.generate_many(requests)`` runs its own event loop and pools for that call.
+    """
+
+    def __init__(self, router_url: str, timeout_s: float = 600.0, max_retries: int = 3,
+                 cluster=None, backoff_s: float = 0.5, max_connections: int = 512,
+                 connections_per_pool: int = 32):
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if max_connections < 1 or connections_per_pool < 1:
+            raise ValueError("max_connections and connections_per_pool must be >= 1")
+        self.router_url = router_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.cluster = cluster
+        self.backoff_s = backoff_s
+        self.max_connections = max_connections
+        self.connections_per_pool = connections_per_pool
+        self._pools: Optional[_Pools] = None
+        self._pools_loop = None
+
+    def _new_pools(self, connections: int) -> _Pools:
+        per = min(self.connections_per_pool, connections)
+        return _Pools(-(-connections // per), per, self.timeout_s)
+
+    def _client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        if self._pools is None or self._pools_loop is not loop:
+            self._pools, self._pools_loop = self._new_pools(self.max_connections), loop
+        return self._pools.pick()
+
+    async def __aenter__(self) -> "RolloutClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._pools is not None:
+            await self._pools.aclose()
+            self._pools, self._pools_loop = None, None
+
+    def _check_cluster(self) -> None:
+        if self.cluster is not None:
+            self.cluster.check_alive()
+
+    async def post(self, path: str, payload: dict, http: Optional[httpx.AsyncClient] = None) -> Any:
+        """POST JSON to router_url + path with the retry policy; returns the decoded JSON.
+
+        Raises:
+            RolloutServerDiedError: (via cluster.check_alive) a server or the router has exited.
+            RolloutRequestError: HTTP 4xx other than 408/429 (not retried; the server's message is
+                included), or still failing after max_retries retries.
+        """
+        http = http or self._client()
+        url = self.router_url + path
+        last = ""
+        for attempt in range(self.max_retries + 1):
+            self._check_cluster()
+            try:
+                r = await http.post(url, json=payload)
+            except httpx.TransportError as e:  # connect/read/write errors and timeouts
+                last = f"{type(e).__name__}: {e}"
+            else:
+                if r.status_code < 400:
+                    return r.json()
+                last = f"HTTP {r.status_code}: {r.text[:1000]}"
+                if r.status_code not in _RETRY_STATUS:
+                    self._check_cluster()
+                    raise RolloutRequestError(f"POST {url} was refused: {last}")
+            self._check_cluster()
+            if attempt < self.max_retries:
+                delay = min(10.0, self.backoff_s * (2 ** attempt)) * (0.5 + random.random())
+                await asyncio.sleep(delay)
+        raise RolloutRequestError(f"POST {url} failed after {self.max_retries + 1} attempts; last error: {last}")
+
+    async def generate(self, input_ids: Union[list[int], list[list[int]]],
+                       sampling_params: Union[dict, list[dict]], return_logprob: bool = True,
+                       rid: Optional[Union[str, list[str]]] = None) -> Union[dict, list[dict]]:
+        """POST /generate (SGLang GenerateReqInput fields); returns a dict, or a list for batched input."""
+        payload: dict = {"input_ids": input_ids, "sampling_params": sampling_params,
+                         "return_logprob": return_logprob}
+        if rid is not None:
+            payload["rid"] = rid
+        return await self.post("/generate", payload)
+
+    async def agenerate_many(self, requests: list[dict], max_concurrency: int = 256,
+                             pools: Optional[_Pools] = None) -> list:
+        """Run /generate bodies concurrently (at most max_concurrency in flight); results in order.
+
+        Each request is a full /generate body (e.g. from :func:`group_request`); each result is what
+        the server returned for it (a list for batched input_ids). The first failure cancels the
+        others and is raised.
+        """
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        sem = asyncio.Semaphore(max_concurrency)
+
+        async def one(body: dict):
+            async with sem:
+                return await self.post("/generate", body, http=pools.pick() if pools else None)
+
+        tasks = [asyncio.ensure_future(one(b)) for b in requests]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    def generate_many(self, requests: list[dict], max_concurrency: int = 256) -> list:
+        """Synchronous :meth:`agenerate_many` (own event loop and connection pool for this call).
+
+        Raises:
+            RuntimeError: called from inside a running event loop (await agenerate_many there).
+        """
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            raise RuntimeError("RolloutClient.generate_many() cannot run inside an event loop; "
+                               "await RolloutClient.agenerate_many(...) instead")
+
+        async def main():
+            pools = self._new_pools(max(1, min(max_concurrency, self.max_connections, len(requests))))
+            try:
+                return await self.agenerate_many(requests, max_concurrency=max_concurrency, pools=pools)
+            finally:
+                await pools.aclose()
+
+        return asyncio.run(main())
+
+
+def run_generate_requests(router_url: str, requests: list[dict], *, max_concurrency: int = 256,
+                          timeout_s: float = 600.0, max_retries: int = 3, cluster=None) -> list:
+    """Run /generate bodies concurrently from synchronous code; results in order.
+
+    Same as ``RolloutClient(router_url, timeout_s, max_retries, cluster).generate_many(requests)``.
+    """
+    return RolloutClient(router_url, timeout_s=timeout_s, max_retries=max_retries,
+                         cluster=cluster).generate_many(requests, max_concurrency=max_concurrency)
+
+
+def group_requests(prompt_ids: list[int], n_samples_per_prompt: int, sampling_params: dict, *,
+                   seeds: Optional[list[int]] = None, rid: Optional[str] = None,
+                   return_logprob: bool = True) -> list[dict]:
+    """The /generate bodies for one prompt group: one request per sample, each with its own seed.
+
+    sglang-router (0.3.x) parses a /generate body into its own struct: ``sampling_params`` must be
+    ONE dict and ``rid`` ONE string (a list of either is refused with HTTP 422), and in SGLang the
+    copies of a prompt that share a sampling_seed produce the same response. So a group of n
+    samples is n requests with distinct seeds; the servers batch concurrent requests themselves.
+    (Real SGLang honours sampling_seed only when launched with --enable-deterministic-inference.)
+    Cheaper but not reproducible: ONE request per group, ``{"input_ids": prompt_ids,
+    "sampling_params": {..., "n": n}}`` without a seed (returns a list of n distinct samples).
+
+    Args:
+        seeds: one sampling_seed per sample (len n_samples_per_prompt), or None for unseeded sampling.
+        rid: request-id prefix; sample k gets f"{rid}-{k}".
+    """
+    if n_samples_per_prompt < 1:
+        raise ValueError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
+    if "sampling_seed" in sampling_params:
+        raise ValueError("pass per-sample seeds as seeds=[...], not sampling_params['sampling_seed']")
+    if seeds is not None and len(seeds) != n_samples_per_prompt:
+        raise ValueError(f"seeds has {len(seeds)} entries, expected n_samples_per_prompt={n_samples_per_prompt}")
+    bodies = []
+    for k in range(n_samples_per_prompt):
+        sp = dict(sampling_params)
+        if seeds is not None:
+            sp["sampling_seed"] = int(seeds[k])
+        body: dict = {"input_ids": list(prompt_ids), "sampling_params": sp, "return_logprob": return_logprob}
+        if rid is not None:
+            body["rid"] = f"{rid}-{k}"
+        bodies.append(body)
+    return bodies
+
+
+@dataclass
+class GenerateItem:
+    """One /generate response item in Sample terms (see moerl.types.Sample).
+
+    response_ids: output_ids (include the stop token when status == "completed").
+    rollout_log_probs: per response token, log_softmax(logits / temperature) of that token.
+    status: "completed" (finish_reason stop), "truncated" (length) or "aborted" (abort).
+    """
+
+    response_ids: list[int]
+    rollout_log_probs: list[float]
+    status: str
+    weight_version: Optional[str]
+    finish_reason: dict
+    prompt_tokens: int
+
+
+_STATUS = {"stop": "completed", "length": "truncated", "abort": "aborted"}
+
+
+def parse_generate_item(item: dict) -> GenerateItem:
+    """Convert one SGLang /generate response item into :class:`GenerateItem`.
+
+    Raises:
+        RolloutRequestError: the item lacks output_ids/meta_info, an unknown finish_reason type, or
+            output_token_logprobs that do not match output_ids (request return_logprob=True).
+    """
+    try:
+        ids = list(item["output_ids"])
+        meta = item["meta_info"]
+        fr = meta.get("finish_reason") or {"type": "abort", "message": "no finish_reason"}
+    except (KeyError, TypeError) as e:
+        raise RolloutRequestError(f"malformed /generate item (missing {e}): {str(item)[:300]}") from None
+    if fr.get("type") not in _STATUS:
+        raise RolloutRequestError(f"unknown finish_reason {fr!r}")
+    lps = meta.get("output_token_logprobs")
+    if lps is None:
+        raise RolloutRequestError("output_token_logprobs missing: send return_logprob=True")
+    if len(lps) != len(ids) or any(int(e[1]) != t for e, t in zip(lps, ids)):
+        raise RolloutRequestError(f"output_token_logprobs ({len(lps)}) do not match output_ids ({len(ids)})")
+    return GenerateItem(response_ids=ids, rollout_log_probs=[float(e[0]) for e in lps],
+                        status=_STATUS[fr["type"]], weight_version=meta.get("weight_version"),
+                        finish_reason=fr, prompt_tokens=int(meta.get("prompt_tokens", 0)))

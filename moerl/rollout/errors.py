@@ -1,0 +1,41 @@
+"""Errors raised by the rollout side (servers, launcher, client, weight sync)."""
+
+from __future__ import annotations
+
+
+class RolloutError(RuntimeError):
+    """Base class of every rollout-side error."""
+
+
+class RolloutStartupError(RolloutError):
+    """A rollout server or the router did not come up (exited during startup or timed out)."""
+
+
+class PortInUseError(RolloutStartupError):
+    """A port the rollout cluster needs is already taken; nothing was started."""
+
+
+class RolloutServerDiedError(RolloutError):
+    """A rollout server (or the router) process exited while the cluster was in use.
+
+    Attributes:
+        index: server index (0-based) or None for the router.
+        url: the base URL of the dead process.
+        pid: its process id.
+        returncode: its exit code (negative = killed by that signal number, subprocess convention).
+    """
+
+    def __init__(self, message: str, *, index, url: str, pid: int, returncode: int):
+        super().__init__(message)
+        self.index = index
+        self.url = url
+        self.pid = pid
+        self.returncode = returncode
+
+
+class RolloutRequestError(RolloutError):
+    """A /generate request failed (bad request, or still failing after the allowed retries)."""
+
+
+class WeightSyncError(RolloutError):
+    """A weight update was refused by a server, or a server reports a different weight_version."""

@@ -1,0 +1,1062 @@
+"""CPU reference rollout server with SGLang's native HTTP API (FastAPI + uvicorn + transformers).
+
+It answers the subset of SGLang 0.5.x's native API that RL needs, with SGLang's request and response
+shapes, so that the launcher, sglang-router, the client and weight sync are the same code for this
+server and for real SGLang on GPUs.
+
+Run:  python -m moerl.rollout.server --model-path DIR --host 127.0.0.1 --port P --num-threads 1
+      [--tokenizer-path DIR] [--max-batch-size 256] [--log-file F] [--log-level info]
+
+Endpoints (SGLang names; see http_server.py / io_struct.py of sglang):
+    POST /generate                    GenerateReqInput subset (below)
+    POST /update_weights_from_disk    {model_path, load_format?, weight_version?, abort_all_requests?}
+    POST /update_weights_from_tensor  {serialized_named_tensors, load_format?, flush_cache?,
+                                       weight_version?, abort_all_requests?}
+    GET|POST /flush_cache, GET /health, GET /health_generate, GET /get_model_info,
+    GET /get_weight_version, GET /get_server_info, POST /abort_request {rid, abort_all}
+
+/generate request: ``input_ids`` (list[int] or list[list[int]]) or ``text`` (str or list[str]);
+``sampling_params`` (dict, or list of dicts, one per prompt) with temperature, top_p, top_k (-1 = off),
+min_p, max_new_tokens, stop_token_ids, sampling_seed, ignore_eos, n, skip_special_tokens, no_stop_trim;
+``return_logprob``, ``return_text_in_logprobs``, ``rid``. Other SGLang fields are accepted only at their
+no-op value (an error names the field otherwise). Batched input returns a list of results, in order
+(with ``n`` > 1 the batch is repeated n times, as SGLang does).
+
+Response item: {text, output_ids, meta_info: {id, finish_reason, prompt_tokens, completion_tokens,
+cached_tokens, weight_version, e2e_latency, output_token_logprobs?}}; finish_reason is
+{"type": "stop", "matched": token_id} | {"type": "length", "length": max_new_tokens} |
+{"type": "abort", "message": str}.
+
+Semantics the trainer relies on:
+  * Log-probs: output_token_logprobs[t] = [log_softmax(logits_t / temperature)[y_t], y_t, None]
+    where logits_t are the model's raw fp32 logits; plain log_softmax(logits_t) when greedy
+    (temperature < 1e-6). They are taken BEFORE top-k / top-p / min-p filtering, so a trainer that
+    divides its logits by the same temperature reproduces them exactly (up to fp rounding).
+  * output_ids include the stop token when the response stopped on one (stop_token_ids, the
+    tokenizer's eos and the model config's eos_token_id unless ignore_eos); tokens after it are cut.
+    max_new_tokens is clipped so that prompt + response fits max_position_embeddings.
+  * Sampling: each item draws its uniforms from its own torch.Generator seeded by its sampling_seed
+    (or a fresh random seed), inverse-CDF over the (filtered) distribution at that temperature. An
+    item's tokens therefore depend only on (its prompt, its sampling params, the weights): not on the
+    server instance, on earlier requests, or on its batch mates (batches share one prompt length, so
+    there is no padding; a request's own list of differently long prompts is split into batches
+    by length the same way). Items with the SAME sampling_seed and prompt produce the SAME response
+    (as in SGLang), so give each of the n_samples_per_prompt samples its own seed.
+  * Batching: all items (prompts) of all in-flight requests are queued; a scheduler thread runs the
+    oldest item together with every queued item of the same prompt length (up to
+    --max-batch-size rows) as one ``model.generate`` call (KV cache) under a lock around the model.
+    So one request per sample (what sglang-router can carry: it accepts ONE sampling_params dict
+    and a string rid per request) still runs in large batches, and equal lengths mean no padding.
+  * weight_version: a string, "default" at start, set by successful update calls, returned in every
+    /generate meta_info (the version whose weights produced the whole response).
+  * update_weights_from_disk reads the HF safetensors in model_path (HF on-disk names; per-expert
+    ``...mlp.experts.{e}.gate_proj.weight`` / ``up_proj`` / ``down_proj`` are mapped onto
+    transformers' fused ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows first) and
+    ``mlp.experts.down_proj`` [E, H, I]); it must cover every parameter, else nothing is changed.
+  * update_weights_from_tensor (reference-server wire format): every element of
+    ``serialized_named_tensors`` is base64 text of ``safetensors.torch.save({hf_name: tensor})`` bytes
+    (real SGLang uses its own serializer; weight_sync adapts the sender by engine type). Buckets are
+    applied as they arrive; a call that carries ``weight_version`` publishes it only if the buckets
+    received since the last publish (this one included) covered every parameter, else it fails.
+  * abort_request: ``rid`` matches an item id or the ``rid`` a batched request was sent with;
+    aborted items return finish_reason abort with the tokens generated so far.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import concurrent.futures
+import glob
+import json
+import logging
+import os
+import re
+import secrets
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+import torch
+from fastapi import Request  # module level: the endpoint annotations are resolved from globals
+
+logger = logging.getLogger("moerl.rollout.server")
+
+DEFAULT_WEIGHT_VERSION = "default"  # SGLang's ServerArgs.weight_version default
+_GREEDY_EPS = 1e-6  # SGLang: 0 <= temperature < 1e-6 means greedy
+
+# SGLang sampling_params keys this server implements, with SGLang's defaults.
+_SAMPLING_DEFAULTS: dict[str, Any] = {
+    "max_new_tokens": 128,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "stop_token_ids": None,
+    "sampling_seed": None,
+    "ignore_eos": False,
+    "n": 1,
+    "skip_special_tokens": True,
+    "no_stop_trim": False,
+    "spaces_between_special_tokens": True,
+    "stream_interval": None,
+}
+# SGLang sampling_params keys accepted only at their no-op value (value -> predicate "is no-op").
+_SAMPLING_NOOP: dict[str, Any] = {
+    "stop": lambda v: v in (None, "", []),
+    "stop_regex": lambda v: v in (None, "", []),
+    "frequency_penalty": lambda v: v in (None, 0, 0.0),
+    "presence_penalty": lambda v: v in (None, 0, 0.0),
+    "repetition_penalty": lambda v: v in (None, 1, 1.0),
+    "min_new_tokens": lambda v: v in (None, 0),
+    "json_schema": lambda v: v is None,
+    "regex": lambda v: v is None,
+    "ebnf": lambda v: v is None,
+    "structural_tag": lambda v: v is None,
+    "logit_bias": lambda v: not v,
+    "custom_params": lambda v: not v,
+}
+# Top-level GenerateReqInput keys accepted only at their no-op value.
+_REQUEST_NOOP: dict[str, Any] = {
+    "stream": lambda v: not v,
+    "logprob_start_len": lambda v: v in (None, -1),
+    "top_logprobs_num": lambda v: v in (None, 0),
+    "token_ids_logprob": lambda v: not v,
+    "return_hidden_states": lambda v: not v,
+    "return_routed_experts": lambda v: not v,
+    "input_embeds": lambda v: v is None,
+    "image_data": lambda v: not v,
+    "video_data": lambda v: not v,
+    "audio_data": lambda v: not v,
+    "lora_path": lambda v: not v,
+    "custom_logit_processor": lambda v: not v,
+    "session_params": lambda v: not v,
+}
+_REQUEST_IGNORED = {"log_metrics", "routed_dp_rank", "data_parallel_rank", "priority", "extra_key",
+                    "custom_labels", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+                    "return_entropy", "no_logs", "received_time", "routing_key", "conversation_id",
+                    "background", "return_bytes", "model"}  # the last three are added by sglang-router
+_REQUEST_KEYS = {"text", "input_ids", "sampling_params", "return_logprob", "return_text_in_logprobs",
+                 "rid"}
+
+
+# ----------------------------------------------------------------------------- request parsing
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Validated sampling parameters of one item (SGLang semantics).
+
+    top_k = 0 and top_p = 1 and min_p = 0 mean no filtering; greedy = temperature < 1e-6.
+    stop_ids: token ids that end the response (stop_token_ids plus eos unless ignore_eos).
+    """
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    stop_ids: tuple[int, ...]
+    seed: Optional[int]
+    skip_special_tokens: bool
+    greedy: bool
+
+    @property
+    def filtered(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def parse_sampling_params(sp: Optional[dict], *, vocab_size: int, eos_ids: Iterable[int],
+                          where: str = "sampling_params") -> SamplingSpec:
+    """Validate one SGLang ``sampling_params`` dict and return a :class:`SamplingSpec`.
+
+    Raises:
+        ValueError: an unknown key, a key this server implements only at its no-op value, or a value
+            out of range; the message names ``where.key`` and the accepted values.
+    """
+    sp = dict(sp or {})
+    for key, value in sp.items():
+        if key in _SAMPLING_DEFAULTS:
+            continue
+        if key in _SAMPLING_NOOP:
+            if not _SAMPLING_NOOP[key](value):
+                raise ValueError(f"{where}.{key}={value!r} is not supported by the moerl reference "
+                                 f"server; leave it unset (supported: {sorted(_SAMPLING_DEFAULTS)})")
+            continue
+        raise ValueError(f"{where}.{key} is not a sampling parameter this server knows; "
+                         f"supported: {sorted(_SAMPLING_DEFAULTS)}")
+    get = lambda k: _SAMPLING_DEFAULTS[k] if sp.get(k) is None else sp[k]  # noqa: E731
+
+    temperature = get("temperature")
+    if not _is_num(temperature) or not (temperature >= 0.0) or temperature == float("inf"):
+        raise ValueError(f"{where}.temperature must be a finite number >= 0, got {temperature!r}")
+    top_p = get("top_p")
+    if not _is_num(top_p) or not (0.0 < top_p <= 1.0):
+        raise ValueError(f"{where}.top_p must be in (0, 1], got {top_p!r}")
+    top_k = get("top_k")
+    if not _is_int(top_k) or (top_k < 1 and top_k != -1):
+        raise ValueError(f"{where}.top_k must be -1 (off) or an integer >= 1, got {top_k!r}")
+    min_p = get("min_p")
+    if not _is_num(min_p) or not (0.0 <= min_p <= 1.0):
+        raise ValueError(f"{where}.min_p must be in [0, 1], got {min_p!r}")
+    max_new = sp.get("max_new_tokens", _SAMPLING_DEFAULTS["max_new_tokens"])
+    if max_new is not None and (not _is_int(max_new) or max_new < 0):
+        raise ValueError(f"{where}.max_new_tokens must be an integer >= 0 (or null = up to the "
+                         f"context length), got {max_new!r}")
+    stop_token_ids = sp.get("stop_token_ids") or []
+    if not isinstance(stop_token_ids, (list, tuple)) or not all(_is_int(t) for t in stop_token_ids):
+        raise ValueError(f"{where}.stop_token_ids must be a list of token ids, got {stop_token_ids!r}")
+    for t in stop_token_ids:
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"{where}.stop_token_ids contains {t}, outside the vocabulary [0, {vocab_size})")
+    seed = sp.get("sampling_seed")
+    if seed is not None and not _is_int(seed):
+        raise ValueError(f"{where}.sampling_seed must be an integer or null, got {seed!r}")
+    ignore_eos = bool(get("ignore_eos"))
+    stop_ids = set(int(t) for t in stop_token_ids)
+    if not ignore_eos:
+        stop_ids.update(int(t) for t in eos_ids)
+    return SamplingSpec(
+        max_new_tokens=-1 if max_new is None else int(max_new),
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=0 if top_k == -1 or top_k >= vocab_size else int(top_k),
+        min_p=float(min_p),
+        stop_ids=tuple(sorted(stop_ids)),
+        seed=None if seed is None else int(seed),
+        skip_special_tokens=bool(get("skip_special_tokens")),
+        greedy=float(temperature) < _GREEDY_EPS,
+    )
+
+
+# ----------------------------------------------------------------------------- sampling inside generate
+
+
+class _RowSampler:
+    """transformers LogitsProcessor that samples every row itself and records its token and log-prob.
+
+    Called by ``model.generate`` (greedy mode) with the raw fp32 logits ``scores`` [B, V] of each
+    step; returns scores that are 0 at the chosen token and -inf elsewhere, so generate's argmax
+    picks exactly that token. Row i uses temperature T_i, filters top-k / top-p / min-p (SGLang
+    definitions) on softmax(logits / T_i), and inverts the CDF at uniform u[i, t] drawn in advance
+    from torch.Generator(seed_i). Rows without filtering use the CDF in vocabulary order, rows with
+    filtering the CDF in descending-probability order; the choice depends on the row only.
+    Recorded: tokens [B, max_new] int64, logprobs [B, max_new] fp32 = log_softmax(logits / T_i)
+    (T_i = 1 when greedy) at the chosen token, before filtering.
+    """
+
+    def __init__(self, specs: list[SamplingSpec], seeds: list[int], prompt_len: int, max_new: int):
+        B = len(specs)
+        self.prompt_len = prompt_len
+        self.steps = 0
+        self.tokens = torch.zeros(B, max_new, dtype=torch.long)
+        self.logprobs = torch.zeros(B, max_new, dtype=torch.float32)
+        self.greedy = torch.tensor([s.greedy for s in specs], dtype=torch.bool)
+        self.temps = torch.tensor([1.0 if s.greedy else s.temperature for s in specs],
+                                  dtype=torch.float32)
+        self.top_k = torch.tensor([s.top_k for s in specs], dtype=torch.long)
+        self.top_p = torch.tensor([s.top_p for s in specs], dtype=torch.float32)
+        self.min_p = torch.tensor([s.min_p for s in specs], dtype=torch.float32)
+        self.sorted_rows = torch.tensor([(not s.greedy) and s.filtered for s in specs])
+        self.plain_rows = torch.tensor([(not s.greedy) and not s.filtered for s in specs])
+        self.u = torch.zeros(B, max_new, dtype=torch.float64)
+        for i, s in enumerate(specs):
+            if not s.greedy:
+                g = torch.Generator().manual_seed(seeds[i])
+                self.u[i] = torch.rand(max_new, generator=g, dtype=torch.float64)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        t = input_ids.shape[1] - self.prompt_len
+        logits = scores.float()
+        scaled = logits / self.temps[:, None]
+        logp = torch.log_softmax(scaled, dim=-1)
+        tokens = torch.argmax(logits, dim=-1)
+        if bool(self.plain_rows.any()):
+            rows = self.plain_rows.nonzero().squeeze(1)
+            cdf = torch.softmax(scaled[rows], dim=-1).double().cumsum(-1)
+            tokens[rows] = self._invert(cdf, self.u[rows, t])
+        if bool(self.sorted_rows.any()):
+            rows = self.sorted_rows.nonzero().squeeze(1)
+            probs = torch.softmax(scaled[rows], dim=-1)
+            sp, idx = probs.sort(dim=-1, descending=True)
+            V = sp.shape[1]
+            rank = torch.arange(V)[None, :]
+            k = torch.where(self.top_k[rows] > 0, self.top_k[rows], V)
+            keep = rank < k[:, None]
+            keep &= (sp.cumsum(-1) - sp) <= self.top_p[rows, None]  # SGLang top-p rule
+            keep &= sp >= self.min_p[rows, None] * sp[:, :1]
+            keep[:, 0] = True  # kept entries form a prefix of the sorted order
+            cdf = (sp * keep).double().cumsum(-1)
+            pos = self._invert(cdf, self.u[rows, t])
+            pos = torch.minimum(pos, keep.sum(-1) - 1)
+            tokens[rows] = idx.gather(1, pos[:, None]).squeeze(1)
+        self.tokens[:, t] = tokens
+        self.logprobs[:, t] = logp.gather(1, tokens[:, None]).squeeze(1)
+        self.steps = t + 1
+        out = torch.full_like(scores, float("-inf"))
+        out.scatter_(1, tokens[:, None], 0.0)
+        return out
+
+    @staticmethod
+    def _invert(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        r = (u * cdf[:, -1]).unsqueeze(1)
+        pos = torch.searchsorted(cdf, r, right=True).squeeze(1)
+        return pos.clamp(max=cdf.shape[1] - 1)
+
+
+class _RowStop:
+    """transformers StoppingCriteria: row i is done after one of its stop tokens, at its
+    max_new_tokens, or when its item was aborted. Returns a BoolTensor [B]."""
+
+    def __init__(self, sampler: _RowSampler, items: list["_Item"]):
+        self.sampler = sampler
+        self.items = items
+        S = max(1, max(len(it.spec.stop_ids) for it in items))
+        self.stop_ids = torch.full((len(items), S), -1, dtype=torch.long)
+        for i, it in enumerate(items):
+            if it.spec.stop_ids:
+                self.stop_ids[i, : len(it.spec.stop_ids)] = torch.tensor(it.spec.stop_ids)
+        self.max_new_rows = torch.tensor([it.max_new for it in items], dtype=torch.long)
+        self.abort_step: list[Optional[int]] = [None] * len(items)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        t = self.sampler.steps - 1
+        last = self.sampler.tokens[:, t]
+        done = (last[:, None] == self.stop_ids).any(1) | (t + 1 >= self.max_new_rows)
+        for i, it in enumerate(self.items):
+            if it.aborted and self.abort_step[i] is None:
+                self.abort_step[i] = t + 1
+        if any(a is not None for a in self.abort_step):
+            done |= torch.tensor([a is not None for a in self.abort_step])
+        return done
+
+
+@dataclass(eq=False)
+class _Item:
+    """One prompt of a /generate request, as scheduled (a row of some generate batch)."""
+
+    prompt: list[int]
+    spec: SamplingSpec
+    max_new: int  # max_new_tokens clipped to the context
+    rid: str
+    base_rid: Optional[str]  # the rid the request was sent with (abort matches it too)
+    request: "_Request"
+    aborted: bool = False
+    result: Optional[tuple] = None  # (tokens, logprobs, finish_reason, weight_version)
+
+
+class _Request:
+    """A submitted /generate request: its items and a future resolved when all of them are done."""
+
+    def __init__(self, single: bool, return_lp: list[bool], text_in_lp: bool):
+        self.single = single
+        self.return_lp = return_lp
+        self.text_in_lp = text_in_lp
+        self.items: list[_Item] = []
+        self.t0 = time.time()
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self._left = 0
+        self._lock = threading.Lock()
+
+    def item_done(self, error: Optional[BaseException] = None) -> None:
+        with self._lock:
+            self._left -= 1
+            if self.future.done():
+                return
+            if error is not None:
+                self.future.set_exception(RuntimeError(f"generation failed: {error!r}"))
+            elif self._left == 0:
+                self.future.set_result(None)
+
+
+# ----------------------------------------------------------------------------- weight mapping
+
+
+_EXPERT_RE = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+class WeightMapper:
+    """Maps HF on-disk tensor names onto the live transformers model's parameters.
+
+    Direct names (``model.layers.0.self_attn.q_proj.weight``, fused names, tied aliases such as
+    ``lm_head.weight`` when tied to ``model.embed_tokens.weight``) copy the whole parameter.
+    Per-expert names ``<prefix>.experts.{e}.gate_proj.weight`` [I, H] / ``up_proj`` [I, H] /
+    ``down_proj`` [H, I] copy into ``<prefix>.experts.gate_up_proj[e, :I]`` / ``[e, I:]`` (gate rows
+    first, transformers 5 layout [E, 2I, H]) / ``<prefix>.experts.down_proj[e]`` ([E, H, I]).
+    Coverage is tracked in pieces: one per plain parameter, one per (expert, gate|up|down) slice.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
+        by_id = {id(p): n for n, p in self.params.items()}
+        self.alias = {n: by_id[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
+        self.all_pieces: set[tuple] = set()
+        self.piece_to_hf: dict[tuple, str] = {}
+        for name, p in self.params.items():
+            for piece, hf in self._pieces_of(name, p):
+                self.all_pieces.add(piece)
+                self.piece_to_hf[piece] = hf
+
+    @staticmethod
+    def _fused_kind(name: str, p: torch.Tensor) -> Optional[str]:
+        if p.dim() == 3 and name.endswith(".experts.gate_up_proj"):
+            return "gate_up"
+        if p.dim() == 3 and name.endswith(".experts.down_proj"):
+            return "down"
+        return None
+
+    def _pieces_of(self, name: str, p: torch.Tensor):
+        kind = self._fused_kind(name, p)
+        prefix = name.rsplit(".", 1)[0]
+        if kind == "gate_up":
+            for e in range(p.shape[0]):
+                yield (name, e, "gate"), f"{prefix}.{e}.gate_proj.weight"
+                yield (name, e, "up"), f"{prefix}.{e}.up_proj.weight"
+        elif kind == "down":
+            for e in range(p.shape[0]):
+                yield (name, e, "down"), f"{prefix}.{e}.down_proj.weight"
+        else:
+            yield (name, None, None), name
+
+    def resolve(self, hf_name: str, tensor: torch.Tensor):
+        """Return (target view, pieces covered) for one incoming tensor.
+
+        Raises:
+            ValueError: unknown name or shape mismatch (message names both).
+        """
+        if hf_name in self.alias:
+            name = self.alias[hf_name]
+            p = self.params[name]
+            if tuple(tensor.shape) != tuple(p.shape):
+                raise ValueError(f"weight {hf_name!r}: shape {tuple(tensor.shape)} does not match the "
+                                 f"model's {name} {tuple(p.shape)}")
+            return p, [piece for piece, _ in self._pieces_of(name, p)]
+        m = _EXPERT_RE.match(hf_name)
+        if m is not None:
+            prefix, e, proj = m.group("prefix"), int(m.group("e")), m.group("proj")
+            fused = f"{prefix}.down_proj" if proj == "down_proj" else f"{prefix}.gate_up_proj"
+            p = self.params.get(fused)
+            if p is not None and self._fused_kind(fused, p) is not None:
+                if not 0 <= e < p.shape[0]:
+                    raise ValueError(f"weight {hf_name!r}: expert {e} out of range, the model has "
+                                     f"{p.shape[0]} experts in {fused}")
+                if proj == "down_proj":
+                    view, part = p[e], "down"
+                else:
+                    inter = p.shape[1] // 2
+                    view, part = (p[e, :inter], "gate") if proj == "gate_proj" else (p[e, inter:], "up")
+                if tuple(tensor.shape) != tuple(view.shape):
+                    raise ValueError(f"weight {hf_name!r}: shape {tuple(tensor.shape)} does not match "
+                                     f"the slice of {fused} it maps to {tuple(view.shape)}")
+                return view, [(fused, e, part)]
+        raise ValueError(f"weight {hf_name!r} matches no parameter of the served model "
+                         f"(expected HF names such as {next(iter(self.params))!r})")
+
+    def missing(self, covered: set) -> list[str]:
+        """HF names of the pieces not in ``covered`` (sorted)."""
+        return sorted(self.piece_to_hf[p] for p in self.all_pieces - covered)
+
+    def apply(self, named_tensors: list[tuple[str, torch.Tensor]]) -> set:
+        """Validate every tensor first, then copy all of them in place; returns the pieces covered.
+
+        Raises:
+            ValueError: as :meth:`resolve`; nothing is written in that case.
+        """
+        plan = [(self.resolve(n, t), t) for n, t in named_tensors]
+        covered: set = set()
+        with torch.no_grad():
+            for (view, pieces), t in plan:
+                view.copy_(t.to(dtype=view.dtype))
+                covered.update(pieces)
+        return covered
+
+
+def load_safetensors_dir(path: str) -> list[tuple[str, torch.Tensor]]:
+    """Read every tensor of an HF safetensors checkpoint directory (index json or *.safetensors).
+
+    Raises:
+        FileNotFoundError: no such directory or no .safetensors file in it.
+    """
+    from safetensors.torch import load_file
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model_path {path!r} is not a directory")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(path, f) for f in files]
+    else:
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"model_path {path!r} holds no *.safetensors file (only safetensors "
+                                f"checkpoints are supported)")
+    out: list[tuple[str, torch.Tensor]] = []
+    for f in files:
+        out.extend(load_file(f).items())
+    return out
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+class ReferenceEngine:
+    """One transformers causal LM behind SGLang's request semantics (no HTTP here).
+
+    Args:
+        model_path: HF directory (config.json, *.safetensors, tokenizer files unless tokenizer_path).
+        tokenizer_path: tokenizer directory; defaults to model_path.
+        max_batch_size: most rows (items) in one generate batch.
+        batch_wait_s, max_batch_wait_s: before forming a batch, wait until no request arrived for
+            batch_wait_s seconds (at most max_batch_wait_s), so that a burst of concurrent requests
+            lands in one batch.
+    The model is loaded in fp32, eval mode, without gradients, on CPU.
+
+    Scheduling: every prompt of every /generate request becomes an item in one FIFO queue. A
+    scheduler thread repeatedly takes the oldest item and all queued items whose prompt has the
+    same length (up to max_batch_size) and runs them as one ``model.generate`` batch under the model
+    lock; weight updates take the same lock between batches. Equal prompt lengths mean no padding,
+    so a row's numerics (and hence its tokens, given its seed) do not depend on its batch mates.
+    """
+
+    def __init__(self, model_path: str, tokenizer_path: Optional[str] = None, max_batch_size: int = 256,
+                 batch_wait_s: float = 0.01, max_batch_wait_s: float = 0.2):
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+        self.model_path = model_path
+        self.tokenizer_path = tokenizer_path or model_path
+        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        model.eval().requires_grad_(False)
+        eos: set[int] = set()
+        for src in (self.tokenizer.eos_token_id, model.config.eos_token_id,
+                    getattr(model.generation_config, "eos_token_id", None)):
+            if src is None:
+                continue
+            eos.update([src] if isinstance(src, int) else list(src))
+        self.eos_ids = tuple(sorted(eos))
+        # Hub generation defaults (top_k=50, ...) must not leak into generate(): sampling is ours.
+        model.generation_config = GenerationConfig()
+        self.model = model
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0))
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.mapper = WeightMapper(model)
+        self.weight_version = DEFAULT_WEIGHT_VERSION
+        self.max_batch_size = max_batch_size
+        self.batch_wait_s = batch_wait_s
+        self.max_batch_wait_s = max_batch_wait_s
+        self._model_lock = threading.Lock()
+        self._cv = threading.Condition()
+        self._pending: list[_Item] = []
+        self._running: list[_Item] = []
+        self._closed = False
+        self._pending_cover: set = set()
+        self._sysrand = secrets.SystemRandom()
+        self._warned_fields: set[str] = set()
+        self._scheduler = threading.Thread(target=self._schedule_loop, name="moerl-batcher", daemon=True)
+        self._scheduler.start()
+
+    # ------------------------------------------------------------------ generate
+
+    def _normalize(self, body: dict):
+        if not isinstance(body, dict):
+            raise ValueError("the /generate body must be a JSON object")
+        for key, value in body.items():
+            if key in _REQUEST_KEYS or key in _REQUEST_IGNORED:
+                continue
+            if key in _REQUEST_NOOP:
+                if not _REQUEST_NOOP[key](value):
+                    raise ValueError(f"{key}={value!r} is not supported by the moerl reference server; "
+                                     f"leave it unset")
+                continue
+            # SGLang ignores fields it does not know (sglang-router adds e.g. "model"); so do we.
+            if key not in self._warned_fields:
+                self._warned_fields.add(key)
+                logger.warning("ignoring /generate field %r (not used by the reference server)", key)
+        text, input_ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (input_ids is None):
+            raise ValueError("give exactly one of 'input_ids' (list[int] or list[list[int]]) or 'text'")
+        if input_ids is not None:
+            if not isinstance(input_ids, list) or not input_ids:
+                raise ValueError("input_ids must be a non-empty list[int] or list[list[int]]")
+            single = not isinstance(input_ids[0], list)
+            prompts = [input_ids] if single else input_ids
+            for i, p in enumerate(prompts):
+                if not isinstance(p, list) or not p or not all(_is_int(t) for t in p):
+                    raise ValueError(f"input_ids[{i}] must be a non-empty list of token ids")
+                bad = [t for t in p if not 0 <= t < self.vocab_size]
+                if bad:
+                    raise ValueError(f"input_ids[{i}] has token ids {bad[:5]} outside the "
+                                     f"vocabulary [0, {self.vocab_size})")
+        else:
+            single = isinstance(text, str)
+            texts = [text] if single else text
+            if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+                raise ValueError("text must be a string or a list of strings")
+            prompts = [self.tokenizer.encode(t) for t in texts]
+            for i, p in enumerate(prompts):
+                if not p:
+                    raise ValueError(f"text[{i}] tokenizes to no tokens")
+        bs = len(prompts)
+        sp = body.get("sampling_params")
+        if sp is None or isinstance(sp, dict):
+            sps = [sp or {}] * bs
+        elif isinstance(sp, list) and all(isinstance(s, dict) for s in sp):
+            if len(sp) != bs:
+                raise ValueError(f"sampling_params is a list of {len(sp)} dicts but the batch has {bs} "
+                                 f"prompts; give one dict, or one per prompt")
+            sps = sp
+        else:
+            raise ValueError("sampling_params must be a dict or a list of dicts")
+        ns = [s.get("n", 1) or 1 for s in sps]
+        if not all(_is_int(n) and n >= 1 for n in ns) or len(set(ns)) != 1:
+            raise ValueError(f"sampling_params.n must be the same integer >= 1 for all items, got {ns[:8]}")
+        n = ns[0]
+        rid = body.get("rid")
+        total = bs * n
+        if rid is None:
+            rids = [uuid.uuid4().hex for _ in range(bs)]
+        elif isinstance(rid, str):  # SGLang: a batch's string rid becomes f"{rid}_{i}" per item
+            rids = [rid] if (single and n == 1) else [f"{rid}_{i}" for i in range(total)]
+        elif isinstance(rid, list) and all(isinstance(r, str) for r in rid) and len(rid) == bs:
+            if len(set(rid)) != len(rid):
+                raise ValueError(f"rid has duplicates: {sorted(r for r in set(rid) if rid.count(r) > 1)}")
+            rids = list(rid)
+        else:
+            raise ValueError(f"rid must be a string or a list of {bs} strings")
+        rl = body.get("return_logprob")
+        rls = rl if isinstance(rl, list) else [bool(rl)] * bs
+        if len(rls) != bs:
+            raise ValueError(f"return_logprob is a list of {len(rls)} but the batch has {bs} prompts")
+        if n > 1:  # SGLang parallel sampling: the whole batch repeated n times
+            single = False
+            prompts, sps, rls = prompts * n, sps * n, rls * n
+            if len(rids) == bs:
+                rids = [f"{r}_{k}" for k in range(n) for r in rids]
+        specs = [parse_sampling_params(s, vocab_size=self.vocab_size, eos_ids=self.eos_ids,
+                                       where="sampling_params" if isinstance(sp, dict) or sp is None
+                                       else f"sampling_params[{i % bs}]")
+                 for i, s in enumerate(sps)]
+        return single, prompts, specs, rids, [bool(x) for x in rls]
+
+    def submit(self, body: dict) -> _Request:
+        """Validate a /generate body and queue its items; returns at once (see :meth:`response`).
+
+        Raises:
+            ValueError: malformed request (the message names the field).
+            RuntimeError: the engine is closed.
+        """
+        single, prompts, specs, rids, return_lp = self._normalize(body)
+        base_rid = body.get("rid") if isinstance(body.get("rid"), str) else None
+        req = _Request(single, return_lp, bool(body.get("return_text_in_logprobs", False)))
+        req.items = [_Item(p, s, self._clip_max_new(p, s, i), r, base_rid, req)
+                     for i, (p, s, r) in enumerate(zip(prompts, specs, rids))]
+        req._left = len(req.items)
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            self._pending.extend(req.items)
+            self._cv.notify_all()
+        return req
+
+    def response(self, req: _Request):
+        """The SGLang-shaped result of a finished request: a dict, or a list for batched input."""
+        req.future.result()
+        latency = time.time() - req.t0
+        results = []
+        for i, it in enumerate(req.items):
+            tokens, lps, finish, version = it.result
+            meta = {
+                "id": it.rid,
+                "finish_reason": finish,
+                "prompt_tokens": len(it.prompt),
+                "completion_tokens": len(tokens),
+                "cached_tokens": 0,
+                "weight_version": version,
+                "e2e_latency": latency,
+            }
+            if req.return_lp[i]:
+                meta["output_token_logprobs"] = [
+                    [lp, tok, self.tokenizer.decode([tok]) if req.text_in_lp else None]
+                    for lp, tok in zip(lps, tokens)
+                ]
+            text = self.tokenizer.decode(tokens, skip_special_tokens=it.spec.skip_special_tokens)
+            results.append({"text": text, "output_ids": tokens, "meta_info": meta})
+        return results[0] if req.single else results
+
+    def generate(self, body: dict):
+        """Serve one /generate body (SGLang GenerateReqInput shape); blocks until it is done.
+
+        Returns a result dict for a single prompt, a list of them for a batch (order preserved).
+        Raises:
+            ValueError: malformed request (the message names the field).
+            RuntimeError: the engine is closed or generation failed.
+        """
+        return self.response(self.submit(body))
+
+    def _clip_max_new(self, prompt: list[int], spec: SamplingSpec, i: int) -> int:
+        room = (self.max_positions - len(prompt)) if self.max_positions else None
+        if room is not None and room <= 0:
+            raise ValueError(f"input_ids[{i}] has {len(prompt)} tokens but the model's context is "
+                             f"{self.max_positions} tokens (max_position_embeddings)")
+        m = spec.max_new_tokens
+        if m < 0:
+            return room if room is not None else 2048
+        return min(m, room) if room is not None else m
+
+    def _schedule_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._pending and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                # Let a burst of concurrent requests arrive before forming the batch: wait until
+                # no item arrived for batch_wait_s (at most max_batch_wait_s, or a full batch).
+                t_first = time.monotonic()
+                while len(self._pending) < self.max_batch_size:
+                    n = len(self._pending)
+                    self._cv.wait(self.batch_wait_s)
+                    if len(self._pending) == n or time.monotonic() - t_first > self.max_batch_wait_s:
+                        break
+                length = len(self._pending[0].prompt)
+                batch = [it for it in self._pending if len(it.prompt) == length][: self.max_batch_size]
+                taken = set(map(id, batch))
+                self._pending = [it for it in self._pending if id(it) not in taken]
+                self._running = batch
+            error: Optional[BaseException] = None
+            try:
+                t_batch = time.monotonic()
+                with self._model_lock:
+                    version = self.weight_version
+                    rows = self._generate_rows(batch)
+                logger.debug("batch of %d rows (prompt length %d, %d queued) in %.1f ms", len(batch), length,
+                             len(self._pending), 1000 * (time.monotonic() - t_batch))
+                for it, row in zip(batch, rows):
+                    it.result = row + (version,)
+            except BaseException as e:  # report to the waiting requests, keep serving
+                logger.exception("generate batch failed")
+                error = e
+            finally:
+                with self._cv:
+                    self._running = []
+                for it in batch:
+                    it.request.item_done(error)
+
+    def close(self) -> None:
+        """Stop the scheduler thread (queued requests fail with RuntimeError)."""
+        with self._cv:
+            self._closed = True
+            pending, self._pending = self._pending, []
+            self._cv.notify_all()
+        for it in pending:
+            it.request.item_done(RuntimeError("the engine was closed"))
+
+    def _generate_rows(self, items: list[_Item]) -> list[tuple]:
+        """Run one generate batch; returns (tokens, logprobs, finish_reason) per item."""
+        live = [it for it in items if not it.aborted and it.max_new > 0]
+        rows: dict[int, tuple] = {}
+        for it in items:
+            if it.aborted:
+                rows[id(it)] = ([], [], {"type": "abort", "message": "Abort in waiting queue"})
+            elif it.max_new == 0:
+                rows[id(it)] = ([], [], {"type": "length", "length": 0})
+        if live:
+            for it, row in zip(live, self._run_generate(live)):
+                rows[id(it)] = row
+        return [rows[id(it)] for it in items]
+
+    def _run_generate(self, items: list[_Item]) -> list[tuple]:
+        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+
+        B = len(items)
+        L = max(len(it.prompt) for it in items)
+        max_new = max(it.max_new for it in items)
+        specs = [it.spec for it in items]
+        seeds = [s.seed if s.seed is not None else self._sysrand.getrandbits(63) for s in specs]
+        input_ids = torch.full((B, L), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((B, L), dtype=torch.long)
+        for i, it in enumerate(items):
+            n = len(it.prompt)
+            input_ids[i, L - n:] = torch.tensor(it.prompt, dtype=torch.long)
+            attention_mask[i, L - n:] = 1
+        sampler = _RowSampler(specs, seeds, prompt_len=L, max_new=max_new)
+        stopper = _RowStop(sampler, items)
+        gen_cfg = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new,
+                                   pad_token_id=self.pad_id, use_cache=True)
+        with torch.inference_mode():
+            self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                generation_config=gen_cfg,
+                                logits_processor=LogitsProcessorList([sampler]),
+                                stopping_criteria=StoppingCriteriaList([stopper]))
+        rows = []
+        for i, it in enumerate(items):
+            stop = set(it.spec.stop_ids)
+            limit = min(it.max_new, sampler.steps)
+            aborted = stopper.abort_step[i] is not None
+            if aborted:
+                limit = min(limit, stopper.abort_step[i])
+            toks = sampler.tokens[i, :limit].tolist()
+            lps = sampler.logprobs[i, :limit].tolist()
+            cut = next((j + 1 for j, t in enumerate(toks) if t in stop), None)
+            if cut is not None:
+                rows.append((toks[:cut], lps[:cut], {"type": "stop", "matched": toks[cut - 1]}))
+            elif aborted:
+                rows.append((toks, lps, {"type": "abort", "message": "Abort request"}))
+            else:
+                rows.append((toks, lps, {"type": "length", "length": it.max_new}))
+        return rows
+
+    def abort(self, rid: Optional[str] = None, abort_all: bool = False) -> None:
+        """Abort queued or running items: ``rid`` is an item id or the rid a request was sent with."""
+        with self._cv:
+            for it in self._pending + self._running:
+                if abort_all or (rid is not None and rid in (it.rid, it.base_rid)):
+                    it.aborted = True
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights_from_disk(self, model_path: str, load_format: Optional[str] = None,
+                                 weight_version: Optional[str] = None) -> tuple[bool, str]:
+        """Load a full HF safetensors checkpoint into the live model (all-or-nothing).
+
+        Returns (success, message); the message names missing / unknown / mis-shaped weights.
+        """
+        if load_format not in (None, "auto", "safetensors"):
+            return False, (f"load_format={load_format!r} is not supported by the reference server "
+                           f"(use null, 'auto' or 'safetensors')")
+        try:
+            named = load_safetensors_dir(model_path)
+            with self._model_lock:
+                plan = [(self.mapper.resolve(n, t), t) for n, t in named]
+                covered = set()
+                for (_, pieces), _t in plan:
+                    covered.update(pieces)
+                missing = self.mapper.missing(covered)
+                if missing:
+                    return False, (f"checkpoint {model_path} does not cover {len(missing)} model "
+                                   f"weights, e.g. {missing[:8]}; nothing was updated")
+                self.mapper.apply(named)
+                self._pending_cover = set()
+                if weight_version is not None:
+                    self.weight_version = str(weight_version)
+        except (ValueError, FileNotFoundError, OSError) as e:
+            return False, f"update_weights_from_disk failed, nothing was updated: {e}"
+        msg = f"Succeeded to update model weights from {model_path}."
+        if weight_version is not None:
+            msg += f" Weight version updated to {weight_version}."
+        return True, msg
+
+    def update_weights_from_tensor(self, serialized_named_tensors: list, load_format: Optional[str] = None,
+                                   flush_cache: bool = True,
+                                   weight_version: Optional[str] = None) -> tuple[bool, str]:
+        """Apply one bucket of named tensors (base64 safetensors bytes per element, see module doc).
+
+        With ``weight_version`` set, the version is published only if every parameter was covered
+        by the buckets received since the last publish; otherwise (False, message naming missing).
+        """
+        from safetensors.torch import load as st_load
+
+        if load_format not in (None, "safetensors"):
+            return False, (f"load_format={load_format!r} is not supported by the reference server; "
+                           f"send base64 safetensors bytes with load_format null")
+        if not isinstance(serialized_named_tensors, list) or not serialized_named_tensors:
+            return False, "serialized_named_tensors must be a non-empty list of base64 strings"
+        try:
+            named: list[tuple[str, torch.Tensor]] = []
+            for k, blob in enumerate(serialized_named_tensors):
+                if not isinstance(blob, str):
+                    raise ValueError(f"serialized_named_tensors[{k}] must be base64 text of safetensors bytes")
+                named.extend(st_load(base64.b64decode(blob)).items())
+        except Exception as e:  # malformed base64 / safetensors header
+            return False, f"could not decode serialized_named_tensors: {e}"
+        with self._model_lock:
+            try:
+                self._pending_cover |= self.mapper.apply(named)
+            except ValueError as e:
+                return False, f"update_weights_from_tensor failed, this bucket was not applied: {e}"
+            msg = f"Succeeded to update {len(named)} tensors."
+            if weight_version is not None:
+                missing = self.mapper.missing(self._pending_cover)
+                self._pending_cover = set()
+                if missing:
+                    return False, (f"weight_version {weight_version!r} not published: the updates since "
+                                   f"the last version did not cover {len(missing)} model weights, e.g. "
+                                   f"{missing[:8]}")
+                self.weight_version = str(weight_version)
+                msg += f" Weight version updated to {weight_version}."
+        return True, msg
+
+    # ------------------------------------------------------------------ info
+
+    def model_info(self) -> dict:
+        return {"model_path": self.model_path, "tokenizer_path": self.tokenizer_path,
+                "is_generation": True, "preferred_sampling_params": None,
+                "weight_version": self.weight_version}
+
+
+# ----------------------------------------------------------------------------- HTTP
+
+
+def create_app(engine: ReferenceEngine, server_args: Optional[dict] = None):
+    """FastAPI app exposing ``engine`` with SGLang's native endpoints (see module docstring)."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, Response
+    from starlette.concurrency import run_in_threadpool
+
+    app = FastAPI(title="moerl reference rollout server")
+    args = dict(server_args or {})
+
+    def error(msg: str, status: int = 400):
+        return JSONResponse({"error": {"message": msg}}, status_code=status)
+
+    async def body_of(request: Request):
+        try:
+            return await request.json()
+        except Exception:
+            return None
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request):
+        body = await body_of(request)
+        try:
+            req = engine.submit(body)
+        except ValueError as e:
+            return error(str(e))
+        except RuntimeError as e:
+            return error(str(e), 503)
+        try:
+            await asyncio.wrap_future(req.future)
+        except RuntimeError as e:
+            return error(str(e), 500)
+        return JSONResponse(engine.response(req))
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request):
+        body = await body_of(request)
+        if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
+            return JSONResponse({"success": False, "message": "body needs model_path (a directory)"},
+                                status_code=400)
+        if body.get("abort_all_requests"):
+            engine.abort(abort_all=True)
+        ok, msg = await run_in_threadpool(engine.update_weights_from_disk, body["model_path"],
+                                          body.get("load_format"), body.get("weight_version"))
+        return JSONResponse({"success": ok, "message": msg, "num_paused_requests": 0},
+                            status_code=200 if ok else 400)
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: Request):
+        body = await body_of(request)
+        if not isinstance(body, dict):
+            return JSONResponse({"success": False, "message": "body must be a JSON object"}, status_code=400)
+        if body.get("abort_all_requests"):
+            engine.abort(abort_all=True)
+        ok, msg = await run_in_threadpool(
+            engine.update_weights_from_tensor, body.get("serialized_named_tensors"),
+            body.get("load_format"), bool(body.get("flush_cache", True)), body.get("weight_version"))
+        return JSONResponse({"success": ok, "message": msg}, status_code=200 if ok else 400)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        # No cross-request cache here (the KV cache lives within one generate call).
+        return Response(content="Cache flushed.\n", status_code=200)
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        try:
+            await run_in_threadpool(engine.generate, {
+                "input_ids": [engine.pad_id], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
+            return Response(status_code=200)
+        except Exception:
+            logger.exception("health_generate failed")
+            return Response(status_code=503)
+
+    @app.get("/get_model_info")
+    async def get_model_info():
+        return engine.model_info()
+
+    @app.get("/get_weight_version")
+    async def get_weight_version():
+        return {"weight_version": engine.weight_version}
+
+    @app.get("/get_server_info")
+    async def get_server_info():
+        from moerl import __version__ as version
+
+        return {**args, "model_path": engine.model_path, "tokenizer_path": engine.tokenizer_path,
+                "weight_version": engine.weight_version, "engine": "moerl-reference",
+                "internal_states": [{}], "version": version}
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        body = await body_of(request) or {}
+        engine.abort(rid=body.get("rid") or None, abort_all=bool(body.get("abort_all", False)))
+        return Response(status_code=200)
+
+    return app
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moerl serve", description="moerl CPU reference rollout server "
+                                "(SGLang native HTTP API)")
+    p.add_argument("--model-path", required=True, help="HF model directory")
+    p.add_argument("--tokenizer-path", default=None, help="tokenizer directory (default: model path)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--max-batch-size", type=int, default=256, help="most rows in one generate batch")
+    p.add_argument("--switch-interval-ms", type=float, default=0.5, help="Python GIL switch interval")
+    p.add_argument("--log-file", default=None, help="append logs here instead of stderr")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of ``python -m moerl.rollout.server`` / ``moerl serve``; blocks until stopped."""
+    import uvicorn
+
+    args = build_arg_parser().parse_args(argv)
+    if args.num_threads < 1:
+        raise SystemExit(f"--num-threads must be >= 1, got {args.num_threads}")
+    logging.basicConfig(filename=args.log_file, level=args.log_level.upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    torch.set_num_threads(args.num_threads)
+    # The HTTP event loop shares the GIL with the generate thread; hand it over more often than the
+    # default 5 ms so that requests keep arriving (and joining batches) while a batch runs.
+    sys.setswitchinterval(args.switch_interval_ms / 1000.0)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass
+    logger.info("loading %s with %d threads", args.model_path, args.num_threads)
+    if args.max_batch_size < 1:
+        raise SystemExit(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
+    engine = ReferenceEngine(args.model_path, args.tokenizer_path, max_batch_size=args.max_batch_size)
+    app = create_app(engine, {"host": args.host, "port": args.port, "num_threads": args.num_threads,
+                              "max_batch_size": args.max_batch_size, "tp_size": 1, "dp_size": 1})
+    logger.info("serving on http://%s:%d", args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False,
+                log_level=args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
