@@ -1,0 +1,116 @@
+"""Everything a run needs before the first step: run dir, tokenizer, data, model config, reward.
+
+All checks that can fail on user input happen here, before any model is built or server started.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from moerl.checkpoint.hf_io import load_hf_state_dict
+from moerl.data.dataset import PromptSampler, load_prompt_dataset
+from moerl.data.tasks import prepare_task_data
+from moerl.data.tokenizer import decode_response, encode_prompt, tokenizer_from_config
+from moerl.models.qwen3_moe import make_hf_config
+from moerl.rewards import get_reward_fn
+from moerl.rollout.errors import PortInUseError
+from moerl.rollout.launcher import port_is_free
+
+
+@dataclass
+class RunContext:
+    """The resolved, read-only inputs of one run (the recipe is never mutated)."""
+
+    cfg: Any
+    dist: Any
+    run_dir: Path
+    tokenizer: Any
+    hf_config: Any
+    train_ds: Any
+    eval_rows: list[dict]
+    reward_fn: Callable[[str, str], float]
+    init_hf_state_dict: Optional[dict]
+
+    @property
+    def eos_id(self) -> int:
+        return int(self.tokenizer.eos_token_id)
+
+    @property
+    def pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return int(pad if pad is not None else self.tokenizer.eos_token_id)
+
+    def encode(self, prompt_text: str) -> list[int]:
+        """Chat-templated prompt ids."""
+        return encode_prompt(self.tokenizer, prompt_text)
+
+    def decode(self, response_ids: list[int]) -> str:
+        """Response text without special tokens."""
+        return decode_response(self.tokenizer, response_ids)
+
+    @staticmethod
+    def make_sampler(dataset, batch_size: int, seed: int) -> PromptSampler:
+        return PromptSampler(dataset, batch_size, seed)
+
+
+def check_ports_free(rollout) -> None:
+    """Fail before any compute when a rollout port is taken.
+
+    Raises:
+        PortInUseError: naming the port and the recipe key to change.
+    """
+    ports = [(rollout.base_port + i, f"rollout.base_port (server {i})") for i in range(rollout.num_servers)]
+    for port, key in ports + [(rollout.router_port, "rollout.router_port")]:
+        if not port_is_free(rollout.host, port):
+            raise PortInUseError(
+                f"port {port} on {rollout.host} is already in use; change {key} in the recipe or on the "
+                f"command line (e.g. {key.split()[0]}={port + 100}) or stop what holds it"
+            )
+
+
+def prepare_run(cfg, dist) -> RunContext:
+    """Resolve the recipe into a RunContext: writes <output_dir>/recipe.yaml, builds or loads the
+    tokenizer, generates or validates the datasets, resolves the HF model config.
+
+    Raises:
+        moerl.config.loader.ConfigError / ValueError / FileNotFoundError with the recipe key named.
+    """
+    cfg.check_world_size(dist.world_size)
+    check_ports_free(cfg.rollout)
+    run_dir = Path(cfg.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg.save(str(run_dir / "recipe.yaml"))
+    d = cfg.data
+    train_path, eval_path = prepare_task_data(
+        d.task, run_dir / "data", cfg.seed, train_path=d.train_path, eval_path=d.eval_path,
+        num_train=d.num_train, num_eval=d.num_eval, digits=d.digits,
+    )
+    cache = str(run_dir / "data" / "hf_cache")
+    train_ds = load_prompt_dataset(train_path, d.prompt_key, d.label_key, recipe_key="data.train_path", cache_dir=cache)
+    eval_ds = load_prompt_dataset(eval_path, d.prompt_key, d.label_key, recipe_key="data.eval_path", cache_dir=cache)
+    if len(eval_ds) < cfg.eval.num_prompts:
+        raise ValueError(
+            f"eval.num_prompts ({cfg.eval.num_prompts}) exceeds the {len(eval_ds)} rows of {eval_path}; lower it"
+        )
+    tokenizer = tokenizer_from_config(d.tokenizer_path, run_dir)
+    hf_fields = cfg.model.hf_config.model_dump()
+    hf_fields["vocab_size"] = cfg.model.hf_config.resolve_vocab_size(len(tokenizer))
+    hf_config = make_hf_config(hf_fields)
+    longest = max(len(encode_prompt(tokenizer, r[d.prompt_key])) for r in eval_ds.select(range(min(len(eval_ds), 1000))))
+    if longest + cfg.rollout.max_new_tokens > hf_config.max_position_embeddings:
+        raise ValueError(
+            f"prompt ({longest} tokens) + rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) exceeds "
+            f"model.hf_config.max_position_embeddings ({hf_config.max_position_embeddings}); raise it"
+        )
+    init_sd = None
+    if cfg.model.init_from:
+        if not Path(cfg.model.init_from).is_dir():
+            raise FileNotFoundError(f"model.init_from: no HF checkpoint directory at {cfg.model.init_from}")
+        init_sd = load_hf_state_dict(cfg.model.init_from)
+    return RunContext(
+        cfg=cfg, dist=dist, run_dir=run_dir, tokenizer=tokenizer, hf_config=hf_config, train_ds=train_ds,
+        eval_rows=[eval_ds[i] for i in range(len(eval_ds))], reward_fn=get_reward_fn(d.reward),
+        init_hf_state_dict=init_sd,
+    )

@@ -1,0 +1,38 @@
+"""moerl: RL post-training for Mixture-of-Experts language models (Megatron-Core + SGLang API)."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="moerl",
+    version="0.1.0",
+    description="Reinforcement-learning post-training for Mixture-of-Experts language models",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11,<3.12",
+    packages=find_packages(include=["moerl", "moerl.*"]),
+    package_data={"moerl": ["py.typed"]},
+    install_requires=[
+        # CPU environment (see shared/design/CPU_MEGATRON.md): megatron-core 0.17+ needs Python >= 3.12.
+        "torch==2.13.0",
+        "megatron-core==0.16.1",
+        "numpy>=1.26,<3",
+        "psutil>=5.9",  # needed by megatron dist_checkpointing's writer, not declared by it
+        "transformers==5.24.0",
+        "tokenizers>=0.22,<0.24",
+        "datasets>=4.0,<6",
+        "safetensors>=0.6,<0.9",
+        "sglang-router==0.3.2",
+        "fastapi>=0.115,<1",
+        "uvicorn>=0.30,<1",
+        "httpx>=0.27,<0.29",
+        "pydantic>=2.7,<3",
+        "pyyaml>=6.0,<7",
+        "tensorboard>=2.16,<3",
+        "tqdm>=4.66,<5",
+    ],
+    extras_require={
+        "test": ["pytest>=8,<10"],
+        "wandb": ["wandb"],
+    },
+    entry_points={"console_scripts": ["moerl=moerl.cli:main"]},
+)
