@@ -3,7 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import warnings
+
+
+def _quiet_runtime() -> None:
+    """CPU-friendly defaults set before torch loads (DEMO_CALIBRATION.md: trainer and rollout servers
+    share the cores, so idle OpenMP threads must sleep) and silence for known-harmless warnings
+    (megatron-core's "Apex/Transformer Engine not installed" fallbacks on CPU)."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron(\..*)?$")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 
 def _train(argv: list[str]) -> int:
@@ -15,6 +30,7 @@ def _train(argv: list[str]) -> int:
     parser.add_argument("recipe", help="path to a recipe YAML (see configs/)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, key=value")
     args = parser.parse_args(argv)
+    _quiet_runtime()
     from moerl.config.loader import ConfigError, load_config
 
     try:
@@ -22,9 +38,21 @@ def _train(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"moerl train: invalid recipe: {e}", file=sys.stderr)
         return 2
+    from moerl.data.dataset import DatasetError
+    from moerl.rollout.errors import PortInUseError, RolloutError
     from moerl.train.loop import train
 
-    train(cfg)
+    try:
+        train(cfg)
+    except (DatasetError, FileNotFoundError, ConfigError) as e:
+        print(f"moerl train: bad input: {e}", file=sys.stderr)
+        return 2
+    except PortInUseError as e:
+        print(f"moerl train: bad input: {e}", file=sys.stderr)
+        return 2
+    except RolloutError as e:
+        print(f"moerl train: rollout failure: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -37,6 +65,10 @@ def _serve(argv: list[str]) -> int:
 COMMANDS = {
     "train": (_train, "run the RL main job from a recipe"),
     "serve": (_serve, "run a reference rollout server speaking SGLang's HTTP API (CPU)"),
+    "plan": (
+        lambda argv: __import__("moerl.parallel.memory_plan", fromlist=["main"]).main(argv),
+        "per-GPU memory of a recipe's parallel layout (weights, grads, Adam state, activations)",
+    ),
 }
 
 

@@ -15,11 +15,11 @@ from typing import Any, Iterator, Optional, Sequence
 import datasets
 from datasets import Value
 
+from moerl.data.errors import DatasetError  # noqa: F401  (re-exported)
+
 _DEFAULT_CACHE = os.path.join(tempfile.gettempdir(), f"moerl-datasets-cache-{os.getuid() if hasattr(os, 'getuid') else 0}")
 
 
-class DatasetError(ValueError):
-    """A prompt file that cannot be used; the message names the file, the row and the recipe key."""
 
 
 def _check_jsonl(path: str, prompt_key: str, label_key: str) -> int:

@@ -13,6 +13,8 @@ import random
 import tempfile
 from typing import Optional
 
+from moerl.data.errors import DatasetError
+
 TRAIN_FILE = "train.jsonl"
 EVAL_FILE = "eval.jsonl"
 
@@ -122,6 +124,6 @@ def prepare_task_data(
             if p is None:
                 raise ValueError(f"{key} must be set when data.task is 'jsonl'")
             if not os.path.isfile(p):
-                raise ValueError(f"{key} file not found: {p}")
+                raise DatasetError(f"{key} file not found: {p}")
         return os.fspath(train_path), os.fspath(eval_path)  # type: ignore[arg-type]
     raise ValueError(f"unknown data.task {task!r}; expected 'arithmetic' or 'jsonl'")

@@ -166,6 +166,9 @@ def _train(ctx: RunContext, t_start: float) -> dict:
         eval_rows = ctx.eval_rows[: cfg.eval.num_prompts]
         if cfg.sft.enabled:
             summary.update(run_sft(ctx, actor, client, sync, logger))
+            warm = ctx.run_dir / "hf_warm_start"
+            save_hf_checkpoint(actor.export_hf_state_dict(), ctx.hf_config, warm, tokenizer=ctx.tokenizer)
+            log(f"warm-start weights saved to {warm} (reuse with model.init_from={warm} sft.enabled=false)")
         sync(actor)
         acc = evaluate(ctx, client, eval_rows)
         summary["accuracy_after_warm_start"] = acc
@@ -185,7 +188,13 @@ def _train(ctx: RunContext, t_start: float) -> dict:
         t_rl = time.time()
         for step in range(1, cfg.train.num_steps + 1):
             metrics = _rl_step(ctx, step, actor, ref, client, sync, sampler, sampling_params, timers)
-            if step % cfg.eval.every_steps == 0 or step == cfg.train.num_steps:
+            if step == 1:
+                summary["step0_check"] = step0_check(metrics)
+            if cfg.train.save_every and step % cfg.train.save_every == 0 and step < cfg.train.num_steps:
+                with timers("checkpoint"):
+                    save_dist_checkpoint(actor.model, actor.optimizer, ctx.run_dir / "checkpoints" / f"step_{step}",
+                                         extra={"step": step, "seed": cfg.seed})
+            if (cfg.eval.every_steps and step % cfg.eval.every_steps == 0) or step == cfg.train.num_steps:
                 with timers("eval"):
                     metrics["eval/accuracy"] = evaluate(ctx, client, eval_rows)
             metrics.update({f"time/{k}": v for k, v in timers.pop().items()})
@@ -257,6 +266,30 @@ def _rl_step(ctx, step, actor, ref, client, sync, sampler, sampling_params, time
     with timers("weight_sync"):
         sync(actor)
     return m
+
+
+STEP0_LOGPROB_TOL = 1e-5
+
+
+def step0_check(m: dict) -> dict:
+    """The step-0 checks, printed every run: right after a weight sync the trainer's log-probs of the
+    rollout tokens match the server's (mean |diff| <= 1e-5 in fp32), and the policy ratio is exactly
+    1 before the first update (sum over tokens of |log_probs - old_log_probs| == 0)."""
+    lp = m.get("logprob_abs_diff_mean", float("nan"))
+    dev = m.get("train/logratio_abs_sum", float("nan"))
+    res = {
+        "logprob_abs_diff_mean": lp,
+        "logprob_abs_diff_max": m.get("logprob_abs_diff_max", float("nan")),
+        "logprob_pass": bool(lp <= STEP0_LOGPROB_TOL),
+        "logratio_abs_sum": dev,
+        "ratio_pass": bool(dev == 0.0),
+    }
+    log(
+        f"STEP-0 CHECK: trainer vs rollout-server log-probs mean |diff| {lp:.2e} (max {res['logprob_abs_diff_max']:.2e}, "
+        f"tolerance {STEP0_LOGPROB_TOL:g}): {'PASS' if res['logprob_pass'] else 'FAIL'}; policy ratio before the first "
+        f"update: sum |log ratio| = {dev:g} (exactly 1): {'PASS' if res['ratio_pass'] else 'FAIL'}"
+    )
+    return res
 
 
 def _step_line(step: int, total: int, m: dict, eta: float) -> str:

@@ -1,0 +1,214 @@
+"""`moerl train` end to end: bad input fails fast with a clear message, a short run prints the
+step-0 checks and both evaluations and reproduces itself, a killed rollout server is named, and
+Ctrl-C leaves no process behind.
+
+The short runs use the tiny recipe with few steps (the full demo, configs/tiny_arith.yaml, is the
+README's main-job command)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = str(REPO / "configs" / "tiny_arith.yaml")
+FAST = [
+    "sft.max_steps=30", "sft.eval_every=15", "sft.eval_prompts=20", "train.num_steps=3",
+    "eval.num_prompts=40", "eval.every_steps=2", "rollout.rollout_batch_size=4", "train.global_batch_size=32",
+    "train.micro_batch_size=16", "data.num_train=2000", "data.num_eval=100",
+]
+
+
+def free_ports(n: int) -> int:
+    """A base port with n consecutive free ports on 127.0.0.1 (plus one more for the router)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n + 1 > 65000:
+            continue
+        ok = True
+        for p in range(base, base + n + 1):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no free port range")
+
+
+def moerl_train(*args: str, timeout: float = 600, **popen) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "moerl.cli", "train", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=REPO, **popen)
+
+
+def port_args(tmp_path) -> list[str]:
+    base = free_ports(3)
+    return [f"output_dir={tmp_path / 'run'}", "rollout.num_servers=2", f"rollout.base_port={base}",
+            f"rollout.router_port={base + 2}"]
+
+
+# ----------------------------------------------------------------------------- bad input, fast
+def test_malformed_recipe_names_the_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout:\n  n_samples_per_promt: 8\ntrain:\n  global_batch_size: 100\n")
+    r = moerl_train(str(bad), timeout=120)
+    assert r.returncode == 2
+    assert "rollout.n_samples_per_promt" in r.stderr and "n_samples_per_prompt" in r.stderr  # did-you-mean
+    r = moerl_train(RECIPE, "train.micro_batch_size=48", timeout=120)
+    assert r.returncode == 2 and "train.global_batch_size" in r.stderr and "micro_batch_size" in r.stderr
+    r = moerl_train(RECIPE, "rollout.temperature=hot", timeout=120)
+    assert r.returncode == 2 and "rollout.temperature" in r.stderr
+
+
+def test_missing_dataset_file(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    r = moerl_train(RECIPE, *port_args(tmp_path), "data.task=jsonl", f"data.train_path={missing}",
+                    f"data.eval_path={missing}", timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert str(missing) in r.stderr and "data.train_path" in r.stderr
+    assert "rollout:" not in r.stdout  # no server was started
+
+
+def test_row_without_prompt_field(tmp_path):
+    rows = [{"prompt": "001+002=", "label": "3"}, {"prompt": "010+020=", "label": "30"},
+            {"question": "100+200=", "label": "300"}]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = moerl_train(RECIPE, *port_args(tmp_path), "data.task=jsonl", f"data.train_path={path}",
+                    f"data.eval_path={path}", "eval.num_prompts=2", "sft.eval_prompts=2", timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "row 3" in r.stderr and "'prompt'" in r.stderr and "data.prompt_key" in r.stderr
+
+
+def test_port_in_use(tmp_path):
+    args = port_args(tmp_path)
+    port = int(args[2].split("=")[1]) + 1  # second server's port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        t0 = time.time()
+        r = moerl_train(RECIPE, *args, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"port {port}" in r.stderr and "rollout.base_port" in r.stderr
+    assert "sft step" not in r.stdout  # failed before any compute
+    assert time.time() - t0 < 120
+
+
+# ----------------------------------------------------------------------------- end to end, slow
+def _step_lines(stdout: str) -> list[str]:
+    """Per-step lines without wall-clock parts (timings differ run to run)."""
+    out = []
+    for line in stdout.splitlines():
+        if " step " in line or "EVAL" in line or "STEP-0" in line:
+            line = re.sub(r"^\[moerl [0-9:]+\] ", "", line)
+            line = re.sub(r"\|[^|]*\d+\.\d+s[^|]*", "|", line)  # time breakdown and eta
+            line = re.sub(r"\([\d.]+ steps/s, elapsed \d+s", "(", line)
+            out.append(line)
+    return out
+
+
+@pytest.mark.slow
+def test_short_run_end_to_end_and_reproducible(tmp_path):
+    runs = []
+    for k in range(2):
+        r = moerl_train(RECIPE, *port_args(tmp_path / f"r{k}"), *FAST, timeout=900)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        runs.append(r.stdout)
+    out = runs[0]
+    assert "EVAL after warm start" in out and "EVAL after RL" in out
+    m = re.search(r"STEP-0 CHECK: .*mean \|diff\| ([0-9.e+-]+) .*: (PASS|FAIL); .*sum \|log ratio\| = (\S+) .*: (PASS|FAIL)", out)
+    assert m, out[-3000:]
+    assert float(m.group(1)) <= 1e-5 and m.group(2) == "PASS"
+    assert float(m.group(3)) == 0.0 and m.group(4) == "PASS"
+    run = tmp_path / "r0" / "run"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["step0_check"]["logprob_pass"] and summary["step0_check"]["ratio_pass"]
+    assert (run / "hf_export" / "model.safetensors").is_file()
+    assert any((run / "checkpoints").iterdir())
+    assert list((run / "tensorboard").rglob("events.out.tfevents*"))
+    # same seed -> the same numbers, step by step
+    assert _step_lines(runs[0]) == _step_lines(runs[1])
+    # the HF export loads in transformers and matches the trainer's final weights via the server path
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(run / "hf_export")
+    assert sum(p.numel() for p in model.parameters()) > 1_000_000
+
+
+def _children_of(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _start(tmp_path, *extra):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    log = open(tmp_path / "train.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "moerl.cli", "train", RECIPE, *port_args(tmp_path), *extra],
+                            stdout=log, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    return proc, tmp_path / "train.log"
+
+
+def _wait_for(log_path: Path, pattern: str, proc, timeout: float = 300) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if re.search(pattern, log_path.read_text()):
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"exited early:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {pattern!r}:\n{log_path.read_text()[-3000:]}")
+
+
+@pytest.mark.slow
+def test_killed_server_is_named(tmp_path):
+    proc, log = _start(tmp_path, *FAST[:-2], "train.num_steps=400", "eval.every_steps=0")
+    try:
+        _wait_for(log, r"step 2/400", proc)
+        servers = [c for c in _children_of(proc.pid) if "moerl.rollout.server" in " ".join(c.cmdline())]
+        assert len(servers) == 2
+        victim = servers[1]
+        port = re.search(r"--port (\d+)", " ".join(victim.cmdline())).group(1)
+        victim.send_signal(signal.SIGKILL)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert rc == 1, text[-3000:]
+    assert "RolloutServerDiedError" in text and f":{port}" in text and "SIGKILL" in text, text[-3000:]
+    time.sleep(1)
+    assert not _children_of(proc.pid)
+
+
+@pytest.mark.slow
+def test_ctrl_c_leaves_no_process(tmp_path):
+    proc, log = _start(tmp_path, *FAST[:-2], "train.num_steps=400", "eval.every_steps=0")
+    try:
+        _wait_for(log, r"step 2/400", proc)
+        kids = _children_of(proc.pid)
+        assert len(kids) >= 3  # 2 servers + router
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc != 0
+    gone, alive = psutil.wait_procs(kids, timeout=30)
+    assert not alive, [p.cmdline() for p in alive]

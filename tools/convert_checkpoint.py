@@ -1,0 +1,90 @@
+"""Convert between Hugging Face checkpoints and Megatron-Core distributed checkpoints (torch_dist).
+
+    python tools/convert_checkpoint.py hf-to-mcore --hf HF_DIR --out CKPT_DIR
+    python tools/convert_checkpoint.py mcore-to-hf --ckpt CKPT_DIR --config HF_DIR_WITH_CONFIG --out HF_DIR
+
+``mcore-to-hf`` needs the model's HF config.json (e.g. a run's ``hf_export/`` or ``hf_warm_start/``);
+tokenizer files found next to that config are copied too. Model weights only (no optimizer state),
+single process (tp = pp = ep = 1), Qwen3-MoE architectures; conversion rules are those of
+moerl.checkpoint.hf_convert (exact in both directions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def _build(hf_config):
+    from moerl.models.qwen3_moe import build_gpt_model
+
+    return build_gpt_model(hf_config)
+
+
+def hf_to_mcore(hf_dir: str, out: str) -> Path:
+    """Load an HF Qwen3-MoE checkpoint into a Megatron GPTModel and save it as torch_dist."""
+    from transformers import AutoConfig
+
+    from moerl.checkpoint.dist_ckpt import save_dist_checkpoint
+    from moerl.checkpoint.hf_convert import hf_to_megatron, load_megatron_state_dict
+    from moerl.checkpoint.hf_io import load_hf_state_dict
+
+    hf_config = AutoConfig.from_pretrained(hf_dir)
+    model = _build(hf_config)
+    load_megatron_state_dict(model, hf_to_megatron(load_hf_state_dict(hf_dir), hf_config))
+    return save_dist_checkpoint(model, None, out, extra={"converted_from": str(hf_dir)})
+
+
+def mcore_to_hf(ckpt: str, config_dir: str, out: str) -> Path:
+    """Load a torch_dist checkpoint (model part) and write an HF checkpoint with ``config_dir``'s config."""
+    from transformers import AutoConfig
+
+    from moerl.checkpoint.dist_ckpt import load_dist_checkpoint
+    from moerl.checkpoint.hf_convert import megatron_to_hf
+    from moerl.checkpoint.hf_io import save_hf_checkpoint
+
+    hf_config = AutoConfig.from_pretrained(config_dir)
+    model = _build(hf_config)
+    load_dist_checkpoint(model, None, ckpt)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    path = Path(save_hf_checkpoint(megatron_to_hf(sd, hf_config), hf_config, out) or out)
+    for name in TOKENIZER_FILES:
+        src = Path(config_dir) / name
+        if src.is_file():
+            shutil.copy2(src, Path(out) / name)
+    return path
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("hf-to-mcore", help="HF checkpoint -> Megatron torch_dist checkpoint")
+    a.add_argument("--hf", required=True, help="HF checkpoint directory (config.json + safetensors)")
+    a.add_argument("--out", required=True, help="output checkpoint directory (must not exist)")
+    b = sub.add_parser("mcore-to-hf", help="Megatron torch_dist checkpoint -> HF checkpoint")
+    b.add_argument("--ckpt", required=True, help="torch_dist checkpoint directory (e.g. runs/x/checkpoints/step_N)")
+    b.add_argument("--config", required=True, help="directory with the model's HF config.json")
+    b.add_argument("--out", required=True, help="output HF directory")
+    args = parser.parse_args(argv)
+
+    from moerl.runtime.distributed import destroy_distributed, init_distributed
+
+    init_distributed(seed=0)
+    try:
+        if args.cmd == "hf-to-mcore":
+            if Path(args.out).exists():
+                parser.error(f"--out {args.out} already exists; choose a new directory")
+            print(f"wrote {hf_to_mcore(args.hf, args.out)}")
+        else:
+            print(f"wrote {mcore_to_hf(args.ckpt, args.config, args.out)}")
+    finally:
+        destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
