@@ -23,11 +23,17 @@ EXPECTED_TINY = {
             "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
             "intermediate_size": 256, "max_position_embeddings": 64, "rope_theta": 10000.0,
             "rms_norm_eps": 1.0e-6, "norm_topk_prob": True, "tie_word_embeddings": True, "vocab_size": None,
+            "mlp_only_layers": [],
         },
         "init_from": None,
         "params_dtype": "float32",
+        "planner_extras": None,
     },
-    "parallel": {"tp_size": 1, "pp_size": 1, "ep_size": 1},
+    "parallel": {
+        "tp_size": 1, "pp_size": 1, "ep_size": 1, "etp_size": None, "world_size": None, "sequence_parallel": True,
+        "use_distributed_optimizer": False, "recompute": "none", "num_layers_in_first_pipeline_stage": None,
+        "num_layers_in_last_pipeline_stage": None,
+    },
     "data": {
         "task": "arithmetic", "train_path": None, "eval_path": None, "prompt_key": "prompt", "label_key": "label",
         "num_train": 20000, "num_eval": 300, "digits": 3, "tokenizer_path": None, "reward": "arithmetic",
@@ -44,14 +50,14 @@ EXPECTED_TINY = {
         "filter_uniform_groups": True, "moe_aux_loss_coeff": 1.0e-3, "moe_load_balancing_type": "aux_loss",
     },
     "train": {
-        "num_steps": 60, "global_batch_size": 128, "micro_batch_size": 32, "lr": 1.0e-4, "weight_decay": 0.0,
+        "num_steps": 600, "global_batch_size": 128, "micro_batch_size": 32, "lr": 1.0e-4, "weight_decay": 0.0,
         "adam_beta1": 0.9, "adam_beta2": 0.999, "clip_grad": 1.0, "num_threads": 2, "save_every": 0,
     },
     "sft": {
         "enabled": True, "lr": 1.0e-3, "global_batch_size": 128, "micro_batch_size": 128, "max_steps": 3000,
         "eval_every": 50, "eval_prompts": 100, "target_accuracy": 0.3,
     },
-    "eval": {"num_prompts": 300, "every_steps": 10},
+    "eval": {"num_prompts": 300, "every_steps": 50},
     "log": {"tensorboard": True, "wandb_project": None, "log_every": 1},
 }
 
@@ -116,7 +122,7 @@ def test_float_without_dot_in_yaml_file(tmp_path):
 
 def test_partial_recipe_takes_defaults(tmp_path):
     cfg = load_config(_write(tmp_path, "seed: 7\n"))
-    assert cfg.seed == 7 and cfg.train.num_steps == 60
+    assert cfg.seed == 7 and cfg.train.num_steps == 600
     assert load_config(_write(tmp_path, "", "empty.yaml")) == RecipeConfig()
 
 
@@ -277,11 +283,11 @@ def test_check_world_size_returns_dp_size():
     [
         ([], 2, "sft.global_batch_size (128) must be divisible by sft.micro_batch_size * dp_size (128 * 2)"),
         (["sft.micro_batch_size=32"], 8, "train.global_batch_size (128) must be divisible by train.micro_batch_size * dp_size (32 * 8)"),
-        (["parallel.ep_size=2"], 1, "parallel.ep_size (2) must divide dp_size * parallel.tp_size (1 * 1)"),
+        (["parallel.ep_size=2"], 1, "world_size (1) must be divisible by etp_size * parallel.ep_size * parallel.pp_size (1 * 2 * 1 = 2"),
         (["parallel.tp_size=2"], 3, "world_size (3) must be divisible by parallel.tp_size * parallel.pp_size (2 * 1 = 2)"),
-        (["parallel.pp_size=2", "parallel.tp_size=2"], 6, "(2 * 2 = 4)"),
-        (["parallel.tp_size=2"], 2, "parallel.tp_size = 2 is not yet supported"),
-        (["parallel.pp_size=2"], 2, "parallel.pp_size = 2 is not yet supported"),
+        (["parallel.pp_size=2", "parallel.tp_size=2", "model.hf_config.num_hidden_layers=4"], 6, "(2 * 2 = 4)"),
+        (["parallel.tp_size=2", "parallel.ep_size=2"], 2, "etp_size * parallel.ep_size * parallel.pp_size (2 * 2 * 1 = 4"),
+        (["parallel.world_size=4"], 2, "parallel.world_size (4) says the job has 4 processes but it runs on 2"),
         ([], 0, "world_size must be a positive int"),
     ],
 )

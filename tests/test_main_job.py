@@ -118,6 +118,10 @@ def _step_lines(stdout: str) -> list[str]:
             line = re.sub(r"^\[moerl [0-9:]+\] ", "", line)
             line = re.sub(r"\|[^|]*\d+\.\d+s[^|]*", "|", line)  # time breakdown and eta
             line = re.sub(r"\([\d.]+ steps/s, elapsed \d+s", "(", line)
+            # the servers batch concurrent requests as they arrive, so the server-side log-probs (not
+            # the samples, which come from per-request seeds) can move in the last bits
+            line = re.sub(r"lp_diff \S+", "lp_diff", line)
+            line = re.sub(r"STEP-0 CHECK: .*?: (PASS|FAIL);", r"STEP-0 CHECK: \1;", line)
             out.append(line)
     return out
 
@@ -212,3 +216,21 @@ def test_ctrl_c_leaves_no_process(tmp_path):
     assert rc != 0
     gone, alive = psutil.wait_procs(kids, timeout=30)
     assert not alive, [p.cmdline() for p in alive]
+
+
+@pytest.mark.slow
+def test_full_demo_recipe_rl_gain(tmp_path):
+    """The README's main job exactly as shipped (only the run dir and ports changed): <= 20 minutes
+    on 2 cores, >= 200 held-out prompts, RL raises greedy accuracy by >= 10 points."""
+    t0 = time.time()
+    r = moerl_train(RECIPE, *port_args(tmp_path), timeout=1500)
+    elapsed = time.time() - t0
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    print(json.dumps(summary, indent=2))
+    assert "after warm start" in r.stdout and "after RL" in r.stdout
+    m = re.search(r"EVAL after RL: greedy accuracy [0-9.]+ on (\d+) held-out prompts", r.stdout)
+    assert m and int(m.group(1)) >= 200
+    assert summary["accuracy_after_rl"] - summary["accuracy_after_warm_start"] >= 0.10, summary
+    assert summary["step0_check"]["logprob_pass"] and summary["step0_check"]["ratio_pass"]
+    assert elapsed <= 20 * 60, elapsed

@@ -33,27 +33,53 @@ Megatron side (local layer spec)::
 The conversion is a table of ``ParamRule`` (one per Megatron parameter) whose ``kind`` selects
 a pair of pure functions (``_PACKERS``): HF tensors -> Megatron tensor and back. Each rule also
 records how the tensor shards (``tp_dim``: the tensor-parallel split dim, ``expert``: the global
-expert index for expert parallelism, ``layer``: the global layer for pipeline stages), so that
-TP/EP/PP slicing can be added per kind later. Only tp = ep = pp = 1 is implemented now.
+expert index for expert parallelism, ``layer``: the global layer for pipeline stages).
+
+Sharded models (``ShardLayout``: this rank's TP / expert-TP / EP / PP position). A rank's
+GPTModel holds, with *local* numbering:
+
+* ``embedding.word_embeddings.weight`` on the first pipeline stage only, rows
+  ``[tp_rank * V/tp, (tp_rank + 1) * V/tp)`` (Megatron's VocabParallelEmbedding);
+* ``output_layer.weight`` on the last stage only, the same vocabulary rows (ColumnParallelLinear);
+  with tied embeddings and pp > 1 the last stage keeps a copy of the embedding under this name
+  (Megatron keeps the two copies equal by all-reducing their gradients);
+* ``decoder.layers.{i}`` for global layers ``offset + i`` of this stage (``pipeline_layer_range``:
+  an even split, or Megatron's num_layers_in_first/last_pipeline_stage), and
+  ``decoder.final_layernorm.weight`` on the last stage;
+* ``mlp.experts.local_experts.{j}`` for global experts ``ep_rank * E/ep + j``;
+* tensor-parallel slices: QKV (packed per query group) split on dim 0, so each rank holds whole
+  query groups (nkv % tp == 0); SwiGLU fc1 = [gate_r; up_r] with gate and up each split on dim 0
+  (not a split of the concatenation); linear_proj / fc2 split on dim 1; norms and the router are
+  replicated. Expert weights split over the expert-TP group (etp) instead of TP.
+
+``hf_to_megatron(..., layout=...)`` cuts this rank's shard out of a full HF state dict;
+``merge_megatron_shards`` (offline, all shards in one process) and ``gather_megatron_to_hf``
+(collective, one shard per rank) put the full HF state dict back together bit for bit.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Optional
+from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
 from moerl.models.qwen3_moe import hf_head_dim, hf_moe_layer_pattern, hf_num_experts
+from moerl.parallel.layout import pipeline_layer_range
 
 __all__ = [
     "ParamRule",
+    "ShardLayout",
     "conversion_rules",
     "fused_experts_to_per_expert",
+    "gather_megatron_to_hf",
     "hf_to_megatron",
     "iter_hf_names",
     "load_megatron_state_dict",
     "megatron_to_hf",
+    "merge_megatron_shards",
+    "pipeline_layer_range",
+    "shard_rules",
     "strip_wrapper_prefix",
 ]
 
@@ -71,6 +97,8 @@ class ParamRule:
         tp_dim: dim split across TP ranks (0 column-parallel, 1 row-parallel, None replicated).
         layer: global decoder layer index (None outside the decoder).
         expert: global expert index (None for non-expert parameters).
+        tied_copy: True for ``output_layer.weight`` on the last pipeline stage of a model with
+            tied embeddings and pp > 1 (a copy of the embedding, skipped when exporting).
     """
 
     mcore_key: str
@@ -79,6 +107,7 @@ class ParamRule:
     tp_dim: Optional[int] = None
     layer: Optional[int] = None
     expert: Optional[int] = None
+    tied_copy: bool = False  # the last stage's copy of a tied embedding (pp > 1); not exported
 
 
 def _attn_dims(hf_config) -> tuple[int, int, int]:
@@ -249,22 +278,28 @@ def fused_experts_to_per_expert(hf_state_dict: Mapping[str, torch.Tensor], hf_co
     return out
 
 
-def hf_to_megatron(hf_state_dict: Mapping[str, torch.Tensor], hf_config) -> dict[str, torch.Tensor]:
-    """Convert a Qwen3-MoE HF state dict to an unsharded Megatron GPTModel state dict.
+def hf_to_megatron(
+    hf_state_dict: Mapping[str, torch.Tensor], hf_config, layout: Optional["ShardLayout"] = None
+) -> dict[str, torch.Tensor]:
+    """Convert a Qwen3-MoE HF state dict to a Megatron GPTModel state dict (whole, or one rank's shard).
 
     Args:
         hf_state_dict: HF tensors, on-disk per-expert keys or transformers 5 fused in-memory keys
             (``model.state_dict()``); a tied model's ``lm_head.weight`` may be present and must
             equal the embedding.
         hf_config: the model's Qwen3MoeConfig.
+        layout: this rank's ShardLayout (``ShardLayout.from_parallel_state()`` inside a job);
+            None (or tp = ep = pp = 1) gives the unsharded state dict.
 
     Returns:
-        dict mcore_key -> tensor (no ``_extra_state`` entries); load it with
-        ``load_megatron_state_dict``. Tensors keep the input dtype; QKV and fc1 are new tensors,
-        the rest may share storage with the input.
+        dict mcore_key -> tensor (no ``_extra_state`` entries) with this rank's *local* keys
+        (local layer and expert numbers, see the module docstring); load it with
+        ``load_megatron_state_dict``. Tensors keep the input dtype; QKV, fc1 and TP slices are new
+        tensors, the rest may share storage with the input.
 
     Raises:
-        ValueError: missing or unexpected HF keys (listed), or shapes that contradict the config.
+        ValueError: missing or unexpected HF keys (listed), shapes that contradict the config, or
+            a layout the model cannot be cut into (sizes not dividing heads/experts/layers/vocab).
     """
     sd = fused_experts_to_per_expert(hf_state_dict, hf_config)
     if getattr(hf_config, "tie_word_embeddings", False) and "lm_head.weight" in sd:
@@ -273,9 +308,13 @@ def hf_to_megatron(hf_state_dict: Mapping[str, torch.Tensor], hf_config) -> dict
         if embed is not None and not torch.equal(lm_head, embed):
             raise ValueError("tie_word_embeddings=True but lm_head.weight differs from model.embed_tokens.weight")
     rules = conversion_rules(hf_config)
-    needed = {k for r in rules for k in r.hf_keys}
+    known = {k for r in rules for k in r.hf_keys}
+    if layout is None or layout.is_trivial:
+        needed = known
+    else:  # a shard needs only its own tensors; the others may be absent
+        needed = {k for _, r, _, _ in shard_rules(hf_config, layout) for k in r.hf_keys}
     missing = sorted(needed - set(sd))
-    unexpected = sorted(set(sd) - needed)
+    unexpected = sorted(set(sd) - known)
     if missing or unexpected:
         raise ValueError(
             f"HF state dict does not match the Qwen3-MoE config: missing {missing[:20]}"
@@ -283,9 +322,15 @@ def hf_to_megatron(hf_state_dict: Mapping[str, torch.Tensor], hf_config) -> dict
             f"{' ...' if len(unexpected) > 20 else ''} ({len(unexpected)})"
         )
     out: dict[str, torch.Tensor] = {}
-    for rule in rules:
+    if layout is None or layout.is_trivial:
+        for rule in rules:
+            to_mcore, _ = _PACKERS[rule.kind]
+            out[rule.mcore_key] = to_mcore([sd[k] for k in rule.hf_keys], hf_config)
+        return out
+    for local_key, rule, size, rank in shard_rules(hf_config, layout):
         to_mcore, _ = _PACKERS[rule.kind]
-        out[rule.mcore_key] = to_mcore([sd[k] for k in rule.hf_keys], hf_config)
+        full = to_mcore([sd[k] for k in rule.hf_keys], hf_config)
+        out[local_key] = _tp_split(rule, full, size, rank)
     return out
 
 
@@ -327,8 +372,9 @@ def megatron_to_hf(mcore_state_dict: Mapping[str, torch.Tensor], hf_config) -> d
     if missing or unexpected:
         raise ValueError(
             f"Megatron state dict does not match the Qwen3-MoE config: missing {missing[:20]} "
-            f"({len(missing)}), unexpected {unexpected[:20]} ({len(unexpected)}); only unsharded "
-            "(tp=ep=pp=1) state dicts are supported"
+            f"({len(missing)}), unexpected {unexpected[:20]} ({len(unexpected)}); this function takes an "
+            "unsharded (tp=ep=pp=1) state dict: use gather_megatron_to_hf (in a job) or "
+            "merge_megatron_shards (offline) for sharded ones"
         )
     out: dict[str, torch.Tensor] = {}
     for rule in rules:
@@ -371,3 +417,302 @@ def iter_hf_names(hf_config) -> Iterable[str]:
     """HF (on-disk) tensor names of the model in conversion order (for weight-sync buckets)."""
     for rule in conversion_rules(hf_config):
         yield from rule.hf_keys
+
+
+# --------------------------------------------------------------------------------------------
+# Sharded (TP / EP / PP) conversion
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """One rank's position in a Megatron-Core parallel layout (what its GPTModel holds).
+
+    Attributes:
+        tp_size, tp_rank: tensor parallelism of the dense (non-expert) weights.
+        pp_size, pp_rank: pipeline stage.
+        ep_size, ep_rank: expert parallelism (this rank holds experts
+            ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)``).
+        etp_size, etp_rank: expert tensor parallelism (Megatron's expert_tensor_parallel_size;
+            None means etp_size = tp_size and etp_rank = tp_rank, Megatron's default).
+        num_layers_in_first_pipeline_stage, num_layers_in_last_pipeline_stage: Megatron's uneven
+            pipeline split (None = even split), see ``pipeline_layer_range``.
+    """
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
+    ep_size: int = 1
+    ep_rank: int = 0
+    etp_size: Optional[int] = None
+    etp_rank: Optional[int] = None
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    num_layers_in_last_pipeline_stage: Optional[int] = None
+
+    def __post_init__(self):
+        if self.etp_size is None:
+            object.__setattr__(self, "etp_size", self.tp_size)
+        if self.etp_rank is None:
+            object.__setattr__(self, "etp_rank", self.tp_rank if self.etp_size == self.tp_size else 0)
+        for name in ("tp", "pp", "ep", "etp"):
+            size, rank = getattr(self, f"{name}_size"), getattr(self, f"{name}_rank")
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"ShardLayout.{name}_size must be an int >= 1, got {size!r}")
+            if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
+                raise ValueError(f"ShardLayout.{name}_rank must be an int in [0, {size}), got {rank!r}")
+
+    @property
+    def is_trivial(self) -> bool:
+        """True when nothing is split (tp = pp = ep = etp = 1)."""
+        return self.tp_size == self.pp_size == self.ep_size == self.etp_size == 1
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @classmethod
+    def from_parallel_state(cls, config=None) -> "ShardLayout":
+        """This process's layout from megatron ``parallel_state`` (1s when it is not initialised).
+
+        Args:
+            config: the model's TransformerConfig, to read an uneven pipeline split
+                (num_layers_in_first/last_pipeline_stage); None = even split.
+        """
+        from megatron.core import parallel_state as ps
+
+        first = getattr(config, "num_layers_in_first_pipeline_stage", None) if config is not None else None
+        last = getattr(config, "num_layers_in_last_pipeline_stage", None) if config is not None else None
+        if not ps.model_parallel_is_initialized():
+            return cls(num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last)
+        return cls(
+            tp_size=ps.get_tensor_model_parallel_world_size(),
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            pp_size=ps.get_pipeline_model_parallel_world_size(),
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            ep_size=ps.get_expert_model_parallel_world_size(),
+            ep_rank=ps.get_expert_model_parallel_rank(),
+            etp_size=ps.get_expert_tensor_parallel_world_size(),
+            etp_rank=ps.get_expert_tensor_parallel_rank(),
+            num_layers_in_first_pipeline_stage=first,
+            num_layers_in_last_pipeline_stage=last,
+        )
+
+
+def _check_divisible(hf_config, layout: ShardLayout) -> None:
+    nh, nkv, _ = _attn_dims(hf_config)
+    checks = [
+        ("num_key_value_heads", nkv, "tp_size", layout.tp_size),
+        ("num_attention_heads", nh, "tp_size", layout.tp_size),
+        ("vocab_size", hf_config.vocab_size, "tp_size", layout.tp_size),
+        ("num_experts", hf_num_experts(hf_config), "ep_size", layout.ep_size),
+        ("moe_intermediate_size", hf_config.moe_intermediate_size, "etp_size", layout.etp_size),
+    ]
+    if not all(hf_moe_layer_pattern(hf_config)):
+        checks.append(("intermediate_size", hf_config.intermediate_size, "tp_size", layout.tp_size))
+    for name, value, size_name, size in checks:
+        if value % size:
+            raise ValueError(f"{name}={value} is not divisible by {size_name}={size}; cannot shard the model")
+
+
+def shard_rules(hf_config, layout: ShardLayout) -> list[tuple[str, ParamRule, int, int]]:
+    """The parameters one rank holds: ``(local mcore key, global rule, split size, split rank)``.
+
+    The split size/rank are the TP ones for dense weights and the expert-TP ones for expert
+    weights (1/0 for a replicated tensor). See the module docstring for the local numbering.
+
+    Raises:
+        ValueError: the model does not divide into ``layout`` (heads, vocabulary, experts,
+            expert FFN width by tp/ep/etp; layers by pp).
+    """
+    _check_divisible(hf_config, layout)
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    layers = pipeline_layer_range(
+        hf_config.num_hidden_layers, layout.pp_size, layout.pp_rank,
+        layout.num_layers_in_first_pipeline_stage, layout.num_layers_in_last_pipeline_stage,
+    )
+    per_rank = hf_num_experts(hf_config) // layout.ep_size
+    experts = range(layout.ep_rank * per_rank, (layout.ep_rank + 1) * per_rank)
+    out: list[tuple[str, ParamRule, int, int]] = []
+    for rule in conversion_rules(hf_config):
+        key = rule.mcore_key
+        if rule.layer is None:
+            if key.startswith("embedding.") and not layout.is_first_stage:
+                continue
+            if (key.startswith("output_layer.") or key.startswith("decoder.final_layernorm")) and not layout.is_last_stage:
+                continue
+        else:
+            if rule.layer not in layers:
+                continue
+            key = key.replace(f"decoder.layers.{rule.layer}.", f"decoder.layers.{rule.layer - layers.start}.", 1)
+        if rule.expert is not None:
+            if rule.expert not in experts:
+                continue
+            key = key.replace(
+                f"local_experts.{rule.expert}.", f"local_experts.{rule.expert - experts.start}.", 1
+            )
+        if rule.tp_dim is None:
+            size, rank = 1, 0
+        elif rule.expert is not None:
+            size, rank = layout.etp_size, layout.etp_rank
+        else:
+            size, rank = layout.tp_size, layout.tp_rank
+        out.append((key, rule, size, rank))
+    if tied and layout.pp_size > 1 and layout.is_last_stage:
+        copy = ParamRule("output_layer.weight", ("model.embed_tokens.weight",), "copy", tp_dim=0, tied_copy=True)
+        out.append(("output_layer.weight", copy, layout.tp_size, layout.tp_rank))
+    return out
+
+
+def _tp_split(rule: ParamRule, full: torch.Tensor, size: int, rank: int) -> torch.Tensor:
+    """This TP rank's slice of a whole Megatron tensor (see the module docstring)."""
+    if size == 1:
+        return full
+    if rule.kind == "gate_up":  # [gate; up] -> [gate_r; up_r]
+        gate, up = torch.chunk(full, 2, dim=0)
+        return torch.cat([torch.chunk(gate, size, dim=0)[rank], torch.chunk(up, size, dim=0)[rank]], dim=0)
+    # QKV is packed per query group, so a dim-0 split hands each rank whole groups.
+    return torch.chunk(full, size, dim=rule.tp_dim)[rank].clone()
+
+
+def _tp_merge(rule: ParamRule, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Inverse of ``_tp_split``: the whole Megatron tensor from the slices in TP-rank order."""
+    if len(pieces) == 1:
+        return pieces[0]
+    if rule.kind == "gate_up":
+        halves = [torch.chunk(p, 2, dim=0) for p in pieces]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(list(pieces), dim=rule.tp_dim)
+
+
+def merge_megatron_shards(shards: Mapping[ShardLayout, Mapping[str, torch.Tensor]], hf_config) -> dict[str, torch.Tensor]:
+    """Put the local state dicts of every rank of a layout back together as one HF state dict.
+
+    Offline counterpart of ``gather_megatron_to_hf`` (all shards in one process, e.g. for a
+    conversion tool or a test). Replicas (data-parallel copies, replicated tensors) are read from
+    the first shard that has them.
+
+    Args:
+        shards: ShardLayout -> that rank's ``model.state_dict()`` (wrapper prefixes and
+            ``_extra_state`` entries are ignored). Every tensor of the model must be covered.
+        hf_config: the model's Qwen3MoeConfig.
+
+    Returns:
+        dict HF key -> tensor, as ``megatron_to_hf`` of the unsharded model.
+
+    Raises:
+        ValueError: a shard lacks a key its layout implies, or a tensor is not covered.
+    """
+    whole: dict[str, torch.Tensor] = {}
+    pieces: dict[str, dict[int, torch.Tensor]] = {}
+    rules: dict[str, ParamRule] = {}
+    sizes: dict[str, int] = {}
+    for layout, sd in shards.items():
+        sd = strip_wrapper_prefix({k: v for k, v in sd.items() if not k.endswith(_EXTRA_STATE)})
+        for local_key, rule, size, rank in shard_rules(hf_config, layout):
+            if rule.tied_copy:
+                continue
+            if local_key not in sd:
+                raise ValueError(f"shard {layout} has no {local_key} (global {rule.mcore_key})")
+            rules[rule.mcore_key], sizes[rule.mcore_key] = rule, size
+            pieces.setdefault(rule.mcore_key, {}).setdefault(rank, sd[local_key].detach())
+    for rule in conversion_rules(hf_config):
+        got = pieces.get(rule.mcore_key, {})
+        if sorted(got) != list(range(sizes.get(rule.mcore_key, 1))) or not got:
+            raise ValueError(f"{rule.mcore_key}: shards cover TP ranks {sorted(got)} only")
+        whole[rule.mcore_key] = _tp_merge(rule, [got[r] for r in range(len(got))])
+    return megatron_to_hf(whole, hf_config)
+
+
+def gather_megatron_to_hf(
+    mcore_state_dict: Mapping[str, torch.Tensor],
+    hf_config,
+    layout: Optional[ShardLayout] = None,
+    *,
+    dst: Optional[int] = None,
+) -> dict[str, torch.Tensor]:
+    """Collective: gather every rank's shard into the full HF state dict (weight sync / export).
+
+    Every rank of the job must call it. Tensor-parallel slices are all-gathered in the TP group
+    (expert slices in the expert-TP group) and unpacked to HF tensors (QKV per query group,
+    fc1 -> gate/up); then each HF tensor is sent from the lowest global rank that holds it
+    (pipeline stages, expert-parallel ranks) to every rank (``dst=None``, a broadcast over the
+    world group) or only to global rank ``dst`` (point-to-point).
+
+    Args:
+        mcore_state_dict: this rank's ``model.state_dict()`` (local keys; wrapper prefixes and
+            ``_extra_state`` entries are ignored).
+        hf_config: the model's Qwen3MoeConfig.
+        layout: this rank's ShardLayout; default ``ShardLayout.from_parallel_state()`` (even
+            pipeline split).
+        dst: None (every rank gets the result) or the global rank that does.
+
+    Returns:
+        dict HF key -> detached CPU tensor (a copy), equal to ``megatron_to_hf`` of the
+        unsharded model, in conversion order; an empty dict on ranks other than ``dst``.
+
+    Raises:
+        ValueError: a local key the layout implies is missing, or ``dst`` is out of range.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    layout = layout or ShardLayout.from_parallel_state()
+    sd = strip_wrapper_prefix({k: v for k, v in mcore_state_dict.items() if not k.endswith(_EXTRA_STATE)})
+    if not dist.is_initialized():
+        if not layout.is_trivial:
+            raise ValueError("a sharded layout needs torch.distributed to be initialised")
+        return {k: v.detach().cpu().clone() for k, v in megatron_to_hf(sd, hf_config).items()}
+    world, me = dist.get_world_size(), dist.get_rank()
+    if dst is not None and not 0 <= dst < world:
+        raise ValueError(f"dst={dst} is not a rank of the world of {world}")
+
+    # 1. tensor-parallel all-gather, then HF names for what this rank holds
+    owned: dict[str, torch.Tensor] = {}
+    for local_key, rule, size, _ in shard_rules(hf_config, layout):
+        if rule.tied_copy:
+            continue
+        if local_key not in sd:
+            raise ValueError(f"state dict has no {local_key} (global {rule.mcore_key}) for layout {layout}")
+        t = sd[local_key].detach().contiguous()
+        if size > 1:
+            group = (
+                ps.get_expert_tensor_parallel_group() if rule.expert is not None
+                else ps.get_tensor_model_parallel_group()
+            )
+            bufs = [torch.empty_like(t) for _ in range(size)]
+            dist.all_gather(bufs, t, group=group)
+            t = _tp_merge(rule, bufs)
+        _, to_hf = _PACKERS[rule.kind]
+        for key, tensor in zip(rule.hf_keys, to_hf(t, hf_config)):
+            owned[key] = tensor.contiguous()
+
+    # 2. who owns what (name, shape, dtype), then move each tensor from its owner
+    meta = {k: (tuple(v.shape), v.dtype) for k, v in owned.items()}
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, meta)
+    device = next(iter(owned.values())).device if owned else torch.device("cpu")
+    out: dict[str, torch.Tensor] = {}
+    for key in iter_hf_names(hf_config):
+        src = next((r for r in range(world) if key in everyone[r]), None)
+        if src is None:
+            raise ValueError(f"no rank holds {key}; the shards do not cover the model")
+        shape, dtype = everyone[src][key]
+        if dst is None:
+            buf = owned[key] if me == src else torch.empty(shape, dtype=dtype, device=device)
+            dist.broadcast(buf, src=src)
+            out[key] = buf.cpu().clone() if me == src else buf.cpu()
+        elif src == dst:
+            if me == dst:
+                out[key] = owned[key].cpu().clone()
+        elif me == src:
+            dist.send(owned[key], dst=dst)
+        elif me == dst:
+            buf = torch.empty(shape, dtype=dtype, device=device)
+            dist.recv(buf, src=src)
+            out[key] = buf.cpu()
+    return out

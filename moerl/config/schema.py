@@ -51,10 +51,17 @@ class HFModelConfig(_Section):
     norm_topk_prob: bool = True
     tie_word_embeddings: bool = True
     vocab_size: Optional[int] = Field(None, ge=1)
+    mlp_only_layers: list[int] = []  # layers with a dense MLP (width intermediate_size) instead of MoE
 
     @model_validator(mode="after")
     def _cross_fields(self) -> "HFModelConfig":
         p = "model.hf_config"
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        if bad or len(set(self.mlp_only_layers)) != len(self.mlp_only_layers):
+            raise ValueError(
+                f"{p}.mlp_only_layers {self.mlp_only_layers} must list distinct layer indices in "
+                f"0..{p}.num_hidden_layers-1 ({self.num_hidden_layers - 1})"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"{p}.num_attention_heads ({self.num_attention_heads}) must be divisible by "
@@ -87,20 +94,58 @@ class HFModelConfig(_Section):
         return self.vocab_size
 
 
+class MLAConfig(_Section):
+    """Multi-head latent attention shapes (DeepSeek-V2/V3 naming). Planner only (``moerl plan``)."""
+
+    q_lora_rank: Optional[int] = Field(1536, ge=1)  # None = no query compression
+    kv_lora_rank: int = Field(512, ge=1)
+    qk_nope_head_dim: int = Field(128, ge=1)
+    qk_rope_head_dim: int = Field(64, ge=1)
+    v_head_dim: int = Field(128, ge=1)
+
+
+class PlannerExtras(_Section):
+    """Shapes the Qwen3-MoE trainer cannot build yet, for ``moerl plan`` of other architectures
+    (DeepSeek-V3): shared experts and multi-head latent attention. A recipe that sets them is
+    shape-only: ``moerl train`` rejects it (check_world_size)."""
+
+    shared_expert_intermediate_size: int = Field(0, ge=0)  # total width of the shared experts; 0 = none
+    mla: Optional[MLAConfig] = None  # None = grouped-query attention from hf_config
+
+
 class ModelConfig(_Section):
     """Policy model: HF config, optional HF checkpoint to start from, parameter dtype."""
 
     hf_config: HFModelConfig = HFModelConfig()
     init_from: Optional[str] = None  # HF checkpoint dir; None = random init (then SFT warm start)
     params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    planner_extras: Optional[PlannerExtras] = None  # shape-only recipes (moerl plan), see PlannerExtras
 
 
 class ParallelConfig(_Section):
-    """Megatron-Core model parallel sizes; dp_size is derived from the world size (see check_world_size)."""
+    """Megatron-Core parallel layout; dp_size is derived from the world size (see check_world_size).
+
+    Megatron-Core's rules (initialize_model_parallel, cp_size = 1): world_size is a multiple of
+    tp_size * pp_size (dp_size = world_size / (tp_size * pp_size)) and of etp_size * ep_size *
+    pp_size (the expert layers' own tiling; expert data parallelism = world_size / (etp_size *
+    ep_size * pp_size)).
+    """
 
     tp_size: int = Field(1, ge=1)
     pp_size: int = Field(1, ge=1)
     ep_size: int = Field(1, ge=1)
+    etp_size: Optional[int] = Field(None, ge=1)  # expert tensor parallel; None = tp_size (Megatron's default)
+    world_size: Optional[int] = Field(None, ge=1)  # None = the launch decides; set for `moerl plan`
+    sequence_parallel: bool = True  # Megatron sequence parallelism at tp_size > 1 (required with MoE)
+    use_distributed_optimizer: bool = False  # shard Adam moments and master weights over DP
+    recompute: Literal["none", "full", "selective"] = "none"  # activation recomputation
+    num_layers_in_first_pipeline_stage: Optional[int] = Field(None, ge=1)  # None = even split
+    num_layers_in_last_pipeline_stage: Optional[int] = Field(None, ge=1)  # None = even split
+
+    @property
+    def expert_tp_size(self) -> int:
+        """etp_size, or tp_size when unset."""
+        return self.tp_size if self.etp_size is None else self.etp_size
 
 
 class DataConfig(_Section):
@@ -207,7 +252,7 @@ class AlgorithmConfig(_Section):
 class TrainConfig(_Section):
     """RL actor optimisation (AdamW)."""
 
-    num_steps: int = Field(60, ge=1)
+    num_steps: int = Field(600, ge=1)
     global_batch_size: int = Field(128, ge=1)  # samples per optimizer step
     micro_batch_size: int = Field(32, ge=1)
     lr: float = Field(1.0e-4, gt=0)
@@ -254,7 +299,7 @@ class EvalConfig(_Section):
     """Greedy held-out evaluation during RL."""
 
     num_prompts: int = Field(300, ge=1)
-    every_steps: int = Field(10, ge=0)  # 0 = only before and after training
+    every_steps: int = Field(50, ge=0)  # 0 = only before and after training
 
 
 class LogConfig(_Section):
@@ -305,6 +350,7 @@ class RecipeConfig(_Section):
         ep, ne = self.parallel.ep_size, self.model.hf_config.num_experts
         if ne % ep:
             raise ValueError(f"parallel.ep_size ({ep}) must divide model.hf_config.num_experts ({ne})")
+        self._check_model_layout()
         if r.max_new_tokens >= self.model.hf_config.max_position_embeddings:
             raise ValueError(
                 f"rollout.max_new_tokens ({r.max_new_tokens}) must be < "
@@ -317,47 +363,134 @@ class RecipeConfig(_Section):
             )
         return self
 
+    def _check_model_layout(self) -> None:
+        """World-size-independent layout rules: how the model splits over tp / etp / pp / ep."""
+        p, hf = self.parallel, self.model.hf_config
+        has_moe = len(set(hf.mlp_only_layers)) < hf.num_hidden_layers
+        if p.tp_size > 1 and has_moe and not p.sequence_parallel:
+            raise ValueError(
+                f"parallel.tp_size ({p.tp_size}) > 1 with MoE layers requires parallel.sequence_parallel=true "
+                "(Megatron-Core's MoE layer with tensor parallelism runs on sequence-parallel input); "
+                "set parallel.sequence_parallel=true or parallel.tp_size=1"
+            )
+        mla = self.model.planner_extras.mla if self.model.planner_extras else None
+        heads = [("model.hf_config.num_attention_heads", hf.num_attention_heads)]
+        if mla is None:  # Megatron splits whole query groups over TP ranks
+            heads.append(("model.hf_config.num_key_value_heads", hf.num_key_value_heads))
+        for key, value in heads:
+            if value % p.tp_size:
+                raise ValueError(f"parallel.tp_size ({p.tp_size}) must divide {key} ({value})")
+        if hf.vocab_size is not None and hf.vocab_size % p.tp_size:
+            raise ValueError(
+                f"parallel.tp_size ({p.tp_size}) must divide model.hf_config.vocab_size ({hf.vocab_size}) "
+                "(vocabulary-parallel embedding and output layer)"
+            )
+        if has_moe and hf.moe_intermediate_size % p.expert_tp_size:
+            raise ValueError(
+                f"the expert tensor-parallel size (parallel.etp_size, default parallel.tp_size: {p.expert_tp_size}) "
+                f"must divide model.hf_config.moe_intermediate_size ({hf.moe_intermediate_size})"
+            )
+        if hf.mlp_only_layers and hf.intermediate_size % p.tp_size:
+            raise ValueError(
+                f"parallel.tp_size ({p.tp_size}) must divide model.hf_config.intermediate_size "
+                f"({hf.intermediate_size}) of the dense layers (model.hf_config.mlp_only_layers)"
+            )
+        first, last = p.num_layers_in_first_pipeline_stage, p.num_layers_in_last_pipeline_stage
+        if p.pp_size == 1 and (first is not None or last is not None):
+            raise ValueError(
+                "parallel.num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage need "
+                f"parallel.pp_size > 1 (got {p.pp_size})"
+            )
+        from moerl.parallel.layout import pipeline_layer_range  # pure python
+
+        if first is None and last is None:
+            if hf.num_hidden_layers % p.pp_size:
+                raise ValueError(
+                    f"parallel.pp_size ({p.pp_size}) must divide model.hf_config.num_hidden_layers "
+                    f"({hf.num_hidden_layers}) for an even pipeline split; or give the first/last stage their "
+                    "own layer counts with parallel.num_layers_in_first_pipeline_stage / "
+                    "num_layers_in_last_pipeline_stage"
+                )
+            return
+        try:
+            for rank in range(p.pp_size):
+                pipeline_layer_range(hf.num_hidden_layers, p.pp_size, rank, first, last)
+        except ValueError as e:
+            raise ValueError(
+                f"model.hf_config.num_hidden_layers ({hf.num_hidden_layers}) does not split over parallel.pp_size "
+                f"({p.pp_size}) stages with parallel.num_layers_in_first_pipeline_stage={first} and "
+                f"parallel.num_layers_in_last_pipeline_stage={last}: {e}"
+            ) from None
+
     # ------------------------------------------------------------------ layout
     def check_world_size(self, world_size: int) -> int:
         """Validate the parallel layout for ``world_size`` ranks and return dp_size.
 
-        dp_size = world_size / (tp_size * pp_size) (Megatron-Core convention, cp_size = 1). Expert
-        parallelism is carved out of dp * tp (Megatron-Core's expert-data-parallel group), so
-        dp_size * tp_size must be divisible by ep_size. Every optimizer step must split into whole
-        micro-batches on each DP rank: train/sft global_batch_size % (micro_batch_size * dp_size) == 0.
+        Rules (Megatron-Core's initialize_model_parallel, cp_size = 1):
+
+        * world_size % (tp_size * pp_size) == 0; dp_size = world_size / (tp_size * pp_size);
+        * world_size % (etp_size * ep_size * pp_size) == 0 (the expert layers tile the same ranks:
+          expert data parallelism = world_size / (etp_size * ep_size * pp_size));
+        * parallel.world_size, when set, equals world_size;
+        * every optimizer step splits into whole micro-batches on each DP rank:
+          train/sft global_batch_size % (micro_batch_size * dp_size) == 0;
+        * the recipe builds a trainable model (no model.planner_extras).
+
+        The world-size-independent rules (experts divisible by ep_size, layers by pp_size, heads /
+        vocabulary / FFN widths by tp_size, sequence parallelism with tp_size > 1 and MoE) are
+        checked when the recipe is loaded.
 
         Raises:
             ConfigError-compatible ValueError naming the parallel.* / *.global_batch_size key.
         """
         from moerl.config.loader import ConfigError  # local import: loader imports this module
 
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ConfigError(f"world_size must be a positive int, got {world_size!r}")
-        p = self.parallel
-        mp = p.tp_size * p.pp_size
-        if world_size % mp:
-            raise ConfigError(
-                f"world_size ({world_size}) must be divisible by parallel.tp_size * parallel.pp_size "
-                f"({p.tp_size} * {p.pp_size} = {mp})"
-            )
-        dp = world_size // mp
-        if (dp * p.tp_size) % p.ep_size:
-            raise ConfigError(
-                f"parallel.ep_size ({p.ep_size}) must divide dp_size * parallel.tp_size "
-                f"({dp} * {p.tp_size}) for world_size {world_size}"
-            )
+        dp = self.layout_dp_size(world_size)
         for name, sec in (("train", self.train), ("sft", self.sft)):
             if sec.global_batch_size % (sec.micro_batch_size * dp):
                 raise ConfigError(
                     f"{name}.global_batch_size ({sec.global_batch_size}) must be divisible by "
                     f"{name}.micro_batch_size * dp_size ({sec.micro_batch_size} * {dp}) for world_size {world_size}"
                 )
-        # Lifted by issue #3 (tensor / pipeline parallelism).
-        if p.pp_size != 1:
-            raise ConfigError(f"parallel.pp_size = {p.pp_size} is not yet supported (must be 1)")
-        if p.tp_size != 1:
-            raise ConfigError(f"parallel.tp_size = {p.tp_size} is not yet supported (must be 1)")
+        if self.model.planner_extras is not None:
+            raise ConfigError(
+                "model.planner_extras (shared experts / multi-head latent attention) is only understood by "
+                "`moerl plan`; the Qwen3-MoE trainer cannot build it: remove model.planner_extras to train"
+            )
         return dp
+
+    def layout_dp_size(self, world_size: int) -> int:
+        """The tiling rules of ``check_world_size`` only (no batch or trainability rules);
+        returns dp_size. Used by ``moerl plan``.
+
+        Raises:
+            ConfigError naming the parallel.* keys and the rule.
+        """
+        from moerl.config.loader import ConfigError  # local import: loader imports this module
+
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError(f"world_size must be a positive int, got {world_size!r}")
+        p = self.parallel
+        if p.world_size is not None and p.world_size != world_size:
+            raise ConfigError(
+                f"parallel.world_size ({p.world_size}) says the job has {p.world_size} processes but it "
+                f"runs on {world_size}; launch {p.world_size} processes or change parallel.world_size"
+            )
+        mp = p.tp_size * p.pp_size
+        if world_size % mp:
+            raise ConfigError(
+                f"world_size ({world_size}) must be divisible by parallel.tp_size * parallel.pp_size "
+                f"({p.tp_size} * {p.pp_size} = {mp})"
+            )
+        expert_mp = p.expert_tp_size * p.ep_size * p.pp_size
+        if world_size % expert_mp:
+            raise ConfigError(
+                f"world_size ({world_size}) must be divisible by etp_size * parallel.ep_size * parallel.pp_size "
+                f"({p.expert_tp_size} * {p.ep_size} * {p.pp_size} = {expert_mp}; etp_size is "
+                "parallel.etp_size, default parallel.tp_size): the expert layers tile the same ranks; lower "
+                "parallel.ep_size, or set parallel.etp_size=1 to combine tp_size > 1 with ep_size > 1"
+            )
+        return world_size // mp
 
     # ------------------------------------------------------------------ dump
     def to_dict(self) -> dict[str, Any]:

@@ -220,6 +220,7 @@ def transformer_config_from_hf(
     pp_size: Optional[int] = None,
     ep_size: Optional[int] = None,
     etp_size: Optional[int] = None,
+    sequence_parallel: Optional[bool] = None,
     **overrides: Any,
 ):
     """Megatron-Core ``TransformerConfig`` equivalent to a Qwen3-MoE HF config.
@@ -231,8 +232,10 @@ def transformer_config_from_hf(
             "sinkhorn" or "none".
         params_dtype: torch.float32 or torch.bfloat16 (sets bf16=True) or torch.float16.
         tp_size, pp_size, ep_size, etp_size: parallel sizes; None reads them from
-            megatron parallel_state (1 when it is not initialised). tp_size > 1 turns on
-            sequence parallelism (required by Megatron for MoE with TP).
+            megatron parallel_state (1 when it is not initialised). The pipeline dtype (needed
+            by Megatron when pp_size > 1) is ``params_dtype``.
+        sequence_parallel: Megatron sequence parallelism; None = on iff tp_size > 1 (Megatron
+            requires it for MoE with TP when training). Always off at tp_size == 1.
         **overrides: any TransformerConfig field, applied last (e.g. moe_router_dtype="fp32",
             moe_token_dispatcher_type="allgather", recompute_granularity="full").
 
@@ -298,7 +301,8 @@ def transformer_config_from_hf(
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
-        sequence_parallel=tp > 1,
+        sequence_parallel=tp > 1 and (sequence_parallel is None or bool(sequence_parallel)),
+        pipeline_dtype=params_dtype,
         use_cpu_initialization=not torch.cuda.is_available(),
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
@@ -315,9 +319,10 @@ def build_gpt_model(hf_config, transformer_config=None, **kw):
     """Build the Megatron-Core ``GPTModel`` for a Qwen3-MoE HF config (this pipeline stage).
 
     Local (non-Transformer-Engine) layer spec with q/k RMSNorm, MoE MLPs (SequentialMLP experts,
-    fc1 = [gate; up] SwiGLU), dense MLP layers where ``mlp_only_layers``/``decoder_sparse_step``
-    say so, RoPE with base ``rope_theta``, vocabulary exactly ``hf_config.vocab_size`` and
-    embeddings tied iff ``hf_config.tie_word_embeddings``.
+    fc1 = [gate; up] SwiGLU), core attention ``PackedDotProductAttention`` (also takes packed THD
+    input with ``packed_seq_params``: moerl.models.packed_attention), dense MLP layers where
+    ``mlp_only_layers``/``decoder_sparse_step`` say so, RoPE with base ``rope_theta``, vocabulary
+    exactly ``hf_config.vocab_size`` and embeddings tied iff ``hf_config.tie_word_embeddings``.
 
     Args:
         hf_config: transformers Qwen3MoeConfig.
@@ -340,6 +345,8 @@ def build_gpt_model(hf_config, transformer_config=None, **kw):
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from moerl.models.packed_attention import with_packed_core_attention
 
     if not ps.model_parallel_is_initialized():
         raise RuntimeError(
@@ -365,6 +372,8 @@ def build_gpt_model(hf_config, transformer_config=None, **kw):
     block_spec = get_gpt_decoder_block_spec(
         transformer_config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage
     )
+    # local core attention that also takes packed THD input (moerl.models.packed_attention)
+    block_spec = with_packed_core_attention(block_spec)
     model = GPTModel(
         config=transformer_config,
         transformer_layer_spec=block_spec,

@@ -19,7 +19,12 @@ patch name                              item   error it removes
                                                'torch.cuda.FloatTensor' and allocating on "cuda"
 ``cuda_synchronize``                    new    dist_checkpointing torch_dist save ->
                                                torch.cuda.synchronize() CUDA error
+``tied_embedding_cuda``                 new    GPTModel with tied embeddings and pp > 1 ->
+                                               ``weight.data.cuda()`` CUDA error
 ======================================  =====  ==============================================
+
+Item 4 also covers ``ep_size > 1`` with the alltoall dispatcher: the split sizes must become
+host lists/arrays as upstream's device-to-host copy makes them (see ``patch_alltoall_streams``).
 
 Item 9 (TorchInductor compiling the jit fusers, ~25 s cold) is handled by setting
 ``TORCHDYNAMO_DISABLE=1``; its dropout RNG warning is filtered by ``rng_tracker``. Item 6
@@ -236,8 +241,15 @@ class _NoStream:
 
 def _cpu_maybe_dtoh_and_synchronize(self, point: str, tokens_per_expert=None):
     """CPU version of ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize``: every tensor is
-    already on the host, so there is nothing to copy and nothing to synchronise."""
-    del self, point
+    already on the host, so there is nothing to copy and nothing to synchronise; but, as upstream's
+    copy does, the all-to-all split sizes become numpy arrays at the copy point
+    (``all_to_all_single`` takes a sequence of ints, not a tensor: with ep_size > 1 a tensor
+    raises ``TypeError: all_to_all_single(): incompatible function arguments``)."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, name, None)
+            if torch.is_tensor(value):
+                setattr(self, name, value.numpy())
     return tokens_per_expert
 
 
@@ -246,7 +258,8 @@ def patch_alltoall_streams(p: _Patch) -> None:
     ``RuntimeError: torch.cuda.Stream requires CUDA support``; its device-to-host sync uses
     ``torch.cuda.current_stream()`` / ``torch.cuda.stream()``.
 
-    Fix: a placeholder class-level stream (so __init__ creates none) and a no-op host sync.
+    Fix: a placeholder class-level stream (so __init__ creates none) and a host "copy" that only
+    turns the split sizes into numpy arrays as upstream's does (needed once ep_size > 1).
     The allgather dispatcher needs no fix.
     """
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as D
@@ -441,6 +454,54 @@ def patch_torch_norm_sequence_parallel(p: _Patch) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# tied embeddings with pipeline parallelism
+# --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _cpu_tensor_cuda_is_identity() -> Iterator[None]:
+    """Within the block, ``tensor.cuda()`` of a CPU tensor returns the tensor itself."""
+    with _LOCK:
+        original = torch.Tensor.__dict__.get("cuda", _MISSING)
+        real_cuda = torch.Tensor.cuda
+
+        def cuda(self, *args, **kwargs):
+            if self.device.type == "cpu" and not torch.cuda.is_available():
+                return self
+            return real_cuda(self, *args, **kwargs)
+
+        torch.Tensor.cuda = cuda
+        try:
+            yield
+        finally:
+            if original is _MISSING:
+                del torch.Tensor.cuda
+            else:
+                torch.Tensor.cuda = original
+
+
+def patch_tied_embedding_cuda(p: _Patch) -> None:
+    """Found here (not in CPU_MEGATRON.md's list): a GPTModel with
+    ``share_embeddings_and_output_weights`` and pp_size > 1 copies the first stage's embedding to
+    the last stage's output layer in ``LanguageModule.setup_embeddings_and_output_layer``, which
+    runs ``weight.data = weight.data.cuda()`` before the all-reduce -> ``AssertionError: Torch not
+    compiled with CUDA enabled``.
+
+    Fix: during that method only, ``Tensor.cuda()`` of a CPU tensor is the tensor itself.
+    """
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original = LanguageModule.__dict__["setup_embeddings_and_output_layer"]
+
+    @functools.wraps(original)
+    def setup_embeddings_and_output_layer(self, *args, **kwargs):
+        with _cpu_tensor_cuda_is_identity():
+            return original(self, *args, **kwargs)
+
+    p.set(LanguageModule, "setup_embeddings_and_output_layer", setup_embeddings_and_output_layer)
+
+
+# --------------------------------------------------------------------------------------------
 # Registry
 # --------------------------------------------------------------------------------------------
 
@@ -453,6 +514,7 @@ _PATCHES: dict[str, Callable[[_Patch], None]] = {
     "cuda_factories": patch_cuda_factories,
     "torch_norm_sequence_parallel": patch_torch_norm_sequence_parallel,
     "optimizer_cuda_checks": patch_optimizer_cuda_checks,
+    "tied_embedding_cuda": patch_tied_embedding_cuda,
 }
 
 PATCH_NAMES: tuple[str, ...] = tuple(_PATCHES)

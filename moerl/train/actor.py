@@ -1,47 +1,167 @@
 """The Megatron-Core actor: log-probs and policy updates through Megatron's forward_backward_func.
 
-The actor owns one GPTModel (wrapped in Megatron DDP), a Megatron optimizer (Adam) and the
-schedule returned by ``get_forward_backward_func()`` (no pipelining at pp_size == 1). It knows
-nothing about rollouts: callers hand it MicroBatches (moerl.train.batching) and a loss.
+The actor owns one GPTModel stage (wrapped in Megatron DDP), a Megatron optimizer (Adam, optionally
+the distributed optimizer that shards its state over DP) and the schedule returned by
+``get_forward_backward_func()``: no pipelining at pp_size == 1, 1F1B
+(forward_backward_pipelining_without_interleaving) at pp_size > 1. It knows nothing about
+rollouts: callers hand it this DP rank's MicroBatches (moerl.train.batching) and a loss.
 
-Loss scaling. Megatron divides each micro-batch loss by the number of micro-batches (the legacy
-2-tuple loss_func contract, megatron/core/pipeline_parallel/schedules.py forward_step_calc_loss),
-and DDP averages gradients over DP ranks. moerl's losses are already normalised by GLOBAL
+Parallel layouts (whatever moerl.runtime.distributed.init_distributed set up):
+
+* TP (+ sequence parallelism): logits stay vocabulary-parallel; log-probs and entropies are
+  reduced over the TP group (moerl.train.vocab_parallel). With sequence parallelism every
+  micro-batch is right-padded to a sequence length divisible by tp_size.
+* PP: token ids enter on the first stage, the loss runs on the last stage only; activations move
+  by P2P, so every micro-batch is right-padded to one common [B, S]. compute_log_probs results are
+  broadcast from the last stage to every stage, train_step metrics too.
+* EP: experts are local to each EP rank (Megatron's alltoall dispatcher); every DP rank must run
+  the same number of micro-batches (checked).
+* DP: each DP rank gets its own micro-batches; Megatron DDP reduces the gradients.
+
+Padding is right padding with a zero loss mask: with a causal mask it leaves every real token's
+logits unchanged (the padded tokens do count in Megatron's per-micro-batch MoE aux loss).
+
+Loss scaling (verified against megatron-core 0.16.1). Megatron divides each micro-batch loss by
+the number of micro-batches (the legacy 2-tuple loss_func contract, schedules.py
+forward_step_calc_loss) and DDP AVERAGES gradients over DP ranks (distributed_data_parallel.py:
+gradient_scaling_factor = 1/dp_size before a sum reduction, for dense and expert parameters
+alike, when calculate_per_token_loss is False). moerl's losses are already normalised by GLOBAL
 denominators (moerl.algorithms.policy_loss.aggregate_loss), so the actor multiplies each
 micro-batch loss by num_microbatches * dp_size to undo both: the summed gradient is then the
-gradient of the global loss however the batch is cut.
+gradient of the global loss however the batch is cut (tests/test_parallel_layouts.py checks the
+grad norm against one process). The MoE aux loss keeps Megatron's scaling (mean over
+micro-batches and DP ranks).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+import dataclasses
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+from megatron.core.transformer.moe.moe_utils import (
+    clear_aux_losses_tracker,
+    get_moe_layer_wise_logging_tracker,
+    reduce_aux_losses_tracker_across_ranks,
+)
 
 from moerl.algorithms.logprobs import entropy_from_logits, token_log_probs_from_logits
-from moerl.checkpoint.hf_convert import hf_to_megatron, load_megatron_state_dict, megatron_to_hf
+from moerl.checkpoint.hf_convert import ShardLayout, gather_megatron_to_hf, hf_to_megatron, load_megatron_state_dict
 from moerl.models.qwen3_moe import build_gpt_model, causal_attention_mask, transformer_config_from_hf
 from moerl.train.batching import MicroBatch
+from moerl.train.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
+
+__all__ = ["LossFn", "MegatronActor", "RECOMPUTE_MODES", "recompute_config", "actor_parallel_kwargs"]
 
 # loss_fn(log_probs [B,S], entropy [B,S], micro_batch) -> (scalar loss, metrics dict of floats)
 LossFn = Callable[[torch.Tensor, torch.Tensor, MicroBatch], tuple[torch.Tensor, dict]]
 
+RECOMPUTE_MODES = ("none", "full", "selective")
+
+
+def recompute_config(recompute: str) -> dict[str, Any]:
+    """TransformerConfig fields for an activation-recomputation mode.
+
+    * "none": keep every activation;
+    * "full": recompute each transformer layer in backward (recompute_granularity="full",
+      recompute_method="uniform", recompute_num_layers=1): only each layer's input is kept;
+    * "selective": recompute the core attention only (Megatron's selective recompute,
+      recompute_modules default ["core_attn"]; Korthikanti et al. 2022, arXiv 2205.05198).
+
+    Raises:
+        ValueError: an unknown mode.
+    """
+    if recompute == "none":
+        return {}
+    if recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if recompute == "selective":
+        return dict(recompute_granularity="selective")
+    raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+
+
+def actor_parallel_kwargs(parallel_cfg) -> dict[str, Any]:
+    """MegatronActor keyword arguments from a recipe's ``parallel`` section
+    (moerl.config.schema.ParallelConfig): use_distributed_optimizer, recompute, sequence_parallel
+    and the uneven pipeline split."""
+    overrides = {}
+    for name in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
+        value = getattr(parallel_cfg, name, None)
+        if value is not None:
+            overrides[name] = value
+    return dict(
+        use_distributed_optimizer=bool(getattr(parallel_cfg, "use_distributed_optimizer", False)),
+        recompute=getattr(parallel_cfg, "recompute", "none"),
+        sequence_parallel=bool(getattr(parallel_cfg, "sequence_parallel", True)),
+        config_overrides=overrides,
+    )
+
+
+def _pad_micro_batch(mb: MicroBatch, batch_size: int, seq_len: int) -> MicroBatch:
+    """Right-pad a micro-batch to [batch_size, seq_len]: token/label 0, loss mask 0, extras 0,
+    advantage 0 for the added rows. sample_indices / response_starts / response_lengths are
+    unchanged (they describe the real rows only)."""
+    b, s = mb.tokens.shape
+    if (b, s) == (batch_size, seq_len):
+        return mb
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros((batch_size, seq_len), dtype=t.dtype, device=t.device)
+        out[:b, :s] = t
+        return out
+
+    adv = mb.advantages
+    if adv.dim() == 1:
+        adv_p = torch.zeros(batch_size, dtype=adv.dtype, device=adv.device)
+        adv_p[:b] = adv
+    else:
+        adv_p = pad(adv)
+    return dataclasses.replace(
+        mb,
+        tokens=pad(mb.tokens),
+        labels=pad(mb.labels),
+        loss_mask=pad(mb.loss_mask),
+        advantages=adv_p,
+        extras={k: pad(v) for k, v in mb.extras.items()},
+    )
+
+
+def _to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
+    """The micro-batch with its tensors on ``device`` (itself when they already are)."""
+    if mb.tokens.device == device:
+        return mb
+    changes = {
+        f.name: getattr(mb, f.name).to(device)
+        for f in dataclasses.fields(mb)
+        if isinstance(getattr(mb, f.name), torch.Tensor)
+    }
+    changes["extras"] = {k: v.to(device) for k, v in mb.extras.items()}
+    return dataclasses.replace(mb, **changes)
+
 
 class MegatronActor:
-    """A trainable (or frozen, ``trainable=False``) Megatron-Core policy.
+    """A trainable (or frozen, ``trainable=False``) Megatron-Core policy, one pipeline stage per rank.
 
     Args:
         hf_config: transformers Qwen3MoeConfig of the model.
-        lr, weight_decay, adam_beta1, adam_beta2, clip_grad: Adam settings (Megatron OptimizerConfig).
+        lr, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad: Adam settings (Megatron
+            OptimizerConfig; clip_grad = 0 disables clipping).
         moe_aux_loss_coeff, moe_load_balancing_type: Megatron router balancing (REFERENCE.md sec. 2).
         trainable: False builds the model only (a reference policy): no DDP, no optimizer.
+        use_distributed_optimizer: Megatron's distributed optimizer (Adam moments and main params
+            sharded over the DP group, gradients reduce-scattered, parameters all-gathered).
+        recompute: activation recomputation, "none" | "full" | "selective" (``recompute_config``).
+        sequence_parallel: Megatron sequence parallelism when tp_size > 1 (required by Megatron
+            for MoE with TP when training; ignored at tp_size == 1).
+        config_overrides: extra TransformerConfig fields (e.g. num_layers_in_first_pipeline_stage).
 
-    Requires moerl.runtime.distributed.init_distributed() to have run.
+    Requires moerl.runtime.distributed.init_distributed() to have run (the layout comes from
+    Megatron's parallel_state).
     """
 
     def __init__(
@@ -52,30 +172,47 @@ class MegatronActor:
         weight_decay: float = 0.0,
         adam_beta1: float = 0.9,
         adam_beta2: float = 0.999,
+        adam_eps: float = 1e-8,
         clip_grad: float = 1.0,
         moe_aux_loss_coeff: float = 1e-3,
         moe_load_balancing_type: str = "aux_loss",
         trainable: bool = True,
+        use_distributed_optimizer: bool = False,
+        recompute: str = "none",
+        sequence_parallel: bool = True,
+        config_overrides: Optional[Mapping[str, Any]] = None,
     ):
         self.hf_config = hf_config
+        overrides = recompute_config(recompute)
+        overrides.update(config_overrides or {})
         self.tf_config = transformer_config_from_hf(
             hf_config,
             moe_aux_loss_coeff=moe_aux_loss_coeff,
             moe_router_load_balancing_type=moe_load_balancing_type,
+            sequence_parallel=sequence_parallel,
+            **overrides,
         )
         self.model = build_gpt_model(hf_config, self.tf_config)
+        self.device = next(self.model.parameters()).device
+        self.layout = ShardLayout.from_parallel_state(self.tf_config)
         self.trainable = trainable
+        self.use_distributed_optimizer = bool(use_distributed_optimizer)
+        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self._fwd_bwd = get_forward_backward_func()
         if trainable:
             ddp_config = DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+                grad_reduce_in_fp32=True,
+                overlap_grad_reduce=False,
+                use_distributed_optimizer=self.use_distributed_optimizer,
             )
             self.ddp_model = DistributedDataParallel(config=self.tf_config, ddp_config=ddp_config, module=self.model)
             self.tf_config.no_sync_func = self.ddp_model.no_sync
             self.tf_config.finalize_model_grads_func = finalize_model_grads
             self._opt_kwargs = dict(
-                weight_decay=weight_decay, adam_beta1=adam_beta1, adam_beta2=adam_beta2, clip_grad=clip_grad
+                weight_decay=weight_decay, adam_beta1=adam_beta1, adam_beta2=adam_beta2, adam_eps=adam_eps,
+                clip_grad=clip_grad,
             )
             self.set_lr(lr)
         else:
@@ -97,7 +234,7 @@ class MegatronActor:
                 bf16=False,
                 fp16=False,
                 params_dtype=torch.float32,
-                use_distributed_optimizer=False,
+                use_distributed_optimizer=self.use_distributed_optimizer,
                 **self._opt_kwargs,
             ),
             [self.ddp_model],
@@ -105,37 +242,94 @@ class MegatronActor:
 
     # ----------------------------------------------------------------- weights
     def load_hf_state_dict(self, hf_state_dict: dict[str, torch.Tensor]) -> None:
-        """Load HF-named weights (moerl.checkpoint.hf_convert naming) strictly into the model."""
-        load_megatron_state_dict(self.model, hf_to_megatron(hf_state_dict, self.hf_config))
+        """Load HF-named weights (moerl.checkpoint.hf_convert naming) strictly into this rank's
+        shard of the model (TP slices, local experts, this pipeline stage's layers)."""
+        load_megatron_state_dict(self.model, hf_to_megatron(hf_state_dict, self.hf_config, self.layout))
 
-    def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full HF-named state dict of the current weights (fp32 copies), for weight sync/export."""
-        sd = {k: v.detach().clone() for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
-        return megatron_to_hf(sd, self.hf_config)
+    def export_hf_state_dict(self, dst: Optional[int] = None) -> dict[str, torch.Tensor]:
+        """Full HF-named state dict of the current weights (CPU copies), for weight sync/export.
+
+        Collective when world size > 1: every rank must call it. TP/EP/PP shards are gathered
+        (moerl.checkpoint.hf_convert.gather_megatron_to_hf); ``dst=None`` returns the full dict
+        on every rank, ``dst=r`` only on global rank r (an empty dict elsewhere).
+        """
+        return gather_megatron_to_hf(self.model.state_dict(), self.hf_config, self.layout, dst=dst)
+
+    # ----------------------------------------------------------------- batching
+    def _prepare(self, micro_batches: Sequence[MicroBatch]) -> list[MicroBatch]:
+        """Pad micro-batches to the shapes the layout needs (see the module docstring) and check
+        that every rank runs the same number of micro-batches."""
+        if not micro_batches:
+            raise ValueError("no micro-batches: every DP rank needs at least one")
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            n = torch.tensor([len(micro_batches), -len(micro_batches)], dtype=torch.long, device=self.device)
+            dist.all_reduce(n, op=dist.ReduceOp.MAX)
+            if int(n[0]) != -int(n[1]):
+                raise ValueError(
+                    f"ranks were given different numbers of micro-batches (this rank {len(micro_batches)}, "
+                    f"max {int(n[0])}, min {-int(n[1])}); every DP rank must run the same number "
+                    "(collectives in EP dispatch, PP and DDP)"
+                )
+        multiple = self.tp_size if self.tf_config.sequence_parallel else 1
+
+        def round_up(x: int) -> int:
+            return -(-x // multiple) * multiple
+
+        if self.pp_size > 1:
+            b = max(mb.batch_size for mb in micro_batches)
+            s = round_up(max(mb.tokens.shape[1] for mb in micro_batches))
+            padded = [_pad_micro_batch(mb, b, s) for mb in micro_batches]
+        else:
+            padded = [_pad_micro_batch(mb, mb.batch_size, round_up(mb.tokens.shape[1])) for mb in micro_batches]
+        return [_to_device(mb, self.device) for mb in padded]
 
     # ----------------------------------------------------------------- compute
+    def _token_log_probs(self, logits: torch.Tensor, labels: torch.Tensor, temperature: float):
+        if self.tp_size > 1:
+            log_probs = vocab_parallel_log_probs(logits, labels, temperature)
+            entropy = vocab_parallel_entropy(logits.detach(), temperature)
+        else:
+            log_probs = token_log_probs_from_logits(logits, labels, temperature)
+            with torch.no_grad():
+                entropy = entropy_from_logits(logits.detach(), temperature)
+        return log_probs, entropy
+
     def _forward_step(self, temperature: float, loss_fn: Optional[LossFn], num_microbatches: int):
+        first_stage = parallel_state.is_pipeline_first_stage()
+
         def forward_step(data_iterator, model):
             mb: MicroBatch = next(data_iterator)
             seq_len = mb.tokens.shape[1]
-            position_ids = torch.arange(seq_len, dtype=torch.long).unsqueeze(0).expand_as(mb.tokens)
-            logits = model(mb.tokens, position_ids, causal_attention_mask(seq_len))
+            if first_stage:  # token ids enter on the first stage only
+                tokens = mb.tokens
+                position_ids = torch.arange(seq_len, dtype=torch.long).unsqueeze(0).expand_as(mb.tokens)
+            else:
+                tokens = position_ids = None
+            output = model(tokens, position_ids, causal_attention_mask(seq_len))
 
-            def loss_func(output):
-                log_probs = token_log_probs_from_logits(output, mb.labels, temperature)
-                with torch.no_grad():
-                    entropy = entropy_from_logits(output.detach(), temperature)
+            def loss_func(logits):  # runs on the last stage only
+                log_probs, entropy = self._token_log_probs(logits, mb.labels, temperature)
                 if loss_fn is None:
-                    zero = output.sum() * 0.0
-                    return zero, {"log_probs": log_probs.detach(), "entropy": entropy, "mb": mb}
+                    zero = logits.sum() * 0.0
+                    return zero, {"log_probs": log_probs.detach(), "entropy": entropy}
                 loss, metrics = loss_fn(log_probs, entropy, mb)
                 metrics = dict(metrics)
-                metrics["mb"] = mb
                 return loss * num_microbatches * self.dp_size, metrics
 
-            return logits, loss_func
+            return output, loss_func
 
         return forward_step
+
+    def _run_schedule(self, padded: list[MicroBatch], forward_step, forward_only: bool):
+        return self._fwd_bwd(
+            forward_step_func=forward_step,
+            data_iterator=iter(padded),
+            model=[self.ddp_model],
+            num_microbatches=len(padded),
+            seq_length=max(mb.tokens.shape[1] for mb in padded),
+            micro_batch_size=max(mb.batch_size for mb in padded),
+            forward_only=forward_only,
+        )
 
     @torch.no_grad()
     def compute_log_probs(
@@ -143,70 +337,121 @@ class MegatronActor:
     ) -> list[tuple[MicroBatch, torch.Tensor, torch.Tensor]]:
         """Per-token log-probs (and entropies) of ``labels`` under the current weights.
 
-        Returns one (micro_batch, log_probs [B,S] float32, entropy [B,S] float32) per micro-batch;
-        values are log_softmax(logits / temperature) at the label (REFERENCE.md sec. 1: the trainer
-        must use the sampling temperature).
+        Collective over the model-parallel ranks (every TP/PP/EP rank of this DP replica calls it
+        with the same micro-batches; each DP rank with its own).
+
+        Returns one (micro_batch, log_probs [B,S] float32, entropy [B,S] float32) per given
+        micro-batch, with the micro-batch's own [B, S] (padding removed), on every rank (broadcast
+        from the last pipeline stage). Values are log_softmax(logits / temperature) at the label
+        (REFERENCE.md sec. 1: the trainer must use the sampling temperature).
+
+        Raises:
+            ValueError: no micro-batches, or ranks given different numbers of micro-batches.
         """
+        padded = self._prepare(micro_batches)
         self.ddp_model.eval()
-        out = self._fwd_bwd(
-            forward_step_func=self._forward_step(temperature, None, len(micro_batches)),
-            data_iterator=iter(micro_batches),
-            model=[self.ddp_model],
-            num_microbatches=len(micro_batches),
-            seq_length=max(mb.tokens.shape[1] for mb in micro_batches),
-            micro_batch_size=max(mb.batch_size for mb in micro_batches),
-            forward_only=True,
-        )
-        return [(d["mb"], d["log_probs"], d["entropy"]) for d in out]
+        out = self._run_schedule(padded, self._forward_step(temperature, None, len(padded)), forward_only=True)
+        if self.pp_size > 1:
+            b, s = padded[0].tokens.shape
+            if parallel_state.is_pipeline_last_stage():
+                stacked = torch.stack([torch.stack([d["log_probs"].float(), d["entropy"].float()]) for d in out])
+            else:
+                stacked = torch.empty((len(padded), 2, b, s), dtype=torch.float32, device=self.device)
+            stacked = stacked.contiguous()
+            dist.broadcast(
+                stacked,
+                src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                group=parallel_state.get_pipeline_model_parallel_group(),
+            )
+            out = [{"log_probs": x[0], "entropy": x[1]} for x in stacked]
+        results = []
+        for mb, d in zip(micro_batches, out):
+            b, s = mb.tokens.shape
+            results.append((mb, d["log_probs"][:b, :s].contiguous(), d["entropy"][:b, :s].contiguous()))
+        return results
 
     def train_step(
         self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn, temperature: float
     ) -> dict[str, float]:
-        """One optimizer step over ``micro_batches`` (gradients accumulated, then Adam).
+        """One optimizer step over this DP rank's ``micro_batches`` (gradients accumulated over
+        micro-batches and reduced over DP, then Adam).
 
-        ``loss_fn`` must normalise by global denominators (the whole list of micro-batches and all
-        DP ranks). Returns summed loss metrics over micro-batches plus grad_norm, aux_loss (mean
-        per MoE layer, before the coefficient) and update_successful.
+        ``loss_fn`` must normalise by global denominators (all micro-batches of all DP ranks).
+        Returns, identical on every rank: loss metrics summed over micro-batches and DP ranks,
+        grad_norm (global, after DP reduction, before clipping), aux_loss (mean per MoE layer of
+        Megatron's load-balancing loss, before the coefficient, averaged over micro-batches and DP
+        ranks) and update_successful.
 
         Raises:
             RuntimeError: if called on a frozen actor.
+            ValueError: no micro-batches, or ranks given different numbers of micro-batches.
         """
         if not self.trainable:
             raise RuntimeError("train_step on a frozen actor (trainable=False)")
+        padded = self._prepare(micro_batches)
         self.ddp_model.train()
         self.ddp_model.zero_grad_buffer()
         self.optimizer.zero_grad()
         clear_aux_losses_tracker()
-        n = len(micro_batches)
-        out = self._fwd_bwd(
-            forward_step_func=self._forward_step(temperature, loss_fn, n),
-            data_iterator=iter(micro_batches),
-            model=[self.ddp_model],
-            num_microbatches=n,
-            seq_length=max(mb.tokens.shape[1] for mb in micro_batches),
-            micro_batch_size=max(mb.batch_size for mb in micro_batches),
-            forward_only=False,
-        )
+        n = len(padded)
+        out = self._run_schedule(padded, self._forward_step(temperature, loss_fn, n), forward_only=False)
         update_successful, grad_norm, _ = self.optimizer.step()
         metrics: dict[str, float] = {}
-        for d in out:
+        for d in out:  # empty except on the last pipeline stage
             for k, v in d.items():
-                if k == "mb":
-                    continue
                 metrics[k] = metrics.get(k, 0.0) + float(v)
+        metrics = self._reduce_metrics(metrics)
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["update_successful"] = float(bool(update_successful))
         metrics["aux_loss"] = self._aux_loss(n)
         return metrics
 
+    def _reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Sum the last stage's metrics over DP ranks, then hand them to every pipeline stage."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return metrics
+        if parallel_state.is_pipeline_last_stage() and self.dp_size > 1:
+            keys = sorted(metrics)
+            values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)
+            dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
+            metrics = dict(zip(keys, values.tolist()))
+        if self.pp_size > 1:
+            box = [metrics]
+            dist.broadcast_object_list(
+                box,
+                src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                group=parallel_state.get_pipeline_model_parallel_group(),
+            )
+            metrics = box[0]
+        return metrics
+
     def _aux_loss(self, num_microbatches: int) -> float:
         """Mean over MoE layers of the load-balancing loss (without its coefficient), averaged
-        over micro-batches, from Megatron's aux-loss tracker."""
+        over micro-batches and DP ranks, from Megatron's aux-loss tracker (reduced over PP, TP and
+        DP with megatron's reduce_aux_losses_tracker_across_ranks; the last stage's value is
+        broadcast to all stages)."""
         tracker = get_moe_layer_wise_logging_tracker()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # every rank must reduce the same names (a stage without MoE layers has none)
+            names: list = [None] * dist.get_world_size()
+            dist.all_gather_object(names, sorted(tracker))
+            all_names = sorted({x for ns in names for x in ns})
+            for name in all_names:
+                if name not in tracker:
+                    tracker[name] = {"values": torch.zeros(self.tf_config.num_layers, device=self.device)}
+            reduce_aux_losses_tracker_across_ranks(track_names=all_names)  # same order on every rank
         total = 0.0
         for name, entry in tracker.items():
             values = entry["values"]
             if values.numel():
                 total += float(values.sum()) / (num_microbatches * max(1, int((values != 0).sum())))
         clear_aux_losses_tracker()
+        if self.pp_size > 1:
+            box = [total]
+            dist.broadcast_object_list(
+                box,
+                src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                group=parallel_state.get_pipeline_model_parallel_group(),
+            )
+            total = box[0]
         return total

@@ -7,10 +7,16 @@ Layout of one micro-batch (B samples, S = longest prompt+response in the micro-b
   per-token float tensors [B, S] aligned with labels (old_log_probs, ref_log_probs, rollout_log_probs)
   advantages [B] float32
 Right padding with a causal mask leaves every real token's logits unchanged.
+
+Packed micro-batches (:class:`PackedMicroBatch`, :func:`make_packed_micro_batch`) carry the same
+padded label-aligned fields (so loss closures run unchanged) plus the THD layout the model runs
+on: all samples concatenated into one row ``packed_tokens [1, T]`` with ``cu_seqlens``; the
+model's per-token outputs [1, T] are mapped back to [B, S] with :meth:`PackedMicroBatch.unpack`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -117,3 +123,246 @@ def split_micro_batches(
         fields = {k: [v[i] for i in idx] for k, v in (per_token_fields or {}).items()}
         out.append(make_micro_batch([samples[i] for i in idx], idx, pad_id, fields))
     return out
+
+
+@dataclass
+class PackedMicroBatch(MicroBatch):
+    """A :class:`MicroBatch` whose samples are also packed into one THD row for the model.
+
+    The padded [B, S] fields of MicroBatch (tokens, labels, loss_mask, extras, advantages,
+    response_starts/lengths) are kept so loss closures and ``gather_response`` work unchanged.
+    Packed fields (T = sum of sample lengths, plus padding up to ``pad_to_multiple_of``):
+
+    - ``packed_tokens`` [1, T] int64: the samples' prompt+response ids back to back, then pad_id;
+    - ``packed_labels`` [1, T] int64: next token within the same sample; pad_id at each sample's
+      last token and in the padding;
+    - ``packed_position_ids`` [1, T] int64: position within each sample (0..L_i-1; Megatron's
+      RoPE takes positions from cu_seqlens, these are for other consumers);
+    - ``cu_seqlens`` [k+1] int32 (k = B, or B + 1 with a trailing padding segment);
+    - ``unpack_index`` [B, S] int64: packed position of padded (i, t), T for padding;
+    - ``pad_id``: the padding token id.
+    """
+
+    packed_tokens: Optional[torch.Tensor] = None
+    packed_labels: Optional[torch.Tensor] = None
+    packed_position_ids: Optional[torch.Tensor] = None
+    cu_seqlens: Optional[torch.Tensor] = None
+    unpack_index: Optional[torch.Tensor] = None
+    pad_id: int = 0
+
+    @property
+    def num_packed_tokens(self) -> int:
+        """T, the packed row length the model runs on (padding included)."""
+        return int(self.packed_tokens.shape[1])
+
+    @property
+    def num_real_tokens(self) -> int:
+        """Sum of the samples' lengths (padding excluded)."""
+        return int(sum(self.response_lengths) + sum(s + 1 for s in self.response_starts))
+
+    def packed_seq_params(self, device=None):
+        """megatron ``PackedSeqParams`` (qkv_format "thd") for this micro-batch; pass it as
+        ``packed_seq_params=`` to GPTModel.forward with ``packed_tokens``.
+
+        Args:
+            device: device for the int32 cu_seqlens (CUDA for Transformer Engine).
+        """
+        from moerl.models.packed_attention import make_packed_seq_params
+
+        return make_packed_seq_params(self.cu_seqlens, device=device)
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """Map a per-token tensor of the packed row to the padded label-aligned layout.
+
+        Args:
+            packed: [1, T] or [T] (any dtype; e.g. log-probs computed against ``packed_labels``).
+
+        Returns:
+            tensor of ``loss_mask``'s shape [B, S] (also after the padded fields were padded
+            further), entry (i, t) = packed value at sample i's token t, 0 at padding.
+            Differentiable (a gather).
+
+        Raises:
+            ValueError: the input does not have T entries.
+        """
+        flat = packed.reshape(-1)
+        if flat.numel() != self.num_packed_tokens:
+            raise ValueError(
+                f"unpack expects {self.num_packed_tokens} packed values ([1, T] or [T]), "
+                f"got shape {tuple(packed.shape)}"
+            )
+        flat = torch.cat([flat, flat.new_zeros(1)])
+        index = self.unpack_index.to(flat.device)
+        b, s = self.loss_mask.shape  # the padded fields may have been padded further (PP/SP)
+        if (b, s) != tuple(index.shape):
+            grown = torch.full((b, s), self.num_packed_tokens, dtype=index.dtype, device=index.device)
+            grown[: index.shape[0], : index.shape[1]] = index
+            index = grown
+        return flat[index.reshape(-1)].reshape(index.shape)
+
+
+def make_packed_micro_batch(
+    samples: Sequence[Sample],
+    sample_indices: Sequence[int],
+    pad_id: int,
+    per_token_fields: Optional[dict[str, Sequence[Sequence[float]]]] = None,
+    *,
+    pad_to_multiple_of: int = 1,
+) -> PackedMicroBatch:
+    """Pack ``samples`` into one THD row (plus the padded fields of :func:`make_micro_batch`).
+
+    Args:
+        samples, sample_indices, pad_id, per_token_fields: as for :func:`make_micro_batch`.
+        pad_to_multiple_of: pad T up to a multiple of this (tp_size with sequence parallelism:
+            Megatron splits the token axis over TP ranks). Padding is one extra cu_seqlens
+            segment of pad_id tokens with no labels and no loss; it attends only to itself.
+
+    Returns:
+        :class:`PackedMicroBatch`.
+
+    Raises:
+        ValueError: as :func:`make_micro_batch`; pad_to_multiple_of < 1.
+    """
+    if isinstance(pad_to_multiple_of, bool) or not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1:
+        raise ValueError(f"pad_to_multiple_of must be an int >= 1, got {pad_to_multiple_of!r}")
+    mb = make_micro_batch(samples, sample_indices, pad_id, per_token_fields)
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    real = sum(lengths)
+    total = -(-real // pad_to_multiple_of) * pad_to_multiple_of
+    tokens = torch.full((1, total), pad_id, dtype=torch.long)
+    labels = torch.full((1, total), pad_id, dtype=torch.long)
+    positions = torch.zeros((1, total), dtype=torch.long)
+    index = torch.full(mb.tokens.shape, total, dtype=torch.long)
+    cu = [0]
+    for i, n in enumerate(lengths):
+        o = cu[-1]
+        tokens[0, o : o + n] = mb.tokens[i, :n]
+        labels[0, o : o + n - 1] = mb.labels[i, : n - 1]
+        positions[0, o : o + n] = torch.arange(n)
+        index[i, :n] = torch.arange(o, o + n)
+        cu.append(o + n)
+    if total > real:
+        positions[0, real:] = torch.arange(total - real)
+        cu.append(total)
+    base = {f.name: getattr(mb, f.name) for f in dataclasses.fields(MicroBatch)}
+    return PackedMicroBatch(
+        **base,
+        packed_tokens=tokens,
+        packed_labels=labels,
+        packed_position_ids=positions,
+        cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+        unpack_index=index,
+        pad_id=int(pad_id),
+    )
+
+
+def split_packed_micro_batches(
+    samples: Sequence[Sample],
+    micro_batches: Sequence[Sequence[int]],
+    pad_id: int,
+    per_token_fields: Optional[dict[str, Sequence[Sequence[float]]]] = None,
+    *,
+    pad_to_multiple_of: int = 1,
+) -> list[PackedMicroBatch]:
+    """Build the packed micro-batches of one DP rank from a packing plan.
+
+    Args:
+        samples: the whole list the plan indexes (e.g. the global batch).
+        micro_batches: lists of indices into ``samples``, one per micro-batch
+            (``moerl.parallel.packing.PackingPlan.for_rank(dp_rank)``).
+        pad_id, per_token_fields, pad_to_multiple_of: see :func:`make_packed_micro_batch`;
+            ``per_token_fields`` lists are indexed like ``samples``.
+
+    Returns:
+        list of :class:`PackedMicroBatch`; ``sample_indices`` index ``samples``.
+
+    Raises:
+        ValueError: an empty micro-batch or an index out of range.
+    """
+    out = []
+    for k, idx in enumerate(micro_batches):
+        idx = list(idx)
+        if not idx:
+            raise ValueError(f"micro-batch {k} is empty: every packed micro-batch needs at least one sample")
+        bad = [i for i in idx if not 0 <= i < len(samples)]
+        if bad:
+            raise ValueError(f"micro-batch {k} has sample indices {bad} outside [0, {len(samples)})")
+        fields = {name: [v[i] for i in idx] for name, v in (per_token_fields or {}).items()}
+        out.append(make_packed_micro_batch([samples[i] for i in idx], idx, pad_id, fields,
+                                           pad_to_multiple_of=pad_to_multiple_of))
+    return out
+
+
+def model_forward_args(mb: MicroBatch) -> tuple[tuple, dict]:
+    """Positional and keyword arguments of ``GPTModel.forward`` for a micro-batch.
+
+    - padded MicroBatch: ``(tokens [B,S], position_ids [B,S], causal_attention_mask(S)), {}``;
+    - PackedMicroBatch: ``(packed_tokens [1,T], packed_position_ids [1,T], None),
+      {"packed_seq_params": mb.packed_seq_params()}`` (the model's core attention must
+      understand THD: Transformer Engine on GPU, moerl's PackedDotProductAttention on CPU).
+
+    The logits come back [B, S, V] / [1, T, V]; compute per-token values against
+    :func:`model_labels` and map them with :func:`to_label_layout`.
+    """
+    if isinstance(mb, PackedMicroBatch):
+        device = mb.packed_tokens.device
+        return (mb.packed_tokens, mb.packed_position_ids, None), {"packed_seq_params": mb.packed_seq_params(device)}
+    from moerl.models.qwen3_moe import causal_attention_mask
+
+    seq_len = mb.tokens.shape[1]
+    position_ids = torch.arange(seq_len, dtype=torch.long).unsqueeze(0).expand_as(mb.tokens)
+    return (mb.tokens, position_ids, causal_attention_mask(seq_len, device=mb.tokens.device)), {}
+
+
+def model_labels(mb: MicroBatch) -> torch.Tensor:
+    """Labels aligned with the model's output: ``packed_labels [1,T]`` or ``labels [B,S]``."""
+    return mb.packed_labels if isinstance(mb, PackedMicroBatch) else mb.labels
+
+
+def to_label_layout(mb: MicroBatch, per_token: torch.Tensor) -> torch.Tensor:
+    """Per-token values computed on the model's output layout -> the padded [B, S] layout of
+    ``mb.labels`` / ``mb.loss_mask`` (identity for a padded MicroBatch, ``mb.unpack`` for a
+    packed one)."""
+    return mb.unpack(per_token) if isinstance(mb, PackedMicroBatch) else per_token
+
+
+def pad_packed_micro_batch(mb: PackedMicroBatch, num_tokens: int) -> PackedMicroBatch:
+    """Grow a packed micro-batch's row to ``num_tokens`` (e.g. one common T for every micro-batch
+    under pipeline parallelism, whose P2P buffers have a fixed [T, 1, hidden] shape) by extending
+    its trailing padding segment (pad_id tokens, no labels, attends only to itself).
+
+    Args:
+        mb: the packed micro-batch.
+        num_tokens: target T (>= mb.num_packed_tokens).
+
+    Returns:
+        A new PackedMicroBatch (the same one when T already equals ``num_tokens``).
+
+    Raises:
+        ValueError: num_tokens smaller than the current row.
+    """
+    t = mb.num_packed_tokens
+    if num_tokens == t:
+        return mb
+    if num_tokens < t:
+        raise ValueError(f"num_tokens={num_tokens} is smaller than the packed row ({t} tokens)")
+    extra = num_tokens - t
+    pad_id = mb.pad_id
+    real = mb.num_real_tokens
+    positions = torch.cat([mb.packed_position_ids, torch.zeros((1, extra), dtype=torch.long)], dim=1)
+    positions[0, real:] = torch.arange(num_tokens - real)
+    cu = mb.cu_seqlens.tolist()
+    if t > real:
+        cu[-1] = num_tokens
+    else:
+        cu.append(num_tokens)
+    index = mb.unpack_index.clone()
+    index[index == t] = num_tokens
+    return dataclasses.replace(
+        mb,
+        packed_tokens=torch.cat([mb.packed_tokens, torch.full((1, extra), pad_id, dtype=torch.long)], dim=1),
+        packed_labels=torch.cat([mb.packed_labels, torch.full((1, extra), pad_id, dtype=torch.long)], dim=1),
+        packed_position_ids=positions,
+        cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+        unpack_index=index,
+    )

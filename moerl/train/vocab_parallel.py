@@ -1,0 +1,76 @@
+"""Token log-probs and entropies from vocabulary-parallel logits (tensor parallelism, tp > 1).
+
+With tp > 1, Megatron's output layer (ColumnParallelLinear, ``parallel_output=True``) leaves each
+TP rank with logits for its slice of the vocabulary, ``[B, S, V / tp]``: rank r holds token ids
+``[r * V/tp, (r + 1) * V/tp)``. The softmax normaliser and the label's logit live on different
+ranks, so both reductions run over the TP group. Nothing of size V is ever gathered.
+
+``vocab_parallel_log_probs`` is differentiable: it is ``-megatron.core.tensor_parallel.
+vocab_parallel_cross_entropy(logits / T, labels)`` (Megatron's vocab-parallel cross entropy, the
+one GPTModel uses for its own loss). ``vocab_parallel_entropy`` is forward-only (logged, no bonus).
+Both must be called on every rank of the TP group with the same labels (collectives inside).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["vocab_parallel_log_probs", "vocab_parallel_entropy"]
+
+
+def _check(logits: torch.Tensor, temperature: float) -> float:
+    if not logits.is_floating_point() or logits.dim() < 2:
+        raise ValueError(f"logits must be a float tensor [B, S, V/tp], got {logits.dtype} {tuple(logits.shape)}")
+    t = float(temperature)
+    if not (math.isfinite(t) and t > 0):
+        raise ValueError(f"temperature must be a finite float > 0 (the sampling temperature), got {temperature}")
+    return t
+
+
+def vocab_parallel_log_probs(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``log_softmax(logits / T)[label]`` for vocabulary-parallel logits.
+
+    Args:
+        logits: float [B, S, V/tp], this TP rank's vocabulary slice (any float dtype; the maths
+            runs in float32).
+        labels: long [B, S], global token ids in [0, V) (the same on every TP rank).
+        temperature: the sampling temperature (> 0).
+
+    Returns:
+        float32 [B, S], identical on every TP rank; gradients flow to this rank's logits slice.
+
+    Raises:
+        ValueError: bad shapes or temperature.
+    """
+    from megatron.core import tensor_parallel
+
+    t = _check(logits, temperature)
+    if tuple(labels.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"labels {tuple(labels.shape)} must match logits {tuple(logits.shape)} without the vocab dim")
+    # a fresh float32 tensor: megatron's cross entropy subtracts the max in place
+    scaled = logits.float() / t
+    return -tensor_parallel.vocab_parallel_cross_entropy(scaled, labels.long())
+
+
+@torch.no_grad()
+def vocab_parallel_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Entropy (nats) of ``softmax(logits / T)`` over the whole vocabulary, for vocabulary-parallel
+    logits [B, S, V/tp]; returns float32 [B, S], identical on every TP rank. No gradient.
+
+    H = lse - E_p[x] with x = logits / T, computed with a max-shift: the max, sum(exp) and
+    sum(exp * x) are all-reduced over the TP group.
+    """
+    from megatron.core import parallel_state as ps
+
+    t = _check(logits, temperature)
+    group = ps.get_tensor_model_parallel_group()
+    x = logits.float() / t
+    m = x.max(dim=-1).values
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    e = torch.exp(x - m.unsqueeze(-1))
+    sums = torch.stack([e.sum(-1), (e * x).sum(-1)])
+    dist.all_reduce(sums, group=group)
+    return m + torch.log(sums[0]) - sums[1] / sums[0]
