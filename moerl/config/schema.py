@@ -262,6 +262,10 @@ class TrainConfig(_Section):
     clip_grad: float = Field(1.0, gt=0)
     num_threads: int = Field(2, ge=1)  # torch threads of the trainer process
     save_every: int = Field(0, ge=0)  # steps; 0 = only at the end
+    # best-fit packing of RL samples into THD micro-batches (moerl.parallel.packing); pp_size 1 only
+    pack: bool = True
+    max_tokens_per_micro_batch: int = Field(2048, ge=1)  # token cap of one packed micro-batch
+    pack_balance: Literal["tokens", "flops"] = "tokens"  # DP balancing load: L or a*L + L^2
 
     @model_validator(mode="after")
     def _cross_fields(self) -> "TrainConfig":

@@ -125,22 +125,24 @@ class PackedDotProductAttention(DotProductAttention):
             raise ValueError(f"cu_seqlens cover {offsets[-1]} tokens but the packed input has {t}")
         if query.dim() == 3:  # [T, np, hn] -> [T, 1, np, hn] (the parent expects sbhd)
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
-        pieces = []
-        cursor = 0
+        # Segments of equal length run as one batch through the parent's attention (one call per
+        # distinct length instead of one per sequence); rows outside every segment stay zero.
+        by_length: dict[int, list[int]] = {}
         for start, n in zip(offsets[:-1], lengths):
-            if start > cursor:  # padding between segments (cu_seqlens_q_padded)
-                pieces.append(query.new_zeros(start - cursor, 1, self.hidden_size_per_partition))
             if n > 0:
-                mask = torch.ones(n, n, dtype=torch.bool, device=query.device).triu_(1).view(1, 1, n, n)
-                end = start + n
-                pieces.append(
-                    super().forward(query[start:end], key[start:end], value[start:end], mask,
-                                    attn_mask_type=AttnMaskType.causal)
-                )
-            cursor = start + n
-        if cursor < t:
-            pieces.append(query.new_zeros(t - cursor, 1, self.hidden_size_per_partition))
-        return torch.cat(pieces, dim=0).reshape(t, self.hidden_size_per_partition)
+                by_length.setdefault(n, []).append(start)
+        out = query.new_zeros(t, self.hidden_size_per_partition)
+        for n, starts in by_length.items():
+            idx = (torch.tensor(starts).unsqueeze(0) + torch.arange(n).unsqueeze(1)).reshape(-1)  # [n * B], s-major
+            idx = idx.to(query.device)
+            b = len(starts)
+            q = query.index_select(0, idx).reshape(n, b, *query.shape[2:])
+            k = key.index_select(0, idx).reshape(n, b, *key.shape[2:])
+            v = value.index_select(0, idx).reshape(n, b, *value.shape[2:])
+            mask = torch.ones(n, n, dtype=torch.bool, device=query.device).triu_(1).view(1, 1, n, n)
+            o = super().forward(q, k, v, mask, attn_mask_type=AttnMaskType.causal)  # [n, b, hidden]
+            out = out.index_copy(0, idx, o.reshape(n * b, self.hidden_size_per_partition))
+        return out
 
 
 def with_packed_core_attention(block_spec):

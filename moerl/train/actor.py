@@ -52,8 +52,8 @@ from megatron.core.transformer.moe.moe_utils import (
 
 from moerl.algorithms.logprobs import entropy_from_logits, token_log_probs_from_logits
 from moerl.checkpoint.hf_convert import ShardLayout, gather_megatron_to_hf, hf_to_megatron, load_megatron_state_dict
-from moerl.models.qwen3_moe import build_gpt_model, causal_attention_mask, transformer_config_from_hf
-from moerl.train.batching import MicroBatch
+from moerl.models.qwen3_moe import build_gpt_model, transformer_config_from_hf
+from moerl.train.batching import MicroBatch, PackedMicroBatch, model_forward_args, model_labels, to_label_layout
 from moerl.train.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
 
 __all__ = ["LossFn", "MegatronActor", "RECOMPUTE_MODES", "recompute_config", "actor_parallel_kwargs"]
@@ -275,6 +275,14 @@ class MegatronActor:
         def round_up(x: int) -> int:
             return -(-x // multiple) * multiple
 
+        packed = [isinstance(mb, PackedMicroBatch) for mb in micro_batches]
+        if any(packed):
+            if not all(packed) or self.pp_size > 1:
+                raise ValueError(
+                    "packed (THD) micro-batches need pp_size == 1 and must not be mixed with padded ones; "
+                    "set train.pack=false for pipeline parallelism"
+                )
+            return [_to_device(mb, self.device) for mb in micro_batches]
         if self.pp_size > 1:
             b = max(mb.batch_size for mb in micro_batches)
             s = round_up(max(mb.tokens.shape[1] for mb in micro_batches))
@@ -299,16 +307,15 @@ class MegatronActor:
 
         def forward_step(data_iterator, model):
             mb: MicroBatch = next(data_iterator)
-            seq_len = mb.tokens.shape[1]
-            if first_stage:  # token ids enter on the first stage only
-                tokens = mb.tokens
-                position_ids = torch.arange(seq_len, dtype=torch.long).unsqueeze(0).expand_as(mb.tokens)
-            else:
-                tokens = position_ids = None
-            output = model(tokens, position_ids, causal_attention_mask(seq_len))
+            # padded [B,S] with a causal mask, or one packed THD row with cu_seqlens
+            args, kwargs = model_forward_args(mb)
+            if not first_stage:  # token ids enter on the first stage only
+                args = (None, None, args[2])
+            output = model(*args, **kwargs)
 
             def loss_func(logits):  # runs on the last stage only
-                log_probs, entropy = self._token_log_probs(logits, mb.labels, temperature)
+                log_probs, entropy = self._token_log_probs(logits, model_labels(mb), temperature)
+                log_probs, entropy = to_label_layout(mb, log_probs), to_label_layout(mb, entropy)
                 if loss_fn is None:
                     zero = logits.sum() * 0.0
                     return zero, {"log_probs": log_probs.detach(), "entropy": entropy}

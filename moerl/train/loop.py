@@ -24,7 +24,8 @@ from moerl.rollout.launcher import RolloutCluster
 from moerl.rollout.weight_sync import sync_weights_from_disk, sync_weights_from_tensor
 from moerl.runtime.distributed import destroy_distributed, init_distributed
 from moerl.train.actor import MegatronActor
-from moerl.train.batching import split_micro_batches
+from moerl.parallel.packing import flops_linear_coeff, pack_micro_batches
+from moerl.train.batching import split_micro_batches, split_packed_micro_batches
 from moerl.train.losses import policy_loss, sft_loss
 from moerl.train.rollout import evaluate_accuracy, generate_rollout
 from moerl.train.setup import RunContext, prepare_run
@@ -114,10 +115,40 @@ def compute_advantages(ctx: RunContext, samples: list[Sample]) -> tuple[list[Sam
     return kept, {"groups_with_signal": float(signal.float().mean())}
 
 
-def attach_log_probs(actor, samples, micro_batch_size, pad_id, temperature, key) -> list[list[float]]:
+def _flops_coeff(hf_config) -> float:
+    """a of the a*L + L^2 FLOP load for DP balancing (moerl.parallel.packing.flops_linear_coeff)."""
+    from moerl.parallel.memory_plan import ModelShape, total_params
+
+    active = total_params(ModelShape.from_hf_config(hf_config))["active"]
+    return flops_linear_coeff(hf_config.num_hidden_layers, hf_config.hidden_size, active)
+
+
+def build_micro_batches(ctx: RunContext, samples: list[Sample], fields=None) -> tuple[list, dict]:
+    """This DP rank's micro-batches for ``samples``: best-fit packed THD micro-batches balanced over
+    DP ranks (train.pack, pp_size 1; moerl.parallel.packing), else padded micro-batches of
+    train.micro_batch_size samples. Returns (micro_batches, packing stats for logging)."""
+    tr = ctx.cfg.train
+    if not tr.pack or ctx.cfg.parallel.pp_size > 1:
+        return split_micro_batches(samples, tr.micro_batch_size, ctx.pad_id, fields), {}
+    from megatron.core import parallel_state as ps
+
+    plan = pack_micro_batches(
+        [len(s.tokens) for s in samples], tr.max_tokens_per_micro_batch, dp_size=ps.get_data_parallel_world_size(),
+        max_seq_len=ctx.hf_config.max_position_embeddings, balance=tr.pack_balance,
+        linear_coeff=_flops_coeff(ctx.hf_config) if tr.pack_balance == "flops" else None,
+    )
+    multiple = ctx.cfg.parallel.tp_size if ctx.cfg.parallel.tp_size > 1 else 1
+    mbs = split_packed_micro_batches(samples, plan.for_rank(ps.get_data_parallel_rank()), ctx.pad_id, fields,
+                                     pad_to_multiple_of=multiple)
+    st = plan.stats()
+    return mbs, {"pack_utilisation": st["utilisation"], "pack_utilisation_vs_bound": st["utilisation_vs_bound"],
+                 "num_micro_batches": float(plan.num_micro_batches)}
+
+
+def attach_log_probs(ctx: RunContext, actor, samples, temperature, key) -> list[list[float]]:
     """Trainer log-probs of every sample's response tokens under ``actor`` (list per sample)."""
     out: list[Optional[list[float]]] = [None] * len(samples)
-    for mb, lp, _ in actor.compute_log_probs(split_micro_batches(samples, micro_batch_size, pad_id), temperature):
+    for mb, lp, _ in actor.compute_log_probs(build_micro_batches(ctx, samples)[0], temperature):
         for i, resp in zip(mb.sample_indices, mb.gather_response(lp)):
             out[i] = resp.tolist()
     for s, v in zip(samples, out):
@@ -219,7 +250,6 @@ def _train(ctx: RunContext, t_start: float) -> dict:
 
 def _rl_step(ctx, step, actor, ref, client, sync, sampler, sampling_params, timers) -> dict:
     cfg, algo, ro = ctx.cfg, ctx.cfg.algorithm, ctx.cfg.rollout
-    mbs_size = cfg.train.micro_batch_size
     with timers("rollout"):
         samples = generate_rollout(
             client, sampler.next_batch(), ctx.encode, n_samples_per_prompt=ro.n_samples_per_prompt,
@@ -241,9 +271,9 @@ def _rl_step(ctx, step, actor, ref, client, sync, sampler, sampling_params, time
         m["skipped_update"] = 1.0
         return m
     with timers("log_prob"):
-        old = attach_log_probs(actor, kept, mbs_size, ctx.pad_id, ro.temperature, "old_log_probs")
+        old = attach_log_probs(ctx, actor, kept, ro.temperature, "old_log_probs")
         if ref is not None:
-            attach_log_probs(ref, kept, mbs_size, ctx.pad_id, ro.temperature, "ref_log_probs")
+            attach_log_probs(ctx, ref, kept, ro.temperature, "ref_log_probs")
     diffs = [abs(a - b) for s, lp in zip(kept, old) for a, b in zip(lp, s.rollout_log_probs)]
     m["logprob_abs_diff_mean"] = sum(diffs) / len(diffs)
     m["logprob_abs_diff_max"] = max(diffs)
@@ -255,9 +285,10 @@ def _rl_step(ctx, step, actor, ref, client, sync, sampler, sampling_params, time
             fields = {"old_log_probs": [s.metadata["old_log_probs"] for s in part]}
             if ref is not None:
                 fields["ref_log_probs"] = [s.metadata["ref_log_probs"] for s in part]
-            mbs = split_micro_batches(part, mbs_size, ctx.pad_id, fields)
+            mbs, pack_stats = build_micro_batches(ctx, part, fields)
+            m.update({f"train/{k}": v for k, v in pack_stats.items()})
             loss_fn = policy_loss(
-                algo, global_num_tokens=int(sum(mb.loss_mask.sum() for mb in mbs)), global_num_seqs=len(part),
+                algo, global_num_tokens=sum(sum(s.loss_mask) for s in part), global_num_seqs=len(part),
                 seq_token_sum_constant=float(ro.max_new_tokens),
             )
             out = actor.train_step(mbs, loss_fn, temperature=ro.temperature)
@@ -299,7 +330,7 @@ def _step_line(step: int, total: int, m: dict, eta: float) -> str:
         f"step {step}/{total} reward {g('reward_mean')} acc {g('accuracy')} "
         f"kl {g('train/kl', '{:.2e}')} entropy {g('train/entropy')} aux {g('train/aux_loss', '{:.4f}')} "
         f"resp_len {g('response_length', '{:.2f}')} lp_diff {g('logprob_abs_diff_mean', '{:.1e}')} "
-        f"ratio {g('train/ratio_mean', '{:.6f}')} | {t} | eta {eta:.0f}s"
+        f"ratio {g('train/ratio_mean', '{:.6f}')} pack_util {g('train/pack_utilisation')} | {t} | eta {eta:.0f}s"
     )
     if "eval/accuracy" in m:
         line += f" | EVAL greedy acc {m['eval/accuracy']:.4f}"
