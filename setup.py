@@ -29,6 +29,7 @@ setup(
         "pyyaml>=6.0,<7",
         "tensorboard>=2.16,<3",
         "tqdm>=4.66,<5",
+        "matplotlib>=3.8,<4",  # tools/inspect_experts.py plots
     ],
     extras_require={
         "test": ["pytest>=8,<10"],
