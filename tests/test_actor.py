@@ -25,15 +25,6 @@ ALGO = SimpleNamespace(policy_loss="gspo", eps_clip_low=3e-4, eps_clip_high=4e-4
                        loss_agg_mode="seq-mean-token-mean", kl_coef=0.0, kl_estimator="k3")
 
 
-@pytest.fixture
-def dist():
-    init_distributed(seed=0, num_threads=2)
-    try:
-        yield
-    finally:
-        destroy_distributed()
-
-
 def make_samples(vocab, n=6, seed=3):
     """Samples of different prompt and response lengths (1..4 response tokens)."""
     g = torch.Generator().manual_seed(seed)

@@ -33,19 +33,9 @@ from moerl.models.qwen3_moe import (  # noqa: E402
     make_hf_config,
     transformer_config_from_hf,
 )
-from moerl.runtime.distributed import destroy_distributed, init_distributed  # noqa: E402
 
 FIELDS = dict(h.TINY_FIELDS, vocab_size=100, rope_theta=5000.0)
 ATOL = 1e-4
-
-
-@pytest.fixture
-def dist():
-    init_distributed(seed=0, num_threads=2)
-    try:
-        yield
-    finally:
-        destroy_distributed()
 
 
 def random_hf_model(seed=0, **changes):

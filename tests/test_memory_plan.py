@@ -27,18 +27,8 @@ from moerl.parallel.memory_plan import (  # noqa: E402
     rank_param_counts,
     total_params,
 )
-from moerl.runtime.distributed import destroy_distributed, init_distributed  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def dist():
-    init_distributed(seed=0, num_threads=2)
-    try:
-        yield
-    finally:
-        destroy_distributed()
 
 
 @pytest.mark.parametrize(
