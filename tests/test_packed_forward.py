@@ -212,3 +212,41 @@ if __name__ == "__main__":
     if sys.argv[1] != "tp2":
         raise SystemExit(f"unknown case {sys.argv[1]}")
     _tp2_worker(sys.argv[2])
+
+
+def test_packed_core_attention_choice_per_device():
+    """CPU: moerl's exact packed attention. CUDA: Transformer Engine's fused attention, or, when
+    TE is missing, an ImportError that says what to install (never a silent fallback)."""
+    from moerl.models import packed_attention as pa
+
+    assert pa.packed_core_attention_class(use_cuda=False) is PackedDotProductAttention
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="Transformer Engine"):
+            pa.packed_core_attention_class(use_cuda=True)
+    else:  # pragma: no cover - GPU image
+        assert pa.packed_core_attention_class(use_cuda=True).__name__ == "TEDotProductAttention"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU with Transformer Engine")
+def test_packed_forward_on_gpu_with_transformer_engine():  # pragma: no cover - GPU check
+    """GPU: the same model with TE's fused attention gives, for a packed row, the logits of
+    separate forwards (bf16-free fp32 model; TE fused attention tolerance)."""
+    init_distributed(seed=0, num_threads=2)
+    try:
+        hf = random_hf_model().cuda()
+        cfg = make_hf_config(FIELDS)
+        model = build_gpt_model(cfg).cuda().eval()
+        load_megatron_state_dict(model, hf_to_megatron(hf.state_dict(), cfg))
+        lengths = [5, 1, 9, 3]
+        seqs = [s.cuda() for s in _seqs(lengths)]
+        cu = _cu(lengths)
+        with torch.no_grad():
+            packed = model(torch.cat(seqs).unsqueeze(0), None, None,
+                           packed_seq_params=make_packed_seq_params(cu, device="cuda"))
+            for seq, start in zip(seqs, cu[:-1]):
+                ref = hf(seq.unsqueeze(0)).logits[0]
+                assert float((packed[0, start : start + len(seq)] - ref).abs().max()) <= 2e-2
+    finally:
+        destroy_distributed()

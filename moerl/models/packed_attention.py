@@ -145,23 +145,61 @@ class PackedDotProductAttention(DotProductAttention):
         return out
 
 
-def with_packed_core_attention(block_spec):
-    """A copy of a local-spec decoder block spec whose core attention is
-    :class:`PackedDotProductAttention` wherever it was ``DotProductAttention``.
+TE_INSTALL_HINT = (
+    "packed (THD) attention on GPU uses Transformer Engine's fused attention; install it in the GPU "
+    "image (pip install --no-build-isolation 'transformer_engine[pytorch]', see the Dockerfile) or "
+    "set train.pack=false"
+)
+
+
+def packed_core_attention_class(use_cuda: Optional[bool] = None):
+    """The core-attention module for packed (THD) micro-batches on this machine.
+
+    - CPU (no CUDA): :class:`PackedDotProductAttention` (moerl's, exact, batched per length).
+    - CUDA: Megatron's ``TEDotProductAttention`` (Transformer Engine fused attention, which takes
+      ``packed_seq_params`` with ``cu_seqlens`` natively); it has no parameters, so the model's
+      state dict and the HF conversion are unchanged.
+
+    Args:
+        use_cuda: None = ``torch.cuda.is_available()``.
+
+    Raises:
+        ImportError: CUDA without Transformer Engine (the message says what to install).
+    """
+    if use_cuda is None:
+        use_cuda = torch.cuda.is_available()
+    if not use_cuda:
+        return PackedDotProductAttention
+    try:
+        import transformer_engine  # noqa: F401  (megatron's extension module imports without it)
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention
+    except ImportError as e:  # Transformer Engine missing or broken
+        raise ImportError(f"{TE_INSTALL_HINT} ({e})") from e
+    return TEDotProductAttention
+
+
+def with_packed_core_attention(block_spec, use_cuda: Optional[bool] = None):
+    """A copy of a local-spec decoder block spec whose core attention takes packed THD input
+    (:func:`packed_core_attention_class`) wherever it was ``DotProductAttention``.
 
     Args:
         block_spec: a ``TransformerBlockSubmodules`` (``get_gpt_decoder_block_spec(...,
             use_transformer_engine=False)``) or a single layer ``ModuleSpec``.
+        use_cuda: None = ``torch.cuda.is_available()``.
 
     Returns:
         The modified copy; Transformer Engine specs (which handle THD themselves) come back
         unchanged. The model's parameters and state dict are the same either way.
+
+    Raises:
+        ImportError: CUDA without Transformer Engine.
     """
+    core_attention = packed_core_attention_class(use_cuda)
     spec = copy.deepcopy(block_spec)
     layer_specs = getattr(spec, "layer_specs", None)
     for layer in layer_specs if layer_specs is not None else [spec]:
         attn = getattr(getattr(layer, "submodules", None), "self_attention", None)
         sub = getattr(attn, "submodules", None)
         if sub is not None and getattr(sub, "core_attention", None) is DotProductAttention:
-            sub.core_attention = PackedDotProductAttention
+            sub.core_attention = core_attention
     return spec
