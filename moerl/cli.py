@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import warnings
 
@@ -35,25 +36,51 @@ def _train(argv: list[str]) -> int:
 
     try:
         cfg = load_config(args.recipe, args.overrides)
-    except ConfigError as e:
-        print(f"moerl train: invalid recipe: {e}", file=sys.stderr)
+        # the layout rules need the world size: check them before any work (torchrun sets WORLD_SIZE)
+        cfg.check_world_size(int(os.environ.get("WORLD_SIZE", "1")))
+    except (ConfigError, ValueError) as e:
+        print(f"moerl train: {e}", file=sys.stderr)
         return 2
-    from moerl.data.dataset import DatasetError
-    from moerl.rollout.errors import PortInUseError, RolloutError
+    if os.path.exists(cfg.output_dir) and not os.path.isdir(cfg.output_dir):
+        print(f"moerl train: output_dir {cfg.output_dir} exists and is not a directory; choose another "
+              "output_dir", file=sys.stderr)
+        return 2
     from moerl.train.loop import train
 
+    return _run_train(lambda: train(cfg))
+
+
+def _run_train(run) -> int:
+    """Run the job and turn what can end it into one line and an exit code: 0 done, 2 bad input
+    (found before or early in the run), 1 rollout failure (e.g. a server died; named), 130 Ctrl-C
+    (the rollout launcher has stopped every server and the router by then)."""
+    from moerl.config.loader import ConfigError
+    from moerl.data.dataset import DatasetError
+    from moerl.rollout.errors import PortInUseError, RolloutError
+
+    interrupted = []
+
+    def on_sigint(signum, frame):  # the rollout launcher chains its own cleanup in front of this
+        interrupted.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
     try:
-        train(cfg)
-    except (DatasetError, FileNotFoundError, ConfigError) as e:
-        print(f"moerl train: bad input: {e}", file=sys.stderr)
-        return 2
-    except PortInUseError as e:
-        print(f"moerl train: bad input: {e}", file=sys.stderr)
-        return 2
-    except RolloutError as e:
-        print(f"moerl train: rollout failure: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    return 0
+        run()
+        return 0
+    except BaseException as e:  # noqa: BLE001 - an interrupt can surface as any error mid-shutdown
+        if interrupted or isinstance(e, KeyboardInterrupt):
+            print("moerl train: interrupted; rollout servers and router stopped", file=sys.stderr)
+            return 130
+        if isinstance(e, (DatasetError, FileNotFoundError, ConfigError, PortInUseError)):
+            print(f"moerl train: bad input: {e}", file=sys.stderr)
+            return 2
+        if isinstance(e, RolloutError):
+            print(f"moerl train: rollout failure: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
+        raise
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _serve(argv: list[str]) -> int:

@@ -124,7 +124,10 @@ def test_float_without_dot_in_yaml_file(tmp_path):
 def test_partial_recipe_takes_defaults(tmp_path):
     cfg = load_config(_write(tmp_path, "seed: 7\n"))
     assert cfg.seed == 7 and cfg.train.num_steps == 600
-    assert load_config(_write(tmp_path, "", "empty.yaml")) == RecipeConfig()
+    with pytest.raises(ConfigError, match="is empty"):
+        load_config(_write(tmp_path, "", "empty.yaml"))
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(tmp_path)
 
 
 def test_config_is_frozen():

@@ -31,13 +31,13 @@ FAST = [
 
 
 def free_ports(n: int) -> int:
-    """A base port with n consecutive free ports on 127.0.0.1 (plus one more for the router)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n + 1 > 65000:
-            continue
+    """A base port with n + 1 consecutive free ports on 127.0.0.1 (servers + router), below Linux's
+    ephemeral range (32768+) so outgoing connections of other processes cannot take them meanwhile."""
+    import random
+
+    rng = random.Random()
+    for _ in range(500):
+        base = rng.randrange(20000, 32000 - n - 1)
         ok = True
         for p in range(base, base + n + 1):
             with socket.socket() as s:
@@ -64,6 +64,19 @@ def port_args(tmp_path) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- bad input, fast
+def test_layout_and_output_dir_checked_before_any_work(tmp_path):
+    r = moerl_train(RECIPE, "parallel.tp_size=2", timeout=120)
+    assert r.returncode == 2 and "parallel.tp_size" in r.stderr and "Traceback" not in r.stderr
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    r = moerl_train(RECIPE, f"output_dir={a_file}", timeout=120)
+    assert r.returncode == 2 and "output_dir" in r.stderr and "Traceback" not in r.stderr
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    r = moerl_train(str(empty), timeout=120)
+    assert r.returncode == 2 and "is empty" in r.stderr
+
+
 def test_malformed_recipe_names_the_key(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("rollout:\n  n_samples_per_promt: 8\ntrain:\n  global_batch_size: 100\n")
@@ -214,7 +227,8 @@ def test_ctrl_c_leaves_no_process(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert rc != 0
+    assert rc == 130, log.read_text()[-3000:]
+    assert "interrupted" in log.read_text()
     gone, alive = psutil.wait_procs(kids, timeout=30)
     assert not alive, [p.cmdline() for p in alive]
 

@@ -35,7 +35,7 @@ def ckpt(tmp_path_factory):
 def _free_ports(n_servers: int) -> tuple[int, int]:
     """(base_port, router_port) with base..base+n-1 and router free right now."""
     for _ in range(200):
-        base = random.randint(20000, 45000)
+        base = random.randint(20000, 32000 - n_servers - 1)  # below the ephemeral range (32768+)
         ports = list(range(base, base + n_servers + 1))
         if all(port_is_free("127.0.0.1", p) for p in ports):
             return base, ports[-1]

@@ -117,8 +117,8 @@ def _format_error(err: dict[str, Any]) -> str:
 
 def validate_config(raw: Any, source: str = "<recipe>") -> RecipeConfig:
     """Validate a nested dict into a RecipeConfig, converting pydantic errors to a ConfigError."""
-    if raw is None:
-        raw = {}
+    if raw is None:  # an empty file is almost always a mistake: never run the defaults silently
+        raise ConfigError(f"recipe {path} is empty; start from configs/tiny_arith.yaml (every key commented)")
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the recipe must be a YAML mapping of sections, got {type(raw).__name__}")
     try:
@@ -141,6 +141,8 @@ def load_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> Recip
             (with a did-you-mean), wrong type, out-of-range value or broken cross-field rule.
     """
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise ConfigError(f"{path} is a directory; give a recipe file such as configs/tiny_arith.yaml")
     if not os.path.isfile(path):
         raise ConfigError(f"recipe file not found: {path}")
     with open(path, encoding="utf-8") as f:
@@ -155,8 +157,8 @@ def load_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> Recip
         if ctx and ctx_mark is not None and ctx_mark is not mark:
             problem += f" ({ctx} at line {ctx_mark.line + 1})"
         raise ConfigError(f"malformed YAML in {path}{where}: {problem}") from None
-    if raw is None:
-        raw = {}
+    if raw is None:  # an empty file is almost always a mistake: never run the defaults silently
+        raise ConfigError(f"recipe {path} is empty; start from configs/tiny_arith.yaml (every key commented)")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the recipe must be a YAML mapping of sections, got {type(raw).__name__}")
     if isinstance(overrides, str):
