@@ -49,9 +49,16 @@ EXPECTED_TINY = {
         "eps_clip_low": 3.0e-4, "eps_clip_high": 4.0e-4, "kl_coef": 0.0, "kl_estimator": "k3",
         "filter_uniform_groups": True, "moe_aux_loss_coeff": 1.0e-3, "moe_load_balancing_type": "aux_loss",
     },
+    "moe": {
+        "z_loss_coeff": 0.0, "score_function": "softmax", "expert_bias": False, "bias_update_rate": 1.0e-3,
+        "topk_scaling_factor": None, "num_groups": None, "group_topk": None, "capacity_factor": None,
+        "pad_to_capacity": False, "token_drop_policy": "probs", "token_dispatcher": "alltoall", "telemetry": True,
+        "entropy_threshold": 0.5, "dead_expert_steps": 10,
+    },
     "train": {
         "num_steps": 600, "global_batch_size": 128, "micro_batch_size": 32, "lr": 1.0e-4, "weight_decay": 0.0,
-        "adam_beta1": 0.9, "adam_beta2": 0.999, "clip_grad": 1.0, "num_threads": 2, "save_every": 0, "pack": True,
+        "adam_beta1": 0.9, "adam_beta2": 0.999, "clip_grad": 1.0, "num_threads": 2, "save_every": 0,
+        "save_every_minutes": 0.0, "keep_checkpoints": 3, "pack": True,
         "max_tokens_per_micro_batch": 2048, "pack_balance": "tokens",
     },
     "sft": {
@@ -60,6 +67,7 @@ EXPECTED_TINY = {
     },
     "eval": {"num_prompts": 300, "every_steps": 50},
     "log": {"tensorboard": True, "wandb_project": None, "log_every": 1},
+    "resume": "none",
 }
 
 

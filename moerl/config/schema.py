@@ -262,6 +262,8 @@ class TrainConfig(_Section):
     clip_grad: float = Field(1.0, gt=0)
     num_threads: int = Field(2, ge=1)  # torch threads of the trainer process
     save_every: int = Field(0, ge=0)  # steps; 0 = only at the end
+    save_every_minutes: float = Field(0.0, ge=0)  # wall-clock minutes between checkpoints; 0 = off (seed: 30)
+    keep_checkpoints: int = Field(3, ge=0)  # newest complete checkpoints kept; 0 = keep all
     # best-fit packing of RL samples into THD micro-batches (moerl.parallel.packing); pp_size 1 only
     pack: bool = True
     max_tokens_per_micro_batch: int = Field(2048, ge=1)  # token cap of one packed micro-batch
@@ -312,6 +314,34 @@ class LogConfig(_Section):
     log_every: int = Field(1, ge=1)
 
 
+class MoEConfig(_Section):
+    """MoE routing, balancing, dispatcher and telemetry keys (REFERENCE.md sec. 2), mapped onto
+    Megatron-Core by moerl.moe.config.moe_transformer_overrides. The balancing type and coefficient
+    stay in ``algorithm`` (moe_load_balancing_type, moe_aux_loss_coeff)."""
+
+    z_loss_coeff: float = Field(0.0, ge=0)  # ST-MoE router z-loss; 0 = off
+    score_function: Literal["softmax", "sigmoid"] = "softmax"  # router scores (sigmoid: DeepSeek-V3)
+    expert_bias: bool = False  # aux-loss-free balancing bias (arXiv 2408.15664); needs sigmoid
+    bias_update_rate: float = Field(1.0e-3, gt=0)  # b_i += rate * sign(mean_count - count_i) per step
+    topk_scaling_factor: Optional[float] = Field(None, gt=0)  # scale of the top-k gates; None = 1
+    num_groups: Optional[int] = Field(None, ge=1)  # group-limited routing: expert groups
+    group_topk: Optional[int] = Field(None, ge=1)  # group-limited routing: groups chosen per token
+    capacity_factor: Optional[float] = Field(None, gt=0)  # None = no token dropping
+    pad_to_capacity: bool = False  # pad every expert's input to its capacity (needs capacity_factor)
+    token_drop_policy: Literal["probs", "position"] = "probs"
+    token_dispatcher: Literal["alltoall", "allgather", "flex"] = "alltoall"  # flex = DeepEP, GPU only
+    telemetry: bool = True  # per-layer tokens_per_expert, imbalance, entropy -> <output_dir>/moe_telemetry.jsonl
+    entropy_threshold: float = Field(0.5, ge=0, le=1)  # alert below this fraction of ln(num_experts)
+    dead_expert_steps: int = Field(10, ge=0)  # alert when an expert gets no tokens this many steps; 0 = off
+
+    @model_validator(mode="after")
+    def _cross_fields(self) -> "MoEConfig":
+        from moerl.moe.config import validate_moe  # light import (no torch)
+
+        validate_moe(self)
+        return self
+
+
 class RecipeConfig(_Section):
     """The whole run recipe (see configs/tiny_arith.yaml for every key with a comment)."""
 
@@ -322,10 +352,23 @@ class RecipeConfig(_Section):
     data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
+    moe: MoEConfig = MoEConfig()
     train: TrainConfig = TrainConfig()
     sft: SFTConfig = SFTConfig()
     eval: EvalConfig = EvalConfig()
     log: LogConfig = LogConfig()
+    # "none" = start fresh; "auto" = continue from the newest complete checkpoint in
+    # <output_dir>/checkpoints (fresh start when there is none); or a checkpoint directory path
+    resume: str = Field("none", min_length=1)
+
+    @model_validator(mode="after")
+    def _moe_rules(self) -> "RecipeConfig":
+        from moerl.moe.config import validate_moe  # light import (no torch)
+
+        h = self.model.hf_config
+        validate_moe(self.moe, num_experts=h.num_experts, topk=h.num_experts_per_tok, algorithm=self.algorithm,
+                     train_pack=self.train.pack, ep_size=self.parallel.ep_size)
+        return self
 
     @model_validator(mode="after")
     def _cross_sections(self) -> "RecipeConfig":

@@ -1,58 +1,112 @@
 """The synchronous RL loop: SFT warm start, then rollout -> reward -> advantages -> old log-probs
 -> update -> weight sync -> log. Reads like the algorithm; every piece it calls lives elsewhere.
+
+Single process or under torchrun (any TP/PP/EP/DP layout the recipe allows). With several ranks,
+global rank 0 alone runs the rollout cluster: it generates rollouts, scores rewards, computes
+advantages and runs the greedy evaluations, then broadcasts the kept samples (and every eval /
+early-stop decision) to all ranks over the default (gloo on CPU) process group. Each DP rank trains
+on its share (best-fit packing balanced over DP, or contiguous shares when unpacked); losses use
+global denominators, so the update is the single-process one up to float summation order. Weight
+export is collective (every rank gathers its TP/EP/PP shards); rank 0 pushes the weights to the
+servers. Only rank 0 prints, writes TensorBoard and summary.json.
+
+Checkpoints (``<output_dir>/checkpoints/{sft_step_N|step_N}``, torch_dist, atomic) hold the model,
+the optimizer and a ``moerl_state`` extra: phase, SFT / RL step counters, the PromptSampler
+cursors, the weight-sync version, the summary so far and every rank's python / numpy / torch /
+Megatron-tracker RNG states; a ``moerl_complete.json`` marker is written once the directory is in
+place. ``resume=auto`` continues from the newest checkpoint that has the marker.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import random
+import re
+import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
+import numpy as np
 import torch
+import torch.distributed as tdist
 
 from moerl.algorithms.advantages import group_has_signal, grpo_advantages
-from moerl.checkpoint.dist_ckpt import save_dist_checkpoint
-from moerl.checkpoint.hf_io import save_hf_checkpoint
+from moerl.checkpoint.dist_ckpt import load_dist_checkpoint, save_dist_checkpoint
+from moerl.checkpoint.hf_io import load_hf_state_dict, save_hf_checkpoint
 from moerl.observe.metrics import MetricsLogger
 from moerl.observe.timers import Timers
+from moerl.parallel.packing import flops_linear_coeff, pack_micro_batches
 from moerl.rollout.client import RolloutClient
 from moerl.rollout.launcher import RolloutCluster
 from moerl.rollout.weight_sync import sync_weights_from_disk, sync_weights_from_tensor
 from moerl.runtime.distributed import destroy_distributed, init_distributed
-from moerl.train.actor import MegatronActor
-from moerl.parallel.packing import flops_linear_coeff, pack_micro_batches
-from moerl.train.batching import split_micro_batches, split_packed_micro_batches
+from moerl.train.actor import MegatronActor, actor_parallel_kwargs
+from moerl.train.batching import make_micro_batch, split_micro_batches, split_packed_micro_batches
 from moerl.train.losses import policy_loss, sft_loss
 from moerl.train.rollout import evaluate_accuracy, generate_rollout
 from moerl.train.setup import RunContext, prepare_run
 from moerl.types import Sample
 
+_IS_MAIN = True  # False on ranks other than global rank 0 (they print nothing)
+COMPLETE_MARKER = "moerl_complete.json"
+
 
 def log(msg: str) -> None:
-    print(f"[moerl {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    if _IS_MAIN:
+        print(f"[moerl {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _world() -> int:
+    return tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1
+
+
+def broadcast_from_main(obj: Any) -> Any:
+    """``obj`` of global rank 0 on every rank (torch.distributed.broadcast_object_list on the
+    default group; identity in a single process). Collective."""
+    if _world() == 1:
+        return obj
+    box = [obj]
+    tdist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _dp() -> tuple[int, int]:
+    """(dp_size, dp_rank) from Megatron's parallel_state."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
 
 
 # --------------------------------------------------------------------------- helpers
 class WeightSync:
-    """Pushes the actor's weights to every rollout server and tracks weight_version."""
+    """Pushes the actor's weights to every rollout server and tracks weight_version.
 
-    def __init__(self, ctx: RunContext, cluster: RolloutCluster):
-        self.ctx, self.cluster, self.version = ctx, cluster, 0
+    Collective: every rank calls it (the HF export gathers the TP/EP/PP shards onto rank 0); only
+    rank 0, which holds ``cluster``, talks to the servers (``cluster`` is None elsewhere)."""
+
+    def __init__(self, ctx: RunContext, cluster: Optional[RolloutCluster], version: int = 0):
+        self.ctx, self.cluster, self.version = ctx, cluster, version
 
     def __call__(self, actor: MegatronActor) -> str:
         self.version += 1
         version = str(self.version)
-        hf_sd = actor.export_hf_state_dict()
-        if self.ctx.cfg.rollout.weight_sync == "disk":
-            sync_weights_from_disk(
-                self.cluster.server_urls, hf_sd, self.ctx.hf_config, self.ctx.run_dir / "weights", version
-            )
-        else:
-            sync_weights_from_tensor(self.cluster.server_urls, hf_sd, version, bucket_bytes=64 << 20)
+        hf_sd = actor.export_hf_state_dict(dst=0)
+        if self.cluster is not None:
+            try:
+                if self.ctx.cfg.rollout.weight_sync == "disk":
+                    sync_weights_from_disk(
+                        self.cluster.server_urls, hf_sd, self.ctx.hf_config, self.ctx.run_dir / "weights", version
+                    )
+                else:
+                    sync_weights_from_tensor(self.cluster.server_urls, hf_sd, version, bucket_bytes=64 << 20)
+            except Exception:
+                self.cluster.check_alive()  # a dead server is named (RolloutServerDiedError)
+                raise
         return version
 
 
@@ -69,36 +123,15 @@ def sft_samples(ctx: RunContext, rows) -> list[Sample]:
 
 
 def evaluate(ctx: RunContext, client, rows) -> float:
-    return evaluate_accuracy(
-        client, rows, ctx.encode, ctx.decode, ctx.reward_fn,
-        prompt_key=ctx.cfg.data.prompt_key, label_key=ctx.cfg.data.label_key,
-        max_new_tokens=ctx.cfg.rollout.max_new_tokens, stop_token_ids=[ctx.eos_id],
-    )
-
-
-def run_sft(ctx: RunContext, actor: MegatronActor, client, sync: WeightSync, logger: MetricsLogger) -> dict:
-    """Warm start: supervised steps until greedy accuracy on sft.eval_prompts held-out prompts first
-    reaches sft.target_accuracy (checked every sft.eval_every steps), or sft.max_steps."""
-    sft = ctx.cfg.sft
-    sampler = ctx.make_sampler(ctx.train_ds, sft.global_batch_size, ctx.cfg.seed + 1)
-    eval_rows = ctx.eval_rows[: sft.eval_prompts]
-    actor.set_lr(sft.lr)
-    t0, acc, step = time.time(), 0.0, 0
-    for step in range(1, sft.max_steps + 1):
-        samples = sft_samples(ctx, sampler.next_batch())
-        mbs = split_micro_batches(samples, sft.micro_batch_size, ctx.pad_id)
-        n_tok = int(sum(mb.loss_mask.sum() for mb in mbs))
-        m = actor.train_step(mbs, sft_loss(n_tok), temperature=1.0)
-        if step % sft.eval_every == 0 or step == sft.max_steps:
-            sync(actor)
-            acc = evaluate(ctx, client, eval_rows)
-            rate = step / (time.time() - t0)
-            logger.log(step, {"sft/loss": m["sft_loss"], "sft/eval_accuracy": acc, "sft/grad_norm": m["grad_norm"]})
-            log(f"sft step {step}/{sft.max_steps} loss {m['sft_loss']:.4f} greedy acc {acc:.3f} "
-                f"({rate:.1f} steps/s, elapsed {time.time() - t0:.0f}s, target {sft.target_accuracy})")
-            if acc >= sft.target_accuracy:
-                break
-    return {"sft_steps": step, "sft_seconds": time.time() - t0, "sft_accuracy": acc}
+    """Greedy accuracy on ``rows``, computed by rank 0 (which holds the client) and broadcast."""
+    acc = None
+    if client is not None:
+        acc = evaluate_accuracy(
+            client, rows, ctx.encode, ctx.decode, ctx.reward_fn,
+            prompt_key=ctx.cfg.data.prompt_key, label_key=ctx.cfg.data.label_key,
+            max_new_tokens=ctx.cfg.rollout.max_new_tokens, stop_token_ids=[ctx.eos_id],
+        )
+    return float(broadcast_from_main(acc))
 
 
 def compute_advantages(ctx: RunContext, samples: list[Sample]) -> tuple[list[Sample], dict]:
@@ -123,22 +156,49 @@ def _flops_coeff(hf_config) -> float:
     return flops_linear_coeff(hf_config.num_hidden_layers, hf_config.hidden_size, active)
 
 
-def build_micro_batches(ctx: RunContext, samples: list[Sample], fields=None) -> tuple[list, dict]:
-    """This DP rank's micro-batches for ``samples``: best-fit packed THD micro-batches balanced over
-    DP ranks (train.pack, pp_size 1; moerl.parallel.packing), else padded micro-batches of
-    train.micro_batch_size samples. Returns (micro_batches, packing stats for logging)."""
-    tr = ctx.cfg.train
-    if not tr.pack or ctx.cfg.parallel.pp_size > 1:
-        return split_micro_batches(samples, tr.micro_batch_size, ctx.pad_id, fields), {}
-    from megatron.core import parallel_state as ps
+def dp_padded_micro_batches(samples: list[Sample], micro_batch_size: int, pad_id: int, fields=None,
+                            dp_size: int = 1, dp_rank: int = 0) -> list:
+    """This DP rank's padded micro-batches: the samples are cut into ``dp_size`` contiguous shares
+    (sizes differing by at most one) and every share into the same number of micro-batches,
+    ``ceil(smallest share / micro_batch_size)`` (so each rank runs as many micro-batches as the
+    others; a micro-batch may then hold one sample more than micro_batch_size). dp_size 1 keeps
+    split_micro_batches' consecutive micro_batch_size chunks. ``sample_indices`` index ``samples``.
 
+    Raises:
+        ValueError: fewer samples than DP ranks.
+    """
+    if dp_size == 1:
+        return split_micro_batches(samples, micro_batch_size, pad_id, fields)
+    if len(samples) < dp_size:
+        raise ValueError(f"{len(samples)} samples cannot feed {dp_size} data-parallel ranks")
+    bounds = [len(samples) * r // dp_size for r in range(dp_size + 1)]
+    share = list(range(bounds[dp_rank], bounds[dp_rank + 1]))
+    smallest = min(bounds[r + 1] - bounds[r] for r in range(dp_size))
+    n_mb = math.ceil(smallest / micro_batch_size)
+    out = []
+    for chunk in np.array_split(np.array(share), n_mb):
+        idx = [int(i) for i in chunk]
+        sub = {k: [v[i] for i in idx] for k, v in (fields or {}).items()}
+        out.append(make_micro_batch([samples[i] for i in idx], idx, pad_id, sub))
+    return out
+
+
+def build_micro_batches(ctx: RunContext, samples: list[Sample], fields=None) -> tuple[list, dict]:
+    """This DP rank's micro-batches for ``samples`` (ALL samples of the update, identical on every
+    rank): best-fit packed THD micro-batches balanced over DP ranks (train.pack, pp_size 1;
+    moerl.parallel.packing), else padded micro-batches of about train.micro_batch_size samples from
+    this rank's contiguous share (dp_padded_micro_batches). Returns (micro_batches, packing stats)."""
+    tr = ctx.cfg.train
+    dp_size, dp_rank = _dp()
+    if not tr.pack or ctx.cfg.parallel.pp_size > 1:
+        return dp_padded_micro_batches(samples, tr.micro_batch_size, ctx.pad_id, fields, dp_size, dp_rank), {}
     plan = pack_micro_batches(
-        [len(s.tokens) for s in samples], tr.max_tokens_per_micro_batch, dp_size=ps.get_data_parallel_world_size(),
+        [len(s.tokens) for s in samples], tr.max_tokens_per_micro_batch, dp_size=dp_size,
         max_seq_len=ctx.hf_config.max_position_embeddings, balance=tr.pack_balance,
         linear_coeff=_flops_coeff(ctx.hf_config) if tr.pack_balance == "flops" else None,
     )
     multiple = ctx.cfg.parallel.tp_size if ctx.cfg.parallel.tp_size > 1 else 1
-    mbs = split_packed_micro_batches(samples, plan.for_rank(ps.get_data_parallel_rank()), ctx.pad_id, fields,
+    mbs = split_packed_micro_batches(samples, plan.for_rank(dp_rank), ctx.pad_id, fields,
                                      pad_to_multiple_of=multiple)
     st = plan.stats()
     return mbs, {"pack_utilisation": st["utilisation"], "pack_utilisation_vs_bound": st["utilisation_vs_bound"],
@@ -146,113 +206,396 @@ def build_micro_batches(ctx: RunContext, samples: list[Sample], fields=None) -> 
 
 
 def attach_log_probs(ctx: RunContext, actor, samples, temperature, key) -> list[list[float]]:
-    """Trainer log-probs of every sample's response tokens under ``actor`` (list per sample)."""
+    """Trainer log-probs of every sample's response tokens under ``actor`` (list per sample), on
+    every rank: each DP rank computes its share, then the shares are all-gathered."""
     out: list[Optional[list[float]]] = [None] * len(samples)
     for mb, lp, _ in actor.compute_log_probs(build_micro_batches(ctx, samples)[0], temperature):
         for i, resp in zip(mb.sample_indices, mb.gather_response(lp)):
             out[i] = resp.tolist()
+    if _world() > 1:
+        parts: list = [None] * _world()
+        tdist.all_gather_object(parts, {i: v for i, v in enumerate(out) if v is not None})
+        for part in parts:
+            for i, v in part.items():
+                if out[i] is None:
+                    out[i] = v
+    missing = [i for i, v in enumerate(out) if v is None]
+    if missing:  # pragma: no cover - would be a packing bug
+        raise RuntimeError(f"no log-probs were computed for samples {missing[:10]}")
     for s, v in zip(samples, out):
         s.metadata[key] = v
     return out
 
 
+# --------------------------------------------------------------------------- run state + checkpoints
+@dataclass
+class TrainState:
+    """Everything beyond model and optimizer that a resumed run needs (stored in checkpoints)."""
+
+    phase: str = "sft"  # "sft" (warm start running) | "rl"
+    sft_step: int = 0  # SFT steps done
+    sft_done: bool = False  # warm start finished (target reached or max_steps)
+    sft_accuracy: float = 0.0
+    sft_seconds: float = 0.0
+    rl_step: int = 0  # RL steps done
+    weight_version: int = 0
+    samplers: dict = field(default_factory=dict)  # name -> PromptSampler.state_dict()
+    summary: dict = field(default_factory=dict)
+
+    @property
+    def order_key(self) -> tuple[int, int]:
+        return (0, self.sft_step) if self.phase == "sft" else (1, self.rl_step)
+
+
+def _rng_state() -> dict:
+    """This rank's python / numpy / torch (/ CUDA) / Megatron-tracker RNG states."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    st = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state()
+    st["megatron_tracker"] = {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()}
+    return st
+
+
+def _set_rng_state(st: dict) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    random.setstate(st["python"])
+    np.random.set_state(st["numpy"])
+    torch.set_rng_state(st["torch"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state(st["cuda"])
+    get_cuda_rng_tracker().set_states(st["megatron_tracker"])
+
+
+def _layout(cfg) -> dict:
+    p = cfg.parallel
+    return {"world_size": _world(), "tp_size": p.tp_size, "pp_size": p.pp_size, "ep_size": p.ep_size,
+            "etp_size": p.expert_tp_size}
+
+
+def checkpoint_dir(run_dir: Path, state: TrainState) -> Path:
+    """<run_dir>/checkpoints/sft_step_N during the warm start, step_N (RL step) after."""
+    name = f"sft_step_{state.sft_step}" if state.phase == "sft" else f"step_{state.rl_step}"
+    return run_dir / "checkpoints" / name
+
+
+_CKPT_NAME = re.compile(r"^(sft_)?step_(\d+)$")
+
+
+def list_complete_checkpoints(ckpt_root: Path, warn: bool = True) -> list[Path]:
+    """Complete checkpoints under ``ckpt_root``, oldest first (SFT ones before RL ones, then by
+    step). A directory without the completion marker, or a leftover ``*.tmp`` from a save that
+    was cut short, is skipped (with a warning when ``warn``)."""
+    found = []
+    if not ckpt_root.is_dir():
+        return []
+    for d in sorted(ckpt_root.iterdir()):
+        if not d.is_dir():
+            continue
+        if d.name.endswith(".tmp") or d.name.endswith(".old"):
+            if warn:
+                log(f"WARNING: skipping incomplete checkpoint {d} (a save that did not finish)")
+            continue
+        m = _CKPT_NAME.match(d.name)
+        if not m:
+            continue
+        marker = d / COMPLETE_MARKER
+        if not marker.is_file():
+            if warn:
+                log(f"WARNING: skipping incomplete checkpoint {d}: no {COMPLETE_MARKER} marker")
+            continue
+        found.append(((0 if m.group(1) else 1, int(m.group(2))), d))
+    return [d for _, d in sorted(found)]
+
+
+def resolve_resume(cfg, run_dir: Path) -> Optional[Path]:
+    """The checkpoint to resume from for ``cfg.resume`` ("none" | "auto" | a path), or None.
+
+    Raises:
+        FileNotFoundError: ``resume`` is a path without a complete checkpoint.
+    """
+    if cfg.resume == "none":
+        return None
+    if cfg.resume == "auto":
+        found = list_complete_checkpoints(run_dir / "checkpoints")
+        return found[-1] if found else None
+    path = Path(cfg.resume)
+    if not (path / COMPLETE_MARKER).is_file():
+        raise FileNotFoundError(
+            f"resume: {path} is not a complete moerl checkpoint (no {COMPLETE_MARKER}); use resume=auto or "
+            "a <output_dir>/checkpoints/step_N directory"
+        )
+    return path
+
+
+def save_checkpoint(ctx: RunContext, actor: MegatronActor, state: TrainState, samplers: dict) -> Path:
+    """Collective: model + optimizer + TrainState + every rank's RNG states into the phase's
+    checkpoint directory (atomic), then the completion marker, then prune to train.keep_checkpoints."""
+    state.samplers = {k: s.state_dict() for k, s in samplers.items()}
+    rng: list = [None] * _world()
+    if _world() > 1:
+        tdist.all_gather_object(rng, _rng_state())
+    else:
+        rng = [_rng_state()]
+    path = checkpoint_dir(ctx.run_dir, state)
+    # rank 0's copy: wall-clock fields (sft_seconds) differ between ranks
+    extra = {"moerl_state": broadcast_from_main(asdict(state)), "rng": rng, "layout": _layout(ctx.cfg), "seed": ctx.cfg.seed,
+             "step": state.rl_step, "phase": state.phase}
+    save_dist_checkpoint(actor.model, actor.optimizer, path, extra=extra)
+    if _IS_MAIN:
+        tmp = path / (COMPLETE_MARKER + ".tmp")
+        tmp.write_text(json.dumps({"phase": state.phase, "sft_step": state.sft_step, "rl_step": state.rl_step,
+                                   "layout": _layout(ctx.cfg), "time": time.time()}))
+        tmp.replace(path / COMPLETE_MARKER)
+        keep = ctx.cfg.train.keep_checkpoints
+        complete = list_complete_checkpoints(path.parent, warn=False)
+        if keep and len(complete) > keep:
+            for old in complete[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    if _world() > 1:
+        tdist.barrier()
+    return path
+
+
+def load_checkpoint(ctx: RunContext, actor: MegatronActor, path: Path) -> TrainState:
+    """Collective: restore model, optimizer (rebuilt for the checkpoint's phase first), TrainState
+    and, when the layout is unchanged, every rank's RNG states. After a TP/PP/EP/world-size change
+    the model weights reshard but the optimizer state is not loaded (it reshards over DP only) and
+    the RNG states are not restored; both are warned about."""
+    marker = json.loads((path / COMPLETE_MARKER).read_text())
+    saved = marker["layout"]
+    now = _layout(ctx.cfg)
+    same = saved == now
+    actor.set_lr(ctx.cfg.sft.lr if marker["phase"] == "sft" else ctx.cfg.train.lr)
+    if {k: v for k, v in saved.items() if k != "world_size"} == {k: v for k, v in now.items() if k != "world_size"}:
+        extra = load_dist_checkpoint(actor.model, actor.optimizer, path)  # DP changes reshard
+    else:
+        log(f"WARNING: checkpoint layout {saved} differs from this run's {now} in TP/PP/EP: model weights "
+            "are resharded, the optimizer state is NOT loaded (fresh Adam moments)")
+        extra = load_dist_checkpoint(actor.model, None, path)
+    state = TrainState(**extra["moerl_state"])
+    if same:
+        rank = tdist.get_rank() if _world() > 1 else 0
+        _set_rng_state(extra["rng"][rank])
+    else:
+        log("WARNING: layout changed since the checkpoint; RNG states are not restored (reseeded)")
+    return state
+
+
+# --------------------------------------------------------------------------- SFT
+def run_sft(ctx: RunContext, actor: MegatronActor, client, sync: WeightSync, logger, state: TrainState,
+            samplers: dict, ckpt) -> None:
+    """Warm start: supervised steps until greedy accuracy on sft.eval_prompts held-out prompts first
+    reaches sft.target_accuracy (checked every sft.eval_every steps), or sft.max_steps. Continues
+    from ``state.sft_step``; each DP rank trains on its contiguous share of every batch."""
+    sft = ctx.cfg.sft
+    eval_rows = ctx.eval_rows[: sft.eval_prompts]
+    dp_size, dp_rank = _dp()
+    t_proc = time.time()
+    t0 = t_proc - state.sft_seconds  # elapsed counts the SFT time of earlier (killed) runs too
+    start = state.sft_step
+    for step in range(start + 1, sft.max_steps + 1):
+        samples = sft_samples(ctx, samplers["sft"].next_batch())
+        mbs = dp_padded_micro_batches(samples, sft.micro_batch_size, ctx.pad_id, None, dp_size, dp_rank)
+        n_tok = sum(sum(s.loss_mask) for s in samples)  # global denominator
+        m = actor.train_step(mbs, sft_loss(n_tok), temperature=1.0)
+        state.sft_step = step
+        if step % sft.eval_every == 0 or step == sft.max_steps:
+            sync(actor)
+            acc = evaluate(ctx, client, eval_rows)
+            state.sft_accuracy = acc
+            rate = (step - start) / max(1e-9, time.time() - t_proc)
+            if logger is not None:
+                logger.log(step, {"sft/loss": m["sft_loss"], "sft/eval_accuracy": acc, "sft/grad_norm": m["grad_norm"]})
+            log(f"sft step {step}/{sft.max_steps} loss {m['sft_loss']:.4f} greedy acc {acc:.3f} "
+                f"({rate:.1f} steps/s, elapsed {time.time() - t0:.0f}s, target {sft.target_accuracy})")
+            state.sft_done = acc >= sft.target_accuracy or step == sft.max_steps
+        state.sft_seconds = time.time() - t0
+        ckpt(step)
+        if state.sft_done:
+            break
+    state.sft_done = True
+
+
 # --------------------------------------------------------------------------- main job
 def train(cfg) -> dict:
     """Run the main job for a validated RecipeConfig; returns the final summary dict (also written
-    to <output_dir>/summary.json)."""
+    to <output_dir>/summary.json by rank 0). Works in one process and under torchrun."""
+    global _IS_MAIN
     t_start = time.time()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
     dist = init_distributed(
         tp_size=cfg.parallel.tp_size, pp_size=cfg.parallel.pp_size, ep_size=cfg.parallel.ep_size,
-        seed=cfg.seed, num_threads=cfg.train.num_threads,
+        etp_size=cfg.parallel.etp_size, seed=cfg.seed,
+        num_threads=max(1, cfg.train.num_threads // local_world),
     )
+    _IS_MAIN = dist.is_main
     try:
         ctx = prepare_run(cfg, dist)
         return _train(ctx, t_start)
     finally:
         destroy_distributed()
+        _IS_MAIN = True
+
+
+class _Checkpointer:
+    """Decides when to save (every train.save_every steps and/or train.save_every_minutes
+    wall-clock minutes; rank 0's clock decides and broadcasts) and saves. Collective."""
+
+    def __init__(self, ctx, actor, state, samplers, timers):
+        self.ctx, self.actor, self.state, self.samplers, self.timers = ctx, actor, state, samplers, timers
+        self.last = time.time()
+
+    def __call__(self, step: int, force: bool = False) -> bool:
+        tr = self.ctx.cfg.train
+        due = force or bool(tr.save_every and step % tr.save_every == 0)
+        if tr.save_every_minutes and not due:
+            due = bool(broadcast_from_main(time.time() - self.last >= 60.0 * tr.save_every_minutes))
+        if not due:
+            return False
+        with self.timers("checkpoint"):
+            save_checkpoint(self.ctx, self.actor, self.state, self.samplers)
+        self.last = time.time()
+        return True
 
 
 def _train(ctx: RunContext, t_start: float) -> dict:
     cfg, algo, ro = ctx.cfg, ctx.cfg.algorithm, ctx.cfg.rollout
+    main = ctx.dist.is_main
+    pkw = actor_parallel_kwargs(cfg.parallel)
     actor = MegatronActor(
         ctx.hf_config, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, adam_beta1=cfg.train.adam_beta1,
         adam_beta2=cfg.train.adam_beta2, clip_grad=cfg.train.clip_grad,
-        moe_aux_loss_coeff=algo.moe_aux_loss_coeff, moe_load_balancing_type=algo.moe_load_balancing_type,
+        moe_aux_loss_coeff=algo.moe_aux_loss_coeff, moe_load_balancing_type=algo.moe_load_balancing_type, **pkw,
     )
     if ctx.init_hf_state_dict is not None:
         actor.load_hf_state_dict(ctx.init_hf_state_dict)
     v0 = ctx.run_dir / "weights" / "init"
-    save_hf_checkpoint(actor.export_hf_state_dict(), ctx.hf_config, v0, tokenizer=ctx.tokenizer)
-    logger = MetricsLogger(ctx.run_dir / "tensorboard", tensorboard=cfg.log.tensorboard, wandb_project=cfg.log.wandb_project)
-    summary: dict = {"seed": cfg.seed}
+    init_sd = actor.export_hf_state_dict(dst=0)
+    if main:
+        save_hf_checkpoint(init_sd, ctx.hf_config, v0, tokenizer=ctx.tokenizer)
+    resume_path = broadcast_from_main(resolve_resume(cfg, ctx.run_dir) if main else None)
     timers = Timers()
-    with RolloutCluster(
-        model_path=str(v0), num_servers=ro.num_servers, host=ro.host, base_port=ro.base_port,
-        router_port=ro.router_port, router_policy=ro.router_policy, threads_per_server=ro.threads_per_server,
-        startup_timeout_s=ro.startup_timeout_s, log_dir=str(ctx.run_dir / "logs"),
-    ) as cluster:
-        client = RolloutClient(cluster.router_url, timeout_s=ro.request_timeout_s, max_retries=ro.max_retries, cluster=cluster)
-        sync = WeightSync(ctx, cluster)
-        log(f"rollout: {ro.num_servers} servers {cluster.server_urls} behind sglang-router {cluster.router_url}")
+    state = TrainState(phase="sft" if cfg.sft.enabled else "rl", sft_done=not cfg.sft.enabled,
+                       summary={"seed": cfg.seed})
+    if resume_path is not None:
+        state = load_checkpoint(ctx, actor, Path(resume_path))
+        log(f"RESUME from {resume_path}: phase {state.phase}, sft step {state.sft_step}, rl step {state.rl_step}")
+    samplers = {"sft": ctx.make_sampler(ctx.train_ds, cfg.sft.global_batch_size, cfg.seed + 1),
+                "rl": ctx.make_sampler(ctx.train_ds, ro.rollout_batch_size, cfg.seed)}
+    for name, st in state.samplers.items():
+        samplers[name].load_state_dict(st)
+    logger = None
+    if main:
+        logger = MetricsLogger(ctx.run_dir / "tensorboard", tensorboard=cfg.log.tensorboard,
+                               wandb_project=cfg.log.wandb_project)
+    ckpt = _Checkpointer(ctx, actor, state, samplers, timers)
+    cluster_cm = contextlib.nullcontext(None)
+    if main:
+        cluster_cm = RolloutCluster(
+            model_path=str(v0), num_servers=ro.num_servers, host=ro.host, base_port=ro.base_port,
+            router_port=ro.router_port, router_policy=ro.router_policy, threads_per_server=ro.threads_per_server,
+            startup_timeout_s=ro.startup_timeout_s, log_dir=str(ctx.run_dir / "logs"),
+        )
+    with cluster_cm as cluster:
+        client = None
+        if cluster is not None:
+            client = RolloutClient(cluster.router_url, timeout_s=ro.request_timeout_s, max_retries=ro.max_retries,
+                                   cluster=cluster)
+            log(f"rollout: {ro.num_servers} servers {cluster.server_urls} behind sglang-router {cluster.router_url}")
+        if _world() > 1:
+            log(f"trainer: {_world()} ranks, tp {cfg.parallel.tp_size} pp {cfg.parallel.pp_size} ep "
+                f"{cfg.parallel.ep_size} dp {_dp()[0]}")
+        sync = WeightSync(ctx, cluster, version=state.weight_version)
         eval_rows = ctx.eval_rows[: cfg.eval.num_prompts]
-        if cfg.sft.enabled:
-            summary.update(run_sft(ctx, actor, client, sync, logger))
+        if resume_path is not None:
+            sync(actor)  # the fresh servers hold the initial weights
+        if state.phase == "sft":
+            if not state.sft_done:
+                if resume_path is None:
+                    actor.set_lr(cfg.sft.lr)  # else load_checkpoint rebuilt it and loaded its state
+                run_sft(ctx, actor, client, sync, logger, state, samplers, ckpt)
+            state.summary.update({"sft_steps": state.sft_step, "sft_seconds": state.sft_seconds,
+                                  "sft_accuracy": state.sft_accuracy})
             warm = ctx.run_dir / "hf_warm_start"
-            save_hf_checkpoint(actor.export_hf_state_dict(), ctx.hf_config, warm, tokenizer=ctx.tokenizer)
+            warm_sd = actor.export_hf_state_dict(dst=0)
+            if main:
+                save_hf_checkpoint(warm_sd, ctx.hf_config, warm, tokenizer=ctx.tokenizer)
             log(f"warm-start weights saved to {warm} (reuse with model.init_from={warm} sft.enabled=false)")
-        sync(actor)
-        acc = evaluate(ctx, client, eval_rows)
-        summary["accuracy_after_warm_start"] = acc
-        log(f"EVAL after warm start: greedy accuracy {acc:.4f} on {len(eval_rows)} held-out prompts")
-        logger.log(0, {"eval/accuracy": acc})
+        if state.phase == "sft" or "accuracy_after_warm_start" not in state.summary:
+            sync(actor)
+            acc = evaluate(ctx, client, eval_rows)
+            state.summary["accuracy_after_warm_start"] = acc
+            log(f"EVAL after warm start: greedy accuracy {acc:.4f} on {len(eval_rows)} held-out prompts")
+            if logger is not None:
+                logger.log(0, {"eval/accuracy": acc})
+            state.phase = "rl"
+            actor.set_lr(cfg.train.lr)  # fresh Adam moments for RL
+        state.phase = "rl"
 
-        actor.set_lr(cfg.train.lr)
         ref = None
         if algo.kl_coef > 0:
-            ref = MegatronActor(ctx.hf_config, trainable=False)
-            ref.load_hf_state_dict(actor.export_hf_state_dict())
-        sampler = ctx.make_sampler(ctx.train_ds, ro.rollout_batch_size, cfg.seed)
+            ref = MegatronActor(ctx.hf_config, trainable=False, **pkw)
+            if resume_path is not None and state.rl_step > 0:
+                ref_sd = (load_hf_state_dict(str(ctx.run_dir / "hf_warm_start")) if cfg.sft.enabled
+                          else broadcast_from_main(init_sd if main else None))
+            else:
+                ref_sd = actor.export_hf_state_dict()
+            ref.load_hf_state_dict(ref_sd)
         sampling_params = dict(
             temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
             max_new_tokens=ro.max_new_tokens, stop_token_ids=[ctx.eos_id],
         )
-        t_rl = time.time()
-        for step in range(1, cfg.train.num_steps + 1):
-            metrics = _rl_step(ctx, step, actor, ref, client, sync, sampler, sampling_params, timers)
+        t_rl, first = time.time(), state.rl_step + 1
+        for step in range(first, cfg.train.num_steps + 1):
+            metrics = _rl_step(ctx, step, actor, ref, client, sync, samplers["rl"], sampling_params, timers)
+            state.rl_step, state.weight_version = step, sync.version
             if step == 1:
-                summary["step0_check"] = step0_check(metrics)
-            if cfg.train.save_every and step % cfg.train.save_every == 0 and step < cfg.train.num_steps:
-                with timers("checkpoint"):
-                    save_dist_checkpoint(actor.model, actor.optimizer, ctx.run_dir / "checkpoints" / f"step_{step}",
-                                         extra={"step": step, "seed": cfg.seed})
+                state.summary["step0_check"] = step0_check(metrics)
+                state.summary["first_step_metrics"] = {k: float(v) for k, v in metrics.items()}
+            if step < cfg.train.num_steps:
+                ckpt(step)
             if (cfg.eval.every_steps and step % cfg.eval.every_steps == 0) or step == cfg.train.num_steps:
                 with timers("eval"):
                     metrics["eval/accuracy"] = evaluate(ctx, client, eval_rows)
             metrics.update({f"time/{k}": v for k, v in timers.pop().items()})
-            logger.log(step, metrics)
-            eta = (time.time() - t_rl) / step * (cfg.train.num_steps - step)
+            if logger is not None:
+                logger.log(step, metrics)
+            eta = (time.time() - t_rl) / (step - first + 1) * (cfg.train.num_steps - step)
             log(_step_line(step, cfg.train.num_steps, metrics, eta))
         acc_rl = evaluate(ctx, client, eval_rows)
+    summary = state.summary
     summary["accuracy_after_rl"] = acc_rl
     log(f"EVAL after RL: greedy accuracy {acc_rl:.4f} on {len(eval_rows)} held-out prompts "
         f"(after warm start {summary['accuracy_after_warm_start']:.4f}, "
         f"change {100 * (acc_rl - summary['accuracy_after_warm_start']):+.1f} points)")
-    save_dist_checkpoint(actor.model, actor.optimizer, ctx.run_dir / "checkpoints" / f"step_{cfg.train.num_steps}",
-                         extra={"step": cfg.train.num_steps, "seed": cfg.seed})
-    save_hf_checkpoint(actor.export_hf_state_dict(), ctx.hf_config, ctx.run_dir / "hf_export", tokenizer=ctx.tokenizer)
+    state.rl_step = max(state.rl_step, cfg.train.num_steps)
+    ckpt(state.rl_step, force=True)
+    final_sd = actor.export_hf_state_dict(dst=0)
     summary["total_seconds"] = time.time() - t_start
-    (ctx.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if resume_path is not None:
+        summary["resumed_from"] = str(resume_path)
+    if main:
+        save_hf_checkpoint(final_sd, ctx.hf_config, ctx.run_dir / "hf_export", tokenizer=ctx.tokenizer)
+        (ctx.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        logger.close()
     log(f"done in {summary['total_seconds']:.0f}s; Megatron checkpoint in {ctx.run_dir / 'checkpoints'}, "
         f"HF export in {ctx.run_dir / 'hf_export'}")
-    logger.close()
     return summary
 
 
-def _rl_step(ctx, step, actor, ref, client, sync, sampler, sampling_params, timers) -> dict:
-    cfg, algo, ro = ctx.cfg, ctx.cfg.algorithm, ctx.cfg.rollout
+def _rollout_on_main(ctx, step, client, sampler, sampling_params, timers) -> tuple[list[Sample], dict]:
+    """Rank 0: rollout, rewards, advantages -> (kept samples, metrics). Other ranks only advance
+    their sampler copy (so its state matches rank 0's for checkpoints)."""
+    cfg, ro = ctx.cfg, ctx.cfg.rollout
+    rows = sampler.next_batch()
+    if client is None:
+        return [], {}
     with timers("rollout"):
         samples = generate_rollout(
-            client, sampler.next_batch(), ctx.encode, n_samples_per_prompt=ro.n_samples_per_prompt,
+            client, rows, ctx.encode, n_samples_per_prompt=ro.n_samples_per_prompt,
             sampling_params=sampling_params, seed=cfg.seed, step=step,
             prompt_key=cfg.data.prompt_key, label_key=cfg.data.label_key,
         )
@@ -267,7 +610,15 @@ def _rl_step(ctx, step, actor, ref, client, sync, sampler, sampling_params, time
     m["accuracy"] = sum(s.reward >= 1.0 for s in samples) / len(samples)
     kept, adv_m = compute_advantages(ctx, samples)
     m.update(adv_m)
-    if not kept:
+    m["num_samples"] = float(len(samples))
+    return kept, m
+
+
+def _rl_step(ctx, step, actor, ref, client, sync, sampler, sampling_params, timers) -> dict:
+    cfg, algo, ro = ctx.cfg, ctx.cfg.algorithm, ctx.cfg.rollout
+    kept, m = broadcast_from_main(_rollout_on_main(ctx, step, client, sampler, sampling_params, timers))
+    n_samples = int(m.pop("num_samples"))
+    if len(kept) < _dp()[0]:  # nothing (or too little) to share over the DP ranks
         m["skipped_update"] = 1.0
         return m
     with timers("log_prob"):
@@ -278,10 +629,12 @@ def _rl_step(ctx, step, actor, ref, client, sync, sampler, sampling_params, time
     m["logprob_abs_diff_mean"] = sum(diffs) / len(diffs)
     m["logprob_abs_diff_max"] = max(diffs)
     with timers("update"):
-        n_updates = max(1, (len(samples)) // cfg.train.global_batch_size)
+        n_updates = max(1, n_samples // cfg.train.global_batch_size)
         chunk = math.ceil(len(kept) / n_updates)
         for lo in range(0, len(kept), chunk):
             part = kept[lo : lo + chunk]
+            if len(part) < _dp()[0]:
+                continue
             fields = {"old_log_probs": [s.metadata["old_log_probs"] for s in part]}
             if ref is not None:
                 fields["ref_log_probs"] = [s.metadata["ref_log_probs"] for s in part]

@@ -74,14 +74,41 @@ def prepare_run(cfg, dist) -> RunContext:
     """Resolve the recipe into a RunContext: writes <output_dir>/recipe.yaml, builds or loads the
     tokenizer, generates or validates the datasets, resolves the HF model config.
 
+    Collective when ``dist.world_size > 1`` (every rank calls it): global rank 0 prepares first
+    (checks the rollout ports, writes the recipe, tokenizer and generated data), then the other
+    ranks read what it wrote. An error on rank 0 is re-raised on every rank (no rank hangs).
+
     Raises:
         moerl.config.loader.ConfigError / ValueError / FileNotFoundError with the recipe key named.
     """
     cfg.check_world_size(dist.world_size)
-    check_ports_free(cfg.rollout)
+    if dist.world_size <= 1:
+        return _prepare_run(cfg, dist)
+    import torch.distributed as tdist
+
+    ctx, err = None, None
+    if dist.is_main:
+        try:
+            ctx = _prepare_run(cfg, dist)
+        except Exception as e:  # noqa: BLE001 - handed to the other ranks, then re-raised
+            err = e
+    box = [err]
+    tdist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise box[0]
+    if not dist.is_main:
+        ctx = _prepare_run(cfg, dist)
+    tdist.barrier()
+    return ctx
+
+
+def _prepare_run(cfg, dist) -> RunContext:
+    if dist.is_main:
+        check_ports_free(cfg.rollout)
     run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    cfg.save(str(run_dir / "recipe.yaml"))
+    if dist.is_main:
+        cfg.save(str(run_dir / "recipe.yaml"))
     d = cfg.data
     train_path, eval_path = prepare_task_data(
         d.task, run_dir / "data", cfg.seed, train_path=d.train_path, eval_path=d.eval_path,

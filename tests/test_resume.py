@@ -1,0 +1,218 @@
+"""Checkpoints and resume.
+
+* kill -9 of `moerl train` at a random step (SFT or RL phase, several seeds), then ``resume=auto``:
+  the final HF export is bit-identical to an uninterrupted run of the same length (CPU, fp32).
+  Reference: the uninterrupted run itself.
+* a resume that lands exactly on an epoch boundary of the RL prompt sampler still runs the
+  remaining steps (and again matches the uninterrupted run bit for bit).
+* an incomplete checkpoint (no completion marker, or a leftover ``.tmp``) is skipped.
+* a checkpoint saved at TP=2+EP=2 (etp 1) loads at TP=1/EP=1 and at PP=2 with the same next-step
+  loss (model weights; the optimizer state is not carried across a TP/EP/PP change).
+  Reference: the loss the saving layout computes for the same next batch (abs diff <= 1e-5).
+
+Run the layout worker by hand:
+    python -m torch.distributed.run --nproc_per_node 2 tests/test_resume.py save_tp2ep2 OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _mp_helpers as h  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = str(REPO / "configs" / "tiny_arith.yaml")
+# 16 training prompts, 4 per RL step: the RL sampler's epochs end after steps 4 and 8
+SHORT = [
+    "data.digits=1", "data.num_train=16", "data.num_eval=10", "eval.num_prompts=6", "eval.every_steps=3",
+    "sft.max_steps=6", "sft.eval_every=2", "sft.eval_prompts=6", "sft.target_accuracy=1.0",
+    "sft.global_batch_size=32", "sft.micro_batch_size=16", "train.num_steps=6",
+    "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "train.global_batch_size=16",
+    "train.micro_batch_size=8", "train.save_every=1", "train.keep_checkpoints=2",
+    "algorithm.filter_uniform_groups=false",
+]
+
+
+def free_port_block(n: int = 3) -> int:
+    """A base port with n consecutive free ports below Linux's ephemeral range (32768+), so that
+    client sockets of other processes cannot take them between this check and the servers' bind."""
+    import socket
+
+    rng = random.Random(os.getpid() * 7919 + time.time_ns())
+    for _ in range(500):
+        base = rng.randrange(20000, 32000 - n)
+        ok = True
+        for p in range(base, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no free port block")
+
+
+def _cmd(run_dir: Path, *overrides: str) -> list[str]:
+    base = free_port_block(3)
+    return [sys.executable, "-m", "moerl.cli", "train", RECIPE, f"output_dir={run_dir}", "rollout.num_servers=2",
+            f"rollout.base_port={base}", f"rollout.router_port={base + 2}", *SHORT, *overrides]
+
+
+def _env() -> dict:
+    return dict(os.environ, PYTHONUNBUFFERED="1", TORCHDYNAMO_DISABLE="1", OMP_WAIT_POLICY="PASSIVE")
+
+
+def _run(run_dir: Path, *overrides: str) -> str:
+    r = subprocess.run(_cmd(run_dir, *overrides), capture_output=True, text=True, timeout=600, env=_env(), cwd=REPO)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout
+
+
+def _export(run_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "hf_export" / "model.safetensors"))
+
+
+def _assert_bit_identical(a: dict, b: dict) -> None:
+    assert set(a) == set(b)
+    bad = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not bad, f"{len(bad)} tensors differ, e.g. {bad[:3]}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("ref") / "run"
+    out = _run(run_dir)
+    assert "step 6/6" in out
+    return _export(run_dir)
+
+
+def _kill_at(run_dir: Path, pattern: str, extra_delay: float) -> None:
+    """Start a run, SIGKILL it extra_delay seconds after a stdout line matching ``pattern``."""
+    proc = subprocess.Popen(_cmd(run_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_env(), cwd=REPO)
+    try:
+        deadline = time.time() + 300
+        for line in proc.stdout:
+            if re.search(pattern, line):
+                time.sleep(extra_delay)
+                break
+            assert time.time() < deadline, "run did not reach the kill point"
+        else:
+            pytest.fail(f"run ended before {pattern!r}")
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_kill9_then_resume_auto_is_bit_identical(tmp_path, reference, seed):
+    rng = random.Random(seed)
+    # kill points: after an SFT eval line (steps 2, 4, 6) or after an RL step line (1..5), then a
+    # random 0-1.5 s more (often mid-step or mid-save)
+    points = [rf"sft step {s}/6" for s in (2, 4, 6)] + [rf"\] step {s}/6" for s in range(1, 6)]
+    pattern = rng.choice(points)
+    run_dir = tmp_path / "run"
+    _kill_at(run_dir, pattern, rng.uniform(0.0, 1.5))
+    out = _run(run_dir, "resume=auto")
+    assert "RESUME from" in out or "sft step 2/6" in out  # killed before the first checkpoint: fresh start
+    assert "step 6/6" in out
+    _assert_bit_identical(_export(run_dir), reference)
+
+
+@pytest.mark.slow
+def test_resume_on_epoch_boundary_and_incomplete_checkpoint_skipped(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    _run(run_dir, "train.num_steps=4")  # 4 steps x 4 prompts = exactly one epoch of the 16 prompts
+    ckpts = run_dir / "checkpoints"
+    state = json.loads((ckpts / "step_4" / "moerl_complete.json").read_text())
+    assert state["rl_step"] == 4
+    # a newer checkpoint without its marker and a leftover .tmp must both be skipped
+    (ckpts / "step_5").mkdir()
+    (ckpts / "step_5.tmp").mkdir()
+    out = _run(run_dir, "resume=auto")
+    assert f"RESUME from {ckpts / 'step_4'}" in out
+    assert "skipping incomplete checkpoint" in out and "step_5.tmp" in out
+    assert "step 5/6" in out and "step 6/6" in out
+    _assert_bit_identical(_export(run_dir), reference)
+
+
+# ----------------------------------------------------------------------------- layout change
+LAYOUT_CASES = {
+    "save_tp2ep2": dict(nproc=2, tp=2, ep=2, etp=1),
+    "load_tp1": dict(nproc=1),
+    "load_pp2": dict(nproc=2, pp=2),
+}
+
+
+def run_layout_case(case: str, out_dir: Path) -> None:
+    import torch.distributed as dist
+
+    from test_hf_convert import random_hf_model
+    from test_parallel_layouts import MODEL, global_samples
+
+    from moerl.checkpoint.dist_ckpt import load_dist_checkpoint, save_dist_checkpoint
+    from moerl.runtime.distributed import destroy_distributed, init_distributed
+    from moerl.train.actor import MegatronActor
+    from moerl.train.batching import split_micro_batches
+    from moerl.train.losses import sft_loss
+
+    spec = LAYOUT_CASES[case]
+    info = init_distributed(tp_size=spec.get("tp", 1), pp_size=spec.get("pp", 1), ep_size=spec.get("ep", 1),
+                            etp_size=spec.get("etp"), seed=0, num_threads=1)
+    try:
+        hf = random_hf_model(seed=0, **MODEL)
+        actor = MegatronActor(hf.config, lr=1e-2, clip_grad=1.0, moe_aux_loss_coeff=0.0)
+        samples = global_samples()  # dp_size is 1 in every case here: each rank gets all samples
+        n_tok = sum(sum(s.loss_mask) for s in samples)
+        mbs = split_micro_batches(samples, 2, 0)
+        ckpt = out_dir / "ckpt"
+        if case == "save_tp2ep2":
+            actor.load_hf_state_dict(hf.state_dict())
+            actor.train_step(mbs, sft_loss(n_tok), 1.0)  # move away from the HF weights
+            save_dist_checkpoint(actor.model, actor.optimizer, ckpt, extra={"step": 1})
+        else:
+            assert load_dist_checkpoint(actor.model, None, ckpt) == {"step": 1}
+        loss = actor.train_step(mbs, sft_loss(n_tok), 1.0)["sft_loss"]  # the next step's loss
+        if info.rank == 0:
+            (out_dir / f"{case}.json").write_text(json.dumps({"loss": loss}))
+        dist.barrier()
+    finally:
+        destroy_distributed()
+
+
+def _launch(case: str, out_dir: Path) -> float:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(LAYOUT_CASES[case]["nproc"]),
+           "--master_addr", "127.0.0.1", "--master_port", str(h.free_port()), str(Path(__file__).resolve()), case,
+           str(out_dir)]
+    r = subprocess.run(cmd, env=h.subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    return json.loads((out_dir / f"{case}.json").read_text())["loss"]
+
+
+@pytest.mark.slow
+def test_tp2ep2_checkpoint_resumes_at_tp1_and_pp2_with_same_next_loss(tmp_path):
+    ref = _launch("save_tp2ep2", tmp_path)
+    for case in ("load_tp1", "load_pp2"):
+        assert abs(_launch(case, tmp_path) - ref) <= 1e-5, case
+
+
+if __name__ == "__main__":
+    run_layout_case(sys.argv[1], Path(sys.argv[2]))
