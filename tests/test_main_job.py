@@ -109,6 +109,17 @@ def test_row_without_prompt_field(tmp_path):
     assert "row 3" in r.stderr and "'prompt'" in r.stderr and "data.prompt_key" in r.stderr
 
 
+def test_unscorable_label_fails_before_training(tmp_path):
+    rows = [{"prompt": "001+002=", "label": "3"}, {"prompt": "010+020=", "label": "abc"}]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = moerl_train(RECIPE, *port_args(tmp_path), "data.task=jsonl", f"data.train_path={path}",
+                    f"data.eval_path={path}", "eval.num_prompts=2", "sft.eval_prompts=2", timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "row 2" in r.stderr and "'abc'" in r.stderr and "data.reward" in r.stderr
+    assert "sft step" not in r.stdout
+
+
 def test_port_in_use(tmp_path):
     args = port_args(tmp_path)
     port = int(args[2].split("=")[1]) + 1  # second server's port

@@ -45,6 +45,8 @@ from moerl.rollout.client import RolloutClient
 from moerl.rollout.launcher import RolloutCluster
 from moerl.rollout.weight_sync import sync_weights_from_disk, sync_weights_from_tensor
 from moerl.runtime.distributed import destroy_distributed, init_distributed
+from moerl.moe.config import moe_actor_kwargs
+from moerl.moe.telemetry import MoETelemetry
 from moerl.train.actor import MegatronActor, actor_parallel_kwargs
 from moerl.train.batching import make_micro_batch, split_micro_batches, split_packed_micro_batches
 from moerl.train.losses import policy_loss, sft_loss
@@ -464,12 +466,24 @@ class _Checkpointer:
 def _train(ctx: RunContext, t_start: float) -> dict:
     cfg, algo, ro = ctx.cfg, ctx.cfg.algorithm, ctx.cfg.rollout
     main = ctx.dist.is_main
+    if not cfg.sft.enabled and ctx.init_hf_state_dict is None:
+        log("WARNING: sft.enabled=false and no model.init_from: RL starts from a RANDOM model, which cannot "
+            "learn the task by RL alone (rewards stay ~0); set model.init_from=<HF dir> or sft.enabled=true")
+    mk = moe_actor_kwargs(cfg)  # balancing loss, z-loss, expert bias, routing, dispatcher (recipe keys)
     pkw = actor_parallel_kwargs(cfg.parallel)
+    pkw["config_overrides"] = {**pkw.get("config_overrides", {}), **mk["config_overrides"]}
     actor = MegatronActor(
         ctx.hf_config, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, adam_beta1=cfg.train.adam_beta1,
         adam_beta2=cfg.train.adam_beta2, clip_grad=cfg.train.clip_grad,
-        moe_aux_loss_coeff=algo.moe_aux_loss_coeff, moe_load_balancing_type=algo.moe_load_balancing_type, **pkw,
+        moe_aux_loss_coeff=mk["moe_aux_loss_coeff"], moe_load_balancing_type=mk["moe_load_balancing_type"], **pkw,
     )
+    # expert-load telemetry of the RL update passes (not SFT, log-prob or eval passes)
+    telemetry = None
+    if cfg.moe.telemetry:
+        telemetry = MoETelemetry(
+            actor.model, jsonl_path=str(ctx.run_dir / "moe_telemetry.jsonl") if main else None,
+            entropy_threshold=cfg.moe.entropy_threshold, dead_expert_steps=cfg.moe.dead_expert_steps, enabled=False,
+        )
     if ctx.init_hf_state_dict is not None:
         actor.load_hf_state_dict(ctx.init_hf_state_dict)
     v0 = ctx.run_dir / "weights" / "init"
@@ -549,11 +563,17 @@ def _train(ctx: RunContext, t_start: float) -> dict:
             max_new_tokens=ro.max_new_tokens, stop_token_ids=[ctx.eos_id],
         )
         t_rl, first = time.time(), state.rl_step + 1
+        if telemetry is not None:
+            telemetry.enabled = True
         for step in range(first, cfg.train.num_steps + 1):
             metrics = _rl_step(ctx, step, actor, ref, client, sync, samplers["rl"], sampling_params, timers)
             state.rl_step, state.weight_version = step, sync.version
-            if step == 1:
+            if telemetry is not None:  # collective: every rank
+                metrics.update({f"moe/{k}": v for k, v in telemetry.step_end(step)["metrics"].items()})
+            # the step-0 checks need an update: the first step whose groups carried a reward signal
+            if "step0_check" not in state.summary and "train/logratio_abs_sum" in metrics:
                 state.summary["step0_check"] = step0_check(metrics)
+                state.summary["step0_check"]["step"] = step
                 state.summary["first_step_metrics"] = {k: float(v) for k, v in metrics.items()}
             if step < cfg.train.num_steps:
                 ckpt(step)
@@ -566,6 +586,8 @@ def _train(ctx: RunContext, t_start: float) -> dict:
             eta = (time.time() - t_rl) / (step - first + 1) * (cfg.train.num_steps - step)
             log(_step_line(step, cfg.train.num_steps, metrics, eta))
         acc_rl = evaluate(ctx, client, eval_rows)
+    if telemetry is not None:
+        telemetry.close()
     summary = state.summary
     summary["accuracy_after_rl"] = acc_rl
     log(f"EVAL after RL: greedy accuracy {acc_rl:.4f} on {len(eval_rows)} held-out prompts "

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from moerl.checkpoint.hf_io import load_hf_state_dict
-from moerl.data.dataset import PromptSampler, load_prompt_dataset
+from moerl.data.dataset import DatasetError, PromptSampler, load_prompt_dataset
 from moerl.data.tasks import prepare_task_data
 from moerl.data.tokenizer import decode_response, encode_prompt, tokenizer_from_config
 from moerl.models.qwen3_moe import make_hf_config
@@ -131,13 +131,68 @@ def _prepare_run(cfg, dist) -> RunContext:
             f"prompt ({longest} tokens) + rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) exceeds "
             f"model.hf_config.max_position_embeddings ({hf_config.max_position_embeddings}); raise it"
         )
+    reward_fn = get_reward_fn(d.reward)
+    for ds, path, key in ((train_ds, train_path, "data.train_path"), (eval_ds, eval_path, "data.eval_path")):
+        check_labels(ds[d.label_key], reward_fn, path, key, d.reward)
     init_sd = None
     if cfg.model.init_from:
         if not Path(cfg.model.init_from).is_dir():
             raise FileNotFoundError(f"model.init_from: no HF checkpoint directory at {cfg.model.init_from}")
+        check_init_config(cfg.model.init_from, hf_config)
         init_sd = load_hf_state_dict(cfg.model.init_from)
     return RunContext(
         cfg=cfg, dist=dist, run_dir=run_dir, tokenizer=tokenizer, hf_config=hf_config, train_ds=train_ds,
-        eval_rows=[eval_ds[i] for i in range(len(eval_ds))], reward_fn=get_reward_fn(d.reward),
+        eval_rows=[eval_ds[i] for i in range(len(eval_ds))], reward_fn=reward_fn,
         init_hf_state_dict=init_sd,
     )
+
+
+def check_labels(labels, reward_fn, path, recipe_key: str, reward_name: str) -> None:
+    """Every label must be usable by the verifier before any compute (a bad label would otherwise
+    surface only at the first RL step, after the SFT warm start).
+
+    Raises:
+        DatasetError: naming the 1-based row, the file, the recipe keys and the verifier's complaint.
+    """
+    for i, label in enumerate(labels):
+        try:
+            reward_fn("", label)
+        except ValueError as e:
+            raise DatasetError(
+                f"row {i + 1} of {path} ({recipe_key}): label {label!r} cannot be scored by data.reward="
+                f"{reward_name}: {e}"
+            ) from None
+
+
+_SHAPE_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                 "moe_intermediate_size", "num_experts_per_tok", "vocab_size", "tie_word_embeddings")
+
+
+def check_init_config(init_from: str, hf_config) -> None:
+    """The checkpoint in ``model.init_from`` must have the recipe's model shape (compared on its
+    config.json) before any model is built.
+
+    Raises:
+        ConfigError: listing each differing field with both values.
+    """
+    import json
+
+    from moerl.config.loader import ConfigError
+    from moerl.models.qwen3_moe import hf_num_experts
+
+    cfg_path = Path(init_from) / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"model.init_from: {init_from} has no config.json (not an HF checkpoint)")
+    saved = json.loads(cfg_path.read_text())
+    diffs = []
+    for f in _SHAPE_FIELDS:
+        if f in saved and saved[f] != getattr(hf_config, f, None):
+            diffs.append(f"{f}: checkpoint {saved[f]!r} vs recipe {getattr(hf_config, f, None)!r}")
+    saved_experts = saved.get("num_experts", saved.get("num_local_experts"))
+    if saved_experts is not None and saved_experts != hf_num_experts(hf_config):
+        diffs.append(f"num_experts: checkpoint {saved_experts!r} vs recipe {hf_num_experts(hf_config)!r}")
+    if diffs:
+        raise ConfigError(
+            f"model.init_from={init_from} does not match the recipe's model.hf_config: " + "; ".join(diffs)
+            + " (set model.hf_config.* to the checkpoint's values)"
+        )
