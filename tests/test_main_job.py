@@ -20,6 +20,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _mp_helpers import free_port_block  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = str(REPO / "configs" / "tiny_arith.yaml")
 FAST = [
@@ -30,27 +33,6 @@ FAST = [
 ]
 
 
-def free_ports(n: int) -> int:
-    """A base port with n + 1 consecutive free ports on 127.0.0.1 (servers + router), below Linux's
-    ephemeral range (32768+) so outgoing connections of other processes cannot take them meanwhile."""
-    import random
-
-    rng = random.Random()
-    for _ in range(500):
-        base = rng.randrange(20000, 32000 - n - 1)
-        ok = True
-        for p in range(base, base + n + 1):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free port range")
-
-
 def moerl_train(*args: str, timeout: float = 600, **popen) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.run([sys.executable, "-m", "moerl.cli", "train", *args], capture_output=True, text=True,
@@ -58,7 +40,7 @@ def moerl_train(*args: str, timeout: float = 600, **popen) -> subprocess.Complet
 
 
 def port_args(tmp_path) -> list[str]:
-    base = free_ports(3)
+    base = free_port_block(3)
     return [f"output_dir={tmp_path / 'run'}", "rollout.num_servers=2", f"rollout.base_port={base}",
             f"rollout.router_port={base + 2}"]
 

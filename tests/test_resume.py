@@ -45,29 +45,8 @@ SHORT = [
 ]
 
 
-def free_port_block(n: int = 3) -> int:
-    """A base port with n consecutive free ports below Linux's ephemeral range (32768+), so that
-    client sockets of other processes cannot take them between this check and the servers' bind."""
-    import socket
-
-    rng = random.Random(os.getpid() * 7919 + time.time_ns())
-    for _ in range(500):
-        base = rng.randrange(20000, 32000 - n)
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free port block")
-
-
 def _cmd(run_dir: Path, *overrides: str) -> list[str]:
-    base = free_port_block(3)
+    base = h.free_port_block(3)
     return [sys.executable, "-m", "moerl.cli", "train", RECIPE, f"output_dir={run_dir}", "rollout.num_servers=2",
             f"rollout.base_port={base}", f"rollout.router_port={base + 2}", *SHORT, *overrides]
 

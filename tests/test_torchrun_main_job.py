@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_resume import free_port_block
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _mp_helpers import free_port_block  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = str(REPO / "configs" / "tiny_arith.yaml")

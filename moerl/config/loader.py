@@ -118,7 +118,7 @@ def _format_error(err: dict[str, Any]) -> str:
 def validate_config(raw: Any, source: str = "<recipe>") -> RecipeConfig:
     """Validate a nested dict into a RecipeConfig, converting pydantic errors to a ConfigError."""
     if raw is None:  # an empty file is almost always a mistake: never run the defaults silently
-        raise ConfigError(f"recipe {path} is empty; start from configs/tiny_arith.yaml (every key commented)")
+        raise ConfigError(f"recipe {source} is empty; start from configs/tiny_arith.yaml (every key commented)")
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the recipe must be a YAML mapping of sections, got {type(raw).__name__}")
     try:
