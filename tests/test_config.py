@@ -46,7 +46,7 @@ EXPECTED_TINY = {
     },
     "algorithm": {
         "advantage_estimator": "grpo", "policy_loss": "gspo", "loss_agg_mode": "seq-mean-token-mean",
-        "eps_clip_low": 3.0e-4, "eps_clip_high": 4.0e-4, "kl_coef": 0.0, "kl_estimator": "k3",
+        "eps_clip_low": 3.0e-4, "eps_clip_high": 4.0e-4, "kl_coef": 0.0, "kl_estimator": "k3", "reference_policy": True,
         "filter_uniform_groups": True, "moe_aux_loss_coeff": 1.0e-3, "moe_load_balancing_type": "aux_loss",
     },
     "moe": {

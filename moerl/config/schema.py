@@ -244,7 +244,19 @@ class AlgorithmConfig(_Section):
     eps_clip_high: float = Field(4.0e-4, ge=0)
     kl_coef: float = Field(0.0, ge=0)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    # a frozen copy of the policy RL starts from: the KL to it is logged every step (and enters the
+    # loss when kl_coef > 0); costs one extra forward per step
+    reference_policy: bool = True
     filter_uniform_groups: bool = True
+
+    @model_validator(mode="after")
+    def _kl_needs_reference(self) -> "AlgorithmConfig":
+        if self.kl_coef > 0 and not self.reference_policy:
+            raise ValueError(
+                f"algorithm.kl_coef ({self.kl_coef}) > 0 needs algorithm.reference_policy=true "
+                "(the KL is taken to the reference policy)"
+            )
+        return self
     moe_aux_loss_coeff: float = Field(1.0e-3, ge=0)
     moe_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "aux_loss"
 

@@ -550,7 +550,7 @@ def _train(ctx: RunContext, t_start: float) -> dict:
         state.phase = "rl"
 
         ref = None
-        if algo.kl_coef > 0:
+        if algo.kl_coef > 0 or algo.reference_policy:
             ref = MegatronActor(ctx.hf_config, trainable=False, **pkw)
             if resume_path is not None and state.rl_step > 0:
                 ref_sd = (load_hf_state_dict(str(ctx.run_dir / "hf_warm_start")) if cfg.sft.enabled

@@ -36,7 +36,7 @@ def policy_loss(
 
     ``algo`` is the recipe's algorithm section (policy_loss, eps_clip_low/high, loss_agg_mode,
     kl_coef, kl_estimator). The micro-batch must carry extras "old_log_probs" (and
-    "ref_log_probs" when kl_coef > 0), label-aligned [B,S] float32.
+    "ref_log_probs" when a reference policy is kept), label-aligned [B,S] float32.
 
     Metrics are already divided by the global counts, so summing them over micro-batches gives
     global means.
@@ -56,7 +56,7 @@ def policy_loss(
             global_num_tokens=global_num_tokens,
             global_num_seqs=global_num_seqs,
             seq_token_sum_constant=seq_token_sum_constant,
-            ref_log_probs=mb.extras.get("ref_log_probs") if algo.kl_coef > 0 else None,
+            ref_log_probs=mb.extras.get("ref_log_probs"),  # KL logged; in the loss only when kl_coef > 0
             kl_coef=algo.kl_coef,
             kl_estimator=algo.kl_estimator,
             entropy=entropy,
