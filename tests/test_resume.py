@@ -83,8 +83,10 @@ def reference(tmp_path_factory):
 
 def _kill_at(run_dir: Path, pattern: str, extra_delay: float) -> None:
     """Start a run, SIGKILL it extra_delay seconds after a stdout line matching ``pattern``."""
+    # its own session, so that the kill takes the whole job: a checkpoint-writer process forked by
+    # the trainer would otherwise outlive it (it has no parent-death signal; see the issue note)
     proc = subprocess.Popen(_cmd(run_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_env(), cwd=REPO)
+                            env=_env(), cwd=REPO, start_new_session=True)
     try:
         deadline = time.time() + 300
         for line in proc.stdout:
@@ -94,9 +96,12 @@ def _kill_at(run_dir: Path, pattern: str, extra_delay: float) -> None:
             assert time.time() < deadline, "run did not reach the kill point"
         else:
             pytest.fail(f"run ended before {pattern!r}")
-        os.kill(proc.pid, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)
     finally:
-        proc.kill()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         proc.wait()
 
 
