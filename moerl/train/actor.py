@@ -422,15 +422,7 @@ class MegatronActor:
             values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)
             dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
             metrics = dict(zip(keys, values.tolist()))
-        if self.pp_size > 1:
-            box = [metrics]
-            dist.broadcast_object_list(
-                box,
-                src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                group=parallel_state.get_pipeline_model_parallel_group(),
-            )
-            metrics = box[0]
-        return metrics
+        return self._from_last_stage(metrics)
 
     def _aux_loss(self, num_microbatches: int) -> float:
         """Mean over MoE layers of the load-balancing loss (without its coefficient), averaged
@@ -453,12 +445,16 @@ class MegatronActor:
             if values.numel():
                 total += float(values.sum()) / (num_microbatches * max(1, int((values != 0).sum())))
         clear_aux_losses_tracker()
-        if self.pp_size > 1:
-            box = [total]
-            dist.broadcast_object_list(
-                box,
-                src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                group=parallel_state.get_pipeline_model_parallel_group(),
-            )
-            total = box[0]
-        return total
+        return self._from_last_stage(total)
+
+    def _from_last_stage(self, obj):
+        """``obj`` as the last pipeline stage holds it, on every stage (identity at pp_size 1)."""
+        if self.pp_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(
+            box,
+            src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+        )
+        return box[0]

@@ -45,6 +45,7 @@ from moerl.rollout.client import RolloutClient
 from moerl.rollout.launcher import RolloutCluster
 from moerl.rollout.weight_sync import sync_weights_from_disk, sync_weights_from_tensor
 from moerl.runtime.distributed import destroy_distributed, init_distributed
+from moerl.data.tokenizer import encode_sft_example
 from moerl.moe.config import moe_actor_kwargs
 from moerl.moe.telemetry import MoETelemetry
 from moerl.train.actor import MegatronActor, actor_parallel_kwargs
@@ -113,13 +114,15 @@ class WeightSync:
 
 
 def sft_samples(ctx: RunContext, rows) -> list[Sample]:
-    """Supervised samples: templated prompt, response = label tokens + eos."""
-    out = []
+    """Supervised samples: templated prompt, response = label tokens + eos
+    (moerl.data.tokenizer.encode_sft_example)."""
+    d, out = ctx.cfg.data, []
     for i, r in enumerate(rows):
-        resp = ctx.tokenizer.encode(str(r[ctx.cfg.data.label_key]), add_special_tokens=False) + [ctx.eos_id]
+        ids, mask = encode_sft_example(ctx.tokenizer, r[d.prompt_key], str(r[d.label_key]))
+        n_prompt = mask.index(1)
         out.append(
-            Sample(index=i, group_id=i, prompt=r[ctx.cfg.data.prompt_key], label=str(r[ctx.cfg.data.label_key]),
-                   prompt_ids=ctx.encode(r[ctx.cfg.data.prompt_key]), response_ids=resp, loss_mask=[1] * len(resp))
+            Sample(index=i, group_id=i, prompt=r[d.prompt_key], label=str(r[d.label_key]),
+                   prompt_ids=ids[:n_prompt], response_ids=ids[n_prompt:], loss_mask=mask[n_prompt:])
         )
     return out
 
