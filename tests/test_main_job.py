@@ -125,6 +125,7 @@ def _step_lines(stdout: str) -> list[str]:
             line = re.sub(r"^\[moerl [0-9:]+\] ", "", line)
             line = re.sub(r"\|[^|]*\d+\.\d+s[^|]*", "|", line)  # time breakdown and eta
             line = re.sub(r"\([\d.]+ steps/s, elapsed \d+s", "(", line)
+            line = re.sub(r"\beta [0-9hms]+", "eta", line)  # whole-second ETA (e.g. "eta 1s")
             # the servers batch concurrent requests as they arrive, so the server-side log-probs (not
             # the samples, which come from per-request seeds) can move in the last bits
             line = re.sub(r"lp_diff \S+", "lp_diff", line)
