@@ -38,6 +38,9 @@ def _train(argv: list[str]) -> int:
         cfg = load_config(args.recipe, args.overrides)
         # the layout rules need the world size: check them before any work (torchrun sets WORLD_SIZE)
         cfg.check_world_size(int(os.environ.get("WORLD_SIZE", "1")))
+        from moerl.moe.config import check_rollout_routing_matches
+
+        check_rollout_routing_matches(cfg.moe)  # the trained router must be the one that samples
     except (ConfigError, ValueError) as e:
         print(f"moerl train: {e}", file=sys.stderr)
         return 2

@@ -25,6 +25,12 @@ class Sample:
         weight_version: weight version of the rollout engine that generated the response.
         status: "completed" (stopped on a stop token), "truncated" (hit max_new_tokens) or "aborted".
         metadata: free-form extras (e.g. server finish_reason).
+        routed_experts: MoE routing to replay (moe.routing_replay r3: the rollout server's, SGLang
+            ``return_routed_experts``; r2: the trainer's first-pass routing), or None. A torch.int32
+            tensor [P, num_layers, topk] with P = len(prompt_ids) + len(response_ids) - 1 (SGLang's
+            convention: every position fed to the model; P = len(tokens) is accepted too); row p
+            holds the expert ids chosen for the token at position p in each layer (num_layers =
+            num_hidden_layers; -1 = not recorded / dense layer: the router chooses freely).
     """
 
     index: int
@@ -40,6 +46,7 @@ class Sample:
     weight_version: Optional[str] = None
     status: str = "completed"
     metadata: dict[str, Any] = field(default_factory=dict)
+    routed_experts: Optional[Any] = None
 
     @property
     def tokens(self) -> list[int]:

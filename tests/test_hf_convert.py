@@ -284,3 +284,47 @@ def test_dist_checkpoint_round_trip(dist, tmp_path):
     assert h.megatron_train_step(ddp, opt, tokens, labels) == h.megatron_train_step(fresh_ddp, fresh_opt, tokens, labels)
     for a, b in zip(model.parameters(), fresh.parameters()):
         assert torch.equal(a, b)
+
+
+def test_expert_bias_round_trips_as_e_score_correction_bias(dist):
+    """Megatron's aux-loss-free ``mlp.router.expert_bias`` <-> HF ``mlp.gate.e_score_correction_bias``
+    (DeepSeek-V3's name): unsharded and EP/TP-sharded round trips are exact, and an HF checkpoint
+    without the bias (plain Qwen3) still loads, leaving the model's bias unchanged."""
+    from moerl.checkpoint.hf_convert import ShardLayout, merge_megatron_shards
+
+    cfg = make_hf_config(FIELDS)
+    model = build_gpt_model(cfg, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+    sd = model.state_dict()
+    biases = {k: v for k, v in sd.items() if k.endswith("mlp.router.expert_bias")}
+    assert len(biases) == cfg.num_hidden_layers
+    g = torch.Generator().manual_seed(5)
+    for v in biases.values():
+        v.copy_(torch.randn(v.shape, generator=g))
+    sd = model.state_dict()
+    hf = megatron_to_hf(sd, cfg)
+    for layer in range(cfg.num_hidden_layers):
+        got = hf[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"]
+        assert torch.equal(got, sd[f"decoder.layers.{layer}.mlp.router.expert_bias"])
+        assert got.dtype == torch.float32 and got.shape == (hf_num_experts(cfg),)
+    gathered = hf_convert.gather_megatron_to_hf(sd, cfg)  # the collective export path (world of 1)
+    assert set(gathered) == set(hf) and all(torch.equal(gathered[k], hf[k]) for k in hf)
+    back = hf_to_megatron(hf, cfg)
+    fresh = build_gpt_model(cfg, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+    load_megatron_state_dict(fresh, back)
+    for k, v in fresh.state_dict().items():
+        if not k.endswith("_extra_state"):
+            assert torch.equal(v, sd[k]), k
+    # sharded: every (tp, ep) shard carries its replicated bias; merging gives the same HF dict
+    layouts = [ShardLayout(tp_size=2, tp_rank=t, ep_size=2, ep_rank=e) for t in range(2) for e in range(2)]
+    shards = {lay: hf_to_megatron(hf, cfg, lay) for lay in layouts}
+    for lay, shard in shards.items():
+        assert torch.equal(shard["decoder.layers.1.mlp.router.expert_bias"], sd["decoder.layers.1.mlp.router.expert_bias"])
+    merged = merge_megatron_shards(shards, cfg)
+    assert set(merged) == set(hf) and all(torch.equal(merged[k], hf[k]) for k in hf)
+    # a plain Qwen3 checkpoint (no bias) loads into a bias model; the bias stays as it was
+    plain = {k: v for k, v in hf.items() if not k.endswith("e_score_correction_bias")}
+    load_megatron_state_dict(fresh, hf_to_megatron(plain, cfg))
+    assert torch.equal(fresh.state_dict()["decoder.layers.0.mlp.router.expert_bias"],
+                       sd["decoder.layers.0.mlp.router.expert_bias"])
+    # and a model without the bias converts exactly as before (no bias names)
+    assert not any("e_score_correction_bias" in k for k in megatron_to_hf(build_gpt_model(cfg).state_dict(), cfg))

@@ -243,3 +243,20 @@ def test_expert_bias_moves_skewed_router_toward_balance(dist):
     b = router.expert_bias.tolist()
     assert b[0] < b[1] < b[2] < b[3] or (b[0] < b[3] and b[1] < b[2]), b
     assert math.isclose(sum(imbalance[:5]) / 5, 2.0, abs_tol=0.1)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["moe.score_function=sigmoid"], "moe.score_function=sigmoid"),
+    (["moe.score_function=sigmoid", "moe.expert_bias=true"], "moe.expert_bias=true"),
+    (["moe.num_groups=4", "moe.group_topk=2"], "moe.num_groups=4"),
+    (["moe.capacity_factor=1.5"], "moe.capacity_factor=1.5"),
+    (["moe.topk_scaling_factor=2.0"], "moe.topk_scaling_factor=2.0"),
+])
+def test_train_refuses_routers_the_rollout_engines_cannot_run(overrides, needle):
+    from moerl.moe.config import check_rollout_routing_matches
+
+    cfg = load_config(TINY, overrides)  # valid for planning
+    with pytest.raises(ValueError) as ei:
+        check_rollout_routing_matches(cfg.moe)
+    assert needle in str(ei.value) and "sampling policy" in str(ei.value)
+    check_rollout_routing_matches(load_config(TINY, ["moe.topk_scaling_factor=1.0"]).moe)  # same as HF: fine

@@ -8,6 +8,8 @@ HF side (what ``save_pretrained`` writes and SGLang loads)::
     model.layers.{l}.self_attn.{q,k}_norm.weight            [d]
     model.layers.{l}.post_attention_layernorm.weight        [H]
     model.layers.{l}.mlp.gate.weight                        [E, H]           (router)
+    model.layers.{l}.mlp.gate.e_score_correction_bias       [E] fp32 (only with the aux-loss-free
+                                                            expert bias; DeepSeek-V3's HF name)
     model.layers.{l}.mlp.experts.{e}.{gate,up}_proj.weight  [I, H]
     model.layers.{l}.mlp.experts.{e}.down_proj.weight       [H, I]
     model.layers.{l}.mlp.{gate,up,down}_proj.weight         dense layers (mlp_only_layers)
@@ -26,6 +28,7 @@ Megatron side (local layer spec)::
         for each of the nkv groups: [its nh/nkv query heads, its k head, its v head] x d rows
     decoder.layers.{l}.self_attention.{q,k}_layernorm.weight, .linear_proj.weight,
     decoder.layers.{l}.pre_mlp_layernorm.weight, .mlp.router.weight,
+    decoder.layers.{l}.mlp.router.expert_bias  (a buffer; only with moe_router_enable_expert_bias)
     decoder.layers.{l}.mlp.experts.local_experts.{e}.linear_fc1.weight  = [gate; up]  [2I, H]
     decoder.layers.{l}.mlp.experts.local_experts.{e}.linear_fc2.weight  = down        [H, I]
     decoder.layers.{l}.mlp.linear_fc1 / linear_fc2 (dense layers), decoder.final_layernorm.weight
@@ -185,8 +188,14 @@ def _expect_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
         raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} from the HF config")
 
 
-def conversion_rules(hf_config) -> list[ParamRule]:
-    """All parameter rules for an unsharded Qwen3-MoE model (tp = ep = pp = 1), in model order."""
+def conversion_rules(hf_config, expert_bias: bool = False) -> list[ParamRule]:
+    """All parameter rules for an unsharded Qwen3-MoE model (tp = ep = pp = 1), in model order.
+
+    ``expert_bias`` adds, per MoE layer, Megatron's aux-loss-free routing bias
+    ``mlp.router.expert_bias`` [E] (arXiv 2408.15664; a persistent buffer when
+    moe_router_enable_expert_bias) <-> HF ``mlp.gate.e_score_correction_bias`` [E] (the name
+    DeepSeek-V3's HF checkpoints use for the same bias); replicated over TP, one per layer.
+    """
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     pattern = hf_moe_layer_pattern(hf_config)
     num_experts = hf_num_experts(hf_config)
@@ -210,6 +219,8 @@ def conversion_rules(hf_config) -> list[ParamRule]:
         ]
         if is_moe:
             rules.append(ParamRule(mc + "mlp.router.weight", (hf + "mlp.gate.weight",), "copy", layer=l))
+            if expert_bias:
+                rules.append(ParamRule(mc + _MC_BIAS, (hf + _HF_BIAS,), "copy", layer=l))
             for e in range(num_experts):
                 he = hf + f"mlp.experts.{e}."
                 me = mc + f"mlp.experts.local_experts.{e}."
@@ -239,6 +250,15 @@ def conversion_rules(hf_config) -> list[ParamRule]:
     if not tied:
         rules.append(ParamRule("output_layer.weight", ("lm_head.weight",), "copy", tp_dim=0))
     return rules
+
+
+_MC_BIAS = "mlp.router.expert_bias"
+_HF_BIAS = "mlp.gate.e_score_correction_bias"
+
+
+def _has_bias(keys: Iterable[str], suffix: str) -> bool:
+    """True when any key ends with ``suffix`` (the expert-bias tensors are present)."""
+    return any(k.endswith(suffix) for k in keys)
 
 
 _FUSED_GATE_UP = ".mlp.experts.gate_up_proj"
@@ -307,12 +327,13 @@ def hf_to_megatron(
         embed = sd.get("model.embed_tokens.weight")
         if embed is not None and not torch.equal(lm_head, embed):
             raise ValueError("tie_word_embeddings=True but lm_head.weight differs from model.embed_tokens.weight")
-    rules = conversion_rules(hf_config)
+    bias = _has_bias(sd, _HF_BIAS)  # expert bias given -> converted (see conversion_rules)
+    rules = conversion_rules(hf_config, expert_bias=bias)
     known = {k for r in rules for k in r.hf_keys}
     if layout is None or layout.is_trivial:
         needed = known
     else:  # a shard needs only its own tensors; the others may be absent
-        needed = {k for _, r, _, _ in shard_rules(hf_config, layout) for k in r.hf_keys}
+        needed = {k for _, r, _, _ in shard_rules(hf_config, layout, expert_bias=bias) for k in r.hf_keys}
     missing = sorted(needed - set(sd))
     unexpected = sorted(set(sd) - known)
     if missing or unexpected:
@@ -327,7 +348,7 @@ def hf_to_megatron(
             to_mcore, _ = _PACKERS[rule.kind]
             out[rule.mcore_key] = to_mcore([sd[k] for k in rule.hf_keys], hf_config)
         return out
-    for local_key, rule, size, rank in shard_rules(hf_config, layout):
+    for local_key, rule, size, rank in shard_rules(hf_config, layout, expert_bias=bias):
         to_mcore, _ = _PACKERS[rule.kind]
         full = to_mcore([sd[k] for k in rule.hf_keys], hf_config)
         out[local_key] = _tp_split(rule, full, size, rank)
@@ -365,7 +386,7 @@ def megatron_to_hf(mcore_state_dict: Mapping[str, torch.Tensor], hf_config) -> d
         for k, v in strip_wrapper_prefix(mcore_state_dict).items()
         if not k.endswith(_EXTRA_STATE)
     }
-    rules = conversion_rules(hf_config)
+    rules = conversion_rules(hf_config, expert_bias=_has_bias(sd, _MC_BIAS))
     needed = {r.mcore_key for r in rules}
     missing = sorted(needed - set(sd))
     unexpected = sorted(set(sd) - needed)
@@ -387,8 +408,10 @@ def megatron_to_hf(mcore_state_dict: Mapping[str, torch.Tensor], hf_config) -> d
 def load_megatron_state_dict(model: torch.nn.Module, mcore_state_dict: Mapping[str, torch.Tensor]) -> None:
     """Load a converted state dict into a GPTModel strictly.
 
-    Every model key must be provided except Megatron's ``_extra_state`` entries, and no extra
-    key is accepted. Values are copied into the existing parameters (dtype/device of the model).
+    Every model key must be provided except Megatron's ``_extra_state`` entries and the routers'
+    ``expert_bias`` buffers (a checkpoint without them, e.g. a Qwen3 HF model, leaves the bias at
+    the model's value: zeros when built), and no extra key is accepted. Values are copied into the
+    existing parameters (dtype/device of the model).
 
     Raises:
         ValueError: missing or unexpected keys (listed) or shape mismatches.
@@ -396,6 +419,7 @@ def load_megatron_state_dict(model: torch.nn.Module, mcore_state_dict: Mapping[s
     model_sd = model.state_dict()
     wanted = {k for k in model_sd if not k.endswith(_EXTRA_STATE)}
     given = {k for k in mcore_state_dict if not k.endswith(_EXTRA_STATE)}
+    wanted -= {k for k in wanted - given if k.endswith(_MC_BIAS)}  # optional: keep the model's bias
     missing, unexpected = sorted(wanted - given), sorted(given - wanted)
     if missing or unexpected:
         raise ValueError(f"state dict does not match the model: missing {missing}, unexpected {unexpected}")
@@ -406,16 +430,17 @@ def load_megatron_state_dict(model: torch.nn.Module, mcore_state_dict: Mapping[s
                 f"{tuple(model_sd[key].shape)}"
             )
     result = model.load_state_dict({k: mcore_state_dict[k] for k in given}, strict=False)
-    bad_missing = [k for k in result.missing_keys if not k.endswith(_EXTRA_STATE)]
+    bad_missing = [k for k in result.missing_keys if not k.endswith(_EXTRA_STATE) and k in wanted]
     if bad_missing or result.unexpected_keys:
         raise ValueError(
             f"load_state_dict reported missing {bad_missing}, unexpected {result.unexpected_keys}"
         )
 
 
-def iter_hf_names(hf_config) -> Iterable[str]:
-    """HF (on-disk) tensor names of the model in conversion order (for weight-sync buckets)."""
-    for rule in conversion_rules(hf_config):
+def iter_hf_names(hf_config, expert_bias: bool = False) -> Iterable[str]:
+    """HF (on-disk) tensor names of the model in conversion order (for weight-sync buckets);
+    ``expert_bias`` includes the routers' ``mlp.gate.e_score_correction_bias``."""
+    for rule in conversion_rules(hf_config, expert_bias=expert_bias):
         yield from rule.hf_keys
 
 
@@ -519,8 +544,9 @@ def _check_divisible(hf_config, layout: ShardLayout) -> None:
             raise ValueError(f"{name}={value} is not divisible by {size_name}={size}; cannot shard the model")
 
 
-def shard_rules(hf_config, layout: ShardLayout) -> list[tuple[str, ParamRule, int, int]]:
-    """The parameters one rank holds: ``(local mcore key, global rule, split size, split rank)``.
+def shard_rules(hf_config, layout: ShardLayout, expert_bias: bool = False) -> list[tuple[str, ParamRule, int, int]]:
+    """The parameters one rank holds: ``(local mcore key, global rule, split size, split rank)``
+    (``expert_bias``: see :func:`conversion_rules`).
 
     The split size/rank are the TP ones for dense weights and the expert-TP ones for expert
     weights (1/0 for a replicated tensor). See the module docstring for the local numbering.
@@ -538,7 +564,7 @@ def shard_rules(hf_config, layout: ShardLayout) -> list[tuple[str, ParamRule, in
     per_rank = hf_num_experts(hf_config) // layout.ep_size
     experts = range(layout.ep_rank * per_rank, (layout.ep_rank + 1) * per_rank)
     out: list[tuple[str, ParamRule, int, int]] = []
-    for rule in conversion_rules(hf_config):
+    for rule in conversion_rules(hf_config, expert_bias=expert_bias):
         key = rule.mcore_key
         if rule.layer is None:
             if key.startswith("embedding.") and not layout.is_first_stage:
@@ -611,16 +637,17 @@ def merge_megatron_shards(shards: Mapping[ShardLayout, Mapping[str, torch.Tensor
     pieces: dict[str, dict[int, torch.Tensor]] = {}
     rules: dict[str, ParamRule] = {}
     sizes: dict[str, int] = {}
+    bias = any(_has_bias(sd, _MC_BIAS) for sd in shards.values())
     for layout, sd in shards.items():
         sd = strip_wrapper_prefix({k: v for k, v in sd.items() if not k.endswith(_EXTRA_STATE)})
-        for local_key, rule, size, rank in shard_rules(hf_config, layout):
+        for local_key, rule, size, rank in shard_rules(hf_config, layout, expert_bias=bias):
             if rule.tied_copy:
                 continue
             if local_key not in sd:
                 raise ValueError(f"shard {layout} has no {local_key} (global {rule.mcore_key})")
             rules[rule.mcore_key], sizes[rule.mcore_key] = rule, size
             pieces.setdefault(rule.mcore_key, {}).setdefault(rank, sd[local_key].detach())
-    for rule in conversion_rules(hf_config):
+    for rule in conversion_rules(hf_config, expert_bias=bias):
         got = pieces.get(rule.mcore_key, {})
         if sorted(got) != list(range(sizes.get(rule.mcore_key, 1))) or not got:
             raise ValueError(f"{rule.mcore_key}: shards cover TP ranks {sorted(got)} only")
@@ -673,7 +700,10 @@ def gather_megatron_to_hf(
 
     # 1. tensor-parallel all-gather, then HF names for what this rank holds
     owned: dict[str, torch.Tensor] = {}
-    for local_key, rule, size, _ in shard_rules(hf_config, layout):
+    flags: list = [None] * world  # expert bias anywhere (a stage may hold no MoE layer)
+    dist.all_gather_object(flags, _has_bias(sd, _MC_BIAS))
+    bias = any(flags)
+    for local_key, rule, size, _ in shard_rules(hf_config, layout, expert_bias=bias):
         if rule.tied_copy:
             continue
         if local_key not in sd:
@@ -697,7 +727,7 @@ def gather_megatron_to_hf(
     dist.all_gather_object(everyone, meta)
     device = next(iter(owned.values())).device if owned else torch.device("cpu")
     out: dict[str, torch.Tensor] = {}
-    for key in iter_hf_names(hf_config):
+    for key in iter_hf_names(hf_config, expert_bias=bias):
         src = next((r for r in range(world) if key in everyone[r]), None)
         if src is None:
             raise ValueError(f"no rank holds {key}; the shards do not cover the model")

@@ -183,6 +183,45 @@ def validate_moe(
             raise ValueError(f"moe.{name} is a fraction of ln(num_experts) in [0, 1], got {v}")
 
 
+def check_rollout_routing_matches(moe) -> None:
+    """Refuse router settings the rollout engines cannot reproduce (checked by ``moerl train``).
+
+    moerl's policy is a Hugging Face Qwen3-MoE, and both rollout engines run that architecture's
+    router: softmax scores, top-k, gates renormalised when ``norm_topk_prob``, no bias, no expert
+    groups, no token dropping (transformers ``Qwen3MoeTopKRouter``; SGLang's Qwen3MoeForCausalLM).
+    A Megatron router configured differently would train a policy other than the one that samples,
+    so every ratio pi_theta / pi_old would carry a systematic error (REFERENCE.md sec. 1-2). These
+    keys stay valid for ``moerl plan`` (DeepSeek-V3-style shapes); they need an architecture whose
+    HF/SGLang model implements them (e.g. DeepSeek-V3's e_score_correction_bias and group routing).
+
+    Args:
+        moe: the recipe's ``moe`` section.
+
+    Raises:
+        ValueError: naming each offending ``moe.*`` key and the value the rollout engines use.
+    """
+    g = lambda name, default=None: getattr(moe, name, default)  # noqa: E731
+    bad = []
+    if g("score_function", "softmax") != "softmax":
+        bad.append(f"moe.score_function={g('score_function')} (rollout: softmax)")
+    if g("expert_bias", False):
+        bad.append("moe.expert_bias=true (rollout: no e_score_correction_bias)")
+    if g("num_groups") is not None or g("group_topk") is not None:
+        bad.append(f"moe.num_groups={g('num_groups')}/moe.group_topk={g('group_topk')} (rollout: no groups)")
+    if g("capacity_factor") is not None:
+        bad.append(f"moe.capacity_factor={g('capacity_factor')} (rollout: no token dropping)")
+    tsf = g("topk_scaling_factor")
+    if tsf is not None and float(tsf) != 1.0:
+        bad.append(f"moe.topk_scaling_factor={tsf} (rollout: 1)")
+    if bad:
+        raise ValueError(
+            "moerl train: the rollout engines run the Qwen3-MoE router (softmax top-k, no bias, groups or "
+            "dropping), so these router settings would make the trained policy differ from the sampling "
+            "policy: " + "; ".join(bad) + ". Set them back to the defaults in configs/tiny_arith.yaml "
+            "(they remain valid for `moerl plan`)."
+        )
+
+
 def check_dispatcher_available(token_dispatcher: str) -> None:
     """Fail early when the chosen token dispatcher cannot run on this machine.
 

@@ -304,6 +304,9 @@ class MegatronActor:
 
     def _forward_step(self, temperature: float, loss_fn: Optional[LossFn], num_microbatches: int):
         first_stage = parallel_state.is_pipeline_first_stage()
+        # MoE routing replay (moerl.moe.routing_replay.RoutingReplay, set by the RL loop when
+        # moe.routing_replay is r2/r3): force mb.routed_experts, or record (r2 first pass)
+        replay = getattr(self, "routing_replay", None)
 
         def forward_step(data_iterator, model):
             mb: MicroBatch = next(data_iterator)
@@ -311,7 +314,11 @@ class MegatronActor:
             args, kwargs = model_forward_args(mb)
             if not first_stage:  # token ids enter on the first stage only
                 args = (None, None, args[2])
+            if replay is not None:
+                replay.before_forward(mb)
             output = model(*args, **kwargs)
+            if replay is not None:
+                replay.after_forward(mb)
 
             def loss_func(logits):  # runs on the last stage only
                 log_probs, entropy = self._token_log_probs(logits, model_labels(mb), temperature)

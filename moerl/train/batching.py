@@ -6,6 +6,7 @@ Layout of one micro-batch (B samples, S = longest prompt+response in the micro-b
   loss_mask  [B, S] float32 1 where labels[:, t] is a response token whose loss_mask is 1
   per-token float tensors [B, S] aligned with labels (old_log_probs, ref_log_probs, rollout_log_probs)
   advantages [B] float32
+  routed_experts [B, S, L, K] int32 or None: MoE routing replay targets, position-aligned with tokens
 Right padding with a causal mask leaves every real token's logits unchanged.
 
 Packed micro-batches (:class:`PackedMicroBatch`, :func:`make_packed_micro_batch`) carry the same
@@ -38,6 +39,11 @@ class MicroBatch:
     response_starts: list[int]
     response_lengths: list[int]
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    # MoE routing replay targets (moerl.moe.routing_replay): int32 [B, S, num_layers, topk],
+    # POSITION-aligned with ``tokens`` (row t = experts of the token at t), -1 = router chooses
+    # freely (padding, unrecorded positions); None when no sample carries Sample.routed_experts.
+    # Kept separate from ``extras`` (which are [B, S] label-aligned floats).
+    routed_experts: Optional[torch.Tensor] = None
 
     @property
     def batch_size(self) -> int:
@@ -99,7 +105,38 @@ def make_micro_batch(
             t[i, starts[i] : starts[i] + resp_lens[i]] = torch.as_tensor(v, dtype=torch.float32)
         extras[name] = t
     advantages = torch.tensor([float(s.advantage) for s in samples], dtype=torch.float32)
-    return MicroBatch(tokens, labels, loss_mask, advantages, list(sample_indices), starts, resp_lens, extras)
+    return MicroBatch(tokens, labels, loss_mask, advantages, list(sample_indices), starts, resp_lens, extras,
+                      routed_experts=_routing_tensor(samples, seq_len))
+
+
+def _routing_tensor(samples: Sequence[Sample], seq_len: int) -> Optional[torch.Tensor]:
+    """[B, S, L, K] int32 from the samples' ``routed_experts`` (-1 where absent); None if none has any.
+
+    Raises:
+        ValueError: a sample's routing has the wrong number of positions, or samples disagree on
+            [num_layers, topk].
+    """
+    given = [s for s in samples if getattr(s, "routed_experts", None) is not None]
+    if not given:
+        return None
+    shapes = {tuple(torch.as_tensor(s.routed_experts).shape[1:]) for s in given}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+        raise ValueError(f"Sample.routed_experts must be [P, num_layers, topk] with one [num_layers, topk] "
+                         f"for all samples, got {sorted(shapes)}")
+    n_layers, k = next(iter(shapes))
+    out = torch.full((len(samples), seq_len, n_layers, k), -1, dtype=torch.int32)
+    for i, s in enumerate(samples):
+        if getattr(s, "routed_experts", None) is None:
+            continue
+        r = torch.as_tensor(s.routed_experts)
+        n = len(s.prompt_ids) + len(s.response_ids)
+        if r.shape[0] not in (n - 1, n):
+            raise ValueError(
+                f"Sample.routed_experts of sample {s.index} has {r.shape[0]} positions; expected "
+                f"len(prompt_ids) + len(response_ids) - 1 = {n - 1} (SGLang's return_routed_experts) or {n}"
+            )
+        out[i, : r.shape[0]] = r.to(torch.int32)
+    return out
 
 
 def split_micro_batches(

@@ -14,6 +14,7 @@ from moerl.data.dataset import DatasetError, PromptSampler, load_prompt_dataset
 from moerl.data.tasks import prepare_task_data
 from moerl.data.tokenizer import decode_response, encode_prompt, tokenizer_from_config
 from moerl.models.qwen3_moe import make_hf_config
+from moerl.moe.config import check_rollout_routing_matches
 from moerl.rewards import get_reward_fn
 from moerl.rollout.errors import PortInUseError
 from moerl.rollout.launcher import port_is_free
@@ -82,6 +83,7 @@ def prepare_run(cfg, dist) -> RunContext:
         moerl.config.loader.ConfigError / ValueError / FileNotFoundError with the recipe key named.
     """
     cfg.check_world_size(dist.world_size)
+    check_rollout_routing_matches(cfg.moe)
     if dist.world_size <= 1:
         return _prepare_run(cfg, dist)
     import torch.distributed as tdist
