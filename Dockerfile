@@ -17,8 +17,10 @@ ENV PIP_NO_CACHE_DIR=1 \
 RUN pip install "megatron-core>=0.16.1" psutil
 
 # SGLang rollout servers and the router (real SGLang pins its own kernels; install it here, never
-# in the CPU environment).
-RUN pip install "sglang[all]>=0.5,<0.6" "sglang-router==0.3.2"
+# in the CPU environment). 0.5.9 is the version moerl's contract tests parse
+# (tests/test_sglang_contract.py); it pins torch 2.9.1, so choose a BASE whose torch matches
+# (or rebuild Transformer Engine after this step) - unverified until a GPU session builds the image.
+RUN pip install "sglang[all]==0.5.9" "sglang-router==0.3.2"
 
 # DeepEP V1 for Megatron's flex token dispatcher (Megatron-Core is written against DeepEP's V1
 # Buffer API, <= v1.2.1; DeepEP main is V2). NVSHMEM from NVIDIA's wheel; DeepEP from source.

@@ -42,7 +42,10 @@ EXPECTED_TINY = {
         "num_servers": 2, "threads_per_server": 1, "host": "127.0.0.1", "base_port": 30000, "router_port": 29000,
         "router_policy": "round_robin", "n_samples_per_prompt": 8, "rollout_batch_size": 16, "temperature": 1.0,
         "top_p": 1.0, "top_k": -1, "max_new_tokens": 8, "request_timeout_s": 60.0, "max_retries": 2,
-        "startup_timeout_s": 120.0, "weight_sync": "disk",
+        "startup_timeout_s": 120.0, "weight_sync": "disk", "weight_sync_bucket_mb": 64.0,
+        "weight_sync_backend": "gloo", "weight_sync_master_address": None, "backend": "reference",
+        "placement": "disaggregated", "gpu_ids": [], "server_tp_size": 1, "server_dp_size": 1,
+        "server_ep_size": 1, "mem_fraction_static": 0.8, "external_urls": [], "failover": True, "max_restarts": 3,
     },
     "algorithm": {
         "advantage_estimator": "grpo", "policy_loss": "gspo", "loss_agg_mode": "seq-mean-token-mean",
@@ -53,7 +56,7 @@ EXPECTED_TINY = {
         "z_loss_coeff": 0.0, "score_function": "softmax", "expert_bias": False, "bias_update_rate": 1.0e-3,
         "topk_scaling_factor": None, "num_groups": None, "group_topk": None, "capacity_factor": None,
         "pad_to_capacity": False, "token_drop_policy": "probs", "token_dispatcher": "alltoall", "telemetry": True,
-        "entropy_threshold": 0.5, "dead_expert_steps": 10,
+        "entropy_threshold": 0.5, "dead_expert_steps": 10, "routing_replay": "none",
     },
     "train": {
         "num_steps": 600, "global_batch_size": 128, "micro_batch_size": 32, "lr": 1.0e-4, "weight_decay": 0.0,

@@ -71,6 +71,13 @@ def test_malformed_recipe_names_the_key(tmp_path):
     assert r.returncode == 2 and "rollout.temperature" in r.stderr
 
 
+def test_router_the_rollout_cannot_run_is_refused_before_compute(tmp_path):
+    r = moerl_train(RECIPE, *port_args(tmp_path), "moe.score_function=sigmoid", timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "moe.score_function=sigmoid" in r.stderr and "Traceback" not in r.stderr
+    assert "sft step" not in r.stdout
+
+
 def test_missing_dataset_file(tmp_path):
     missing = tmp_path / "nope.jsonl"
     r = moerl_train(RECIPE, *port_args(tmp_path), "data.task=jsonl", f"data.train_path={missing}",
@@ -189,8 +196,33 @@ def _wait_for(log_path: Path, pattern: str, proc, timeout: float = 300) -> None:
 
 
 @pytest.mark.slow
+def test_killed_server_is_restarted_and_the_run_finishes(tmp_path):
+    """rollout.failover=true (the default): kill -9 of a server mid-run; the run goes on, the server is
+    restarted with the current weights and rejoins, and the job ends normally."""
+    proc, log = _start(tmp_path, *FAST[:-2], "train.num_steps=200", "eval.every_steps=0")
+    try:
+        _wait_for(log, r"step 2/200", proc)
+        servers = [c for c in _children_of(proc.pid) if "moerl.rollout.server" in " ".join(c.cmdline())]
+        assert len(servers) == 2
+        servers[1].send_signal(signal.SIGKILL)
+        _wait_for(log, r"'rejoined'", proc)  # restarted, given the current weights, back in the router
+        rc = proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert rc == 0, text[-3000:]
+    for event in ("'died'", "'restarted'", "'restored'", "'rejoined'"):
+        assert event in text, (event, text[-3000:])
+    assert "step 200/200" in text and "EVAL after RL" in text
+    time.sleep(1)
+    assert not _children_of(proc.pid)
+
+
+@pytest.mark.slow
 def test_killed_server_is_named(tmp_path):
-    proc, log = _start(tmp_path, *FAST[:-2], "train.num_steps=400", "eval.every_steps=0")
+    """rollout.failover=false: a dead server ends the run with exit code 1 and is named."""
+    proc, log = _start(tmp_path, *FAST[:-2], "train.num_steps=400", "eval.every_steps=0", "rollout.failover=false")
     try:
         _wait_for(log, r"step 2/400", proc)
         servers = [c for c in _children_of(proc.pid) if "moerl.rollout.server" in " ".join(c.cmdline())]

@@ -208,7 +208,27 @@ class RolloutConfig(_Section):
     request_timeout_s: float = Field(60.0, gt=0)
     max_retries: int = Field(2, ge=0)
     startup_timeout_s: float = Field(120.0, gt=0)
-    weight_sync: Literal["disk", "tensor"] = "disk"
+    # disk: HF safetensors dir per weight_version; tensor: serialized buckets over HTTP; distributed:
+    # init_weights_update_group once, then a broadcast per bucket from trainer rank 0 (NCCL on GPU,
+    # gloo with the reference server). moerl.rollout.weight_sync.
+    weight_sync: Literal["disk", "tensor", "distributed"] = "disk"
+    weight_sync_bucket_mb: float = Field(64.0, gt=0)  # bucket (disk: shard) size in MiB
+    weight_sync_backend: Literal["gloo", "nccl"] = "gloo"  # distributed mode only
+    weight_sync_master_address: Optional[str] = None  # where servers reach trainer rank 0; None = host
+    # Servers: reference = moerl's CPU server (moerl.rollout.server), sglang = real SGLang (GPU image,
+    # moerl.rollout.sglang_launcher: local rank 0 of each node starts servers on rollout.gpu_ids).
+    backend: Literal["reference", "sglang"] = "reference"
+    # HybridFlow resource pools (moerl.rollout.placement): colocated = rollout and training share GPUs
+    # (release / resume memory around training); disaggregated = separate GPUs or nodes.
+    placement: Literal["colocated", "disaggregated"] = "disaggregated"
+    gpu_ids: list[int] = Field(default_factory=list)  # sglang: rollout GPUs of every node
+    server_tp_size: int = Field(1, ge=1)  # sglang: --tp-size / --dp-size / --ep-size per server
+    server_dp_size: int = Field(1, ge=1)
+    server_ep_size: int = Field(1, ge=1)
+    mem_fraction_static: float = Field(0.8, gt=0, lt=1)  # sglang --mem-fraction-static
+    external_urls: list[str] = Field(default_factory=list)  # servers started elsewhere, put behind the router
+    failover: bool = True  # restart dead servers, restore current weights, route around them
+    max_restarts: int = Field(3, ge=0)  # per server, with failover
 
     @model_validator(mode="after")
     def _cross_fields(self) -> "RolloutConfig":
@@ -231,6 +251,15 @@ class RolloutConfig(_Section):
             raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k != -1 and self.top_k < 1:
             raise ValueError(f"rollout.top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if self.backend == "sglang" and not self.gpu_ids and not self.external_urls:
+            raise ValueError("rollout.backend=sglang needs rollout.gpu_ids (GPUs each node's servers use) "
+                             "or rollout.external_urls (servers started elsewhere)")
+        if self.server_tp_size % self.server_ep_size:
+            raise ValueError(f"rollout.server_ep_size ({self.server_ep_size}) must divide rollout.server_tp_size "
+                             f"({self.server_tp_size})")
+        for u in self.external_urls:
+            if not u.startswith(("http://", "https://")):
+                raise ValueError(f"rollout.external_urls entry {u!r} must be an http(s):// URL")
         return self
 
 
@@ -345,6 +374,10 @@ class MoEConfig(_Section):
     telemetry: bool = True  # per-layer tokens_per_expert, imbalance, entropy -> <output_dir>/moe_telemetry.jsonl
     entropy_threshold: float = Field(0.5, ge=0, le=1)  # alert below this fraction of ln(num_experts)
     dead_expert_steps: int = Field(10, ge=0)  # alert when an expert gets no tokens this many steps; 0 = off
+    # routing replay (moerl.moe.routing_replay): none | r3 (force the rollout server's routing, SGLang
+    # return_routed_experts, in the old-log-prob and update passes) | r2 (record the trainer's routing in
+    # the old-log-prob pass, force it in the update passes)
+    routing_replay: Literal["none", "r2", "r3"] = "none"
 
     @model_validator(mode="after")
     def _cross_fields(self) -> "MoEConfig":
@@ -380,6 +413,10 @@ class RecipeConfig(_Section):
         h = self.model.hf_config
         validate_moe(self.moe, num_experts=h.num_experts, topk=h.num_experts_per_tok, algorithm=self.algorithm,
                      train_pack=self.train.pack, ep_size=self.parallel.ep_size)
+        from moerl.moe.routing_replay import validate_routing_replay  # light import (no torch)
+
+        validate_routing_replay(self.moe.routing_replay, pp_size=self.parallel.pp_size,
+                                recompute=self.parallel.recompute)
         return self
 
     @model_validator(mode="after")

@@ -23,6 +23,63 @@ from moerl.rollout.errors import RolloutRequestError
 
 _RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 
+# ----------------------------------------------------------------------------- SGLang API contract
+# The SGLang release moerl targets (GPU image: Dockerfile) and the router release it runs. The
+# fields below are every request / response field of SGLang's native HTTP API that moerl sends or
+# reads; tests/test_sglang_contract.py parses this SGLang release's source (io_struct.py,
+# http_server.py, sampling_params.py, server_args.py, fetched as a wheel) and fails when one is missing.
+SGLANG_VERSION = "0.5.9"
+SGLANG_ROUTER_VERSION = "0.3.2"
+
+#: /generate top-level request fields (sglang GenerateReqInput; ``rid`` comes from its BaseReq).
+GENERATE_REQUEST_FIELDS = frozenset({
+    "input_ids", "text", "sampling_params", "return_logprob", "return_text_in_logprobs",
+    "logprob_start_len", "return_routed_experts", "rid"})
+#: sampling_params keys (sglang SamplingParams.__init__ arguments).
+SAMPLING_PARAM_FIELDS = frozenset({
+    "temperature", "top_p", "top_k", "min_p", "max_new_tokens", "stop_token_ids", "sampling_seed",
+    "n", "ignore_eos", "skip_special_tokens", "no_stop_trim"})
+#: /generate response item: top level, meta_info, finish_reason (sglang TokenizerManager output).
+GENERATE_RESPONSE_FIELDS = frozenset({"text", "output_ids", "meta_info"})
+META_INFO_FIELDS = frozenset({
+    "id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
+    "output_token_logprobs", "weight_version", "e2e_latency", "routed_experts"})
+FINISH_REASON_FIELDS = frozenset({"type", "matched", "length", "message"})
+#: control endpoints: path -> (sglang io_struct request class or None for no body, fields moerl sends).
+SGLANG_ENDPOINTS: dict[str, tuple[Optional[str], frozenset]] = {
+    "/generate": ("GenerateReqInput", GENERATE_REQUEST_FIELDS),
+    "/update_weights_from_disk": ("UpdateWeightFromDiskReqInput",
+                                  frozenset({"model_path", "load_format", "weight_version", "abort_all_requests"})),
+    "/update_weights_from_tensor": ("UpdateWeightsFromTensorReqInput",
+                                    frozenset({"serialized_named_tensors", "load_format", "flush_cache",
+                                               "weight_version", "abort_all_requests"})),
+    "/init_weights_update_group": ("InitWeightsUpdateGroupReqInput",
+                                   frozenset({"master_address", "master_port", "rank_offset", "world_size",
+                                              "group_name", "backend"})),
+    "/update_weights_from_distributed": ("UpdateWeightsFromDistributedReqInput",
+                                         frozenset({"names", "dtypes", "shapes", "group_name", "flush_cache",
+                                                    "weight_version"})),
+    "/destroy_weights_update_group": ("DestroyWeightsUpdateGroupReqInput", frozenset({"group_name"})),
+    "/release_memory_occupation": ("ReleaseMemoryOccupationReqInput", frozenset({"tags"})),
+    "/resume_memory_occupation": ("ResumeMemoryOccupationReqInput", frozenset({"tags"})),
+    "/abort_request": ("AbortReq", frozenset({"rid", "abort_all"})),
+    "/pause_generation": ("PauseGenerationReqInput", frozenset({"mode"})),
+    "/continue_generation": (None, frozenset()),
+    "/flush_cache": (None, frozenset()),
+    "/health": (None, frozenset()),
+    "/health_generate": (None, frozenset()),
+    "/get_model_info": (None, frozenset()),
+    "/get_server_info": (None, frozenset()),
+    "/get_weight_version": (None, frozenset()),
+}
+#: fields moerl reads from the JSON answers of control endpoints.
+UPDATE_RESPONSE_FIELDS = frozenset({"success", "message"})
+MODEL_INFO_FIELDS = frozenset({"weight_version", "model_path"})
+#: memory-occupation tags (sglang.srt.constants GPU_MEMORY_TYPE_*).
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+#: sglang-router HTTP endpoints moerl uses (0.3.x: GET/POST /workers, DELETE /workers/{id}).
+ROUTER_ENDPOINTS = frozenset({"/generate", "/readiness", "/workers", "/workers/{worker_id}"})
+
 
 class _Pools:
     """Several httpx.AsyncClient connection pools used round-robin.
@@ -59,7 +116,12 @@ class RolloutClient:
             408/429/5xx, with exponential backoff (backoff_s * 2**k, jittered, capped at 10 s).
         cluster: optional RolloutCluster; its check_alive() runs before every attempt and after every
             failure, so a dead server surfaces as RolloutServerDiedError naming it (sglang-router
-            itself would otherwise hide a dead worker by retrying on the others).
+            itself would otherwise hide a dead worker by retrying on the others). With a cluster
+            started with failover=True, a dead server is not an error (the cluster restarts it):
+            the request is retried (same body, same ``rid``) up to ``max_retries +
+            failover_retries`` times while the router sends it to the other servers.
+        failover_retries: extra attempts allowed when the cluster does failover (default
+            4 * num_servers).
         max_connections: connections in all (spread over pools of connections_per_pool).
     Async use: ``await client.generate(...)`` / ``await client.agenerate_many(...)`` (pools are
     made per event loop and closed by ``await client.aclose()``). Sync use:
@@ -68,7 +130,7 @@ class RolloutClient:
 
     def __init__(self, router_url: str, timeout_s: float = 600.0, max_retries: int = 3,
                  cluster=None, backoff_s: float = 0.5, max_connections: int = 512,
-                 connections_per_pool: int = 32):
+                 connections_per_pool: int = 32, failover_retries: Optional[int] = None):
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
         if timeout_s <= 0:
@@ -84,6 +146,11 @@ class RolloutClient:
         self.connections_per_pool = connections_per_pool
         self._pools: Optional[_Pools] = None
         self._pools_loop = None
+        if failover_retries is None:
+            failover_retries = 4 * getattr(cluster, "num_servers", 1)
+        if failover_retries < 0:
+            raise ValueError(f"failover_retries must be >= 0, got {failover_retries}")
+        self.failover_retries = failover_retries
 
     def _new_pools(self, connections: int) -> _Pools:
         per = min(self.connections_per_pool, connections)
@@ -121,7 +188,10 @@ class RolloutClient:
         http = http or self._client()
         url = self.router_url + path
         last = ""
-        for attempt in range(self.max_retries + 1):
+        retries = self.max_retries
+        if self.cluster is not None and getattr(self.cluster, "failover", False):
+            retries += self.failover_retries
+        for attempt in range(retries + 1):
             self._check_cluster()
             try:
                 r = await http.post(url, json=payload)
@@ -135,10 +205,10 @@ class RolloutClient:
                     self._check_cluster()
                     raise RolloutRequestError(f"POST {url} was refused: {last}")
             self._check_cluster()
-            if attempt < self.max_retries:
-                delay = min(10.0, self.backoff_s * (2 ** attempt)) * (0.5 + random.random())
+            if attempt < retries:
+                delay = min(10.0, self.backoff_s * (2 ** min(attempt, 8))) * (0.5 + random.random())
                 await asyncio.sleep(delay)
-        raise RolloutRequestError(f"POST {url} failed after {self.max_retries + 1} attempts; last error: {last}")
+        raise RolloutRequestError(f"POST {url} failed after {retries + 1} attempts; last error: {last}")
 
     async def generate(self, input_ids: Union[list[int], list[list[int]]],
                        sampling_params: Union[dict, list[dict]], return_logprob: bool = True,
@@ -156,15 +226,31 @@ class RolloutClient:
 
         Each request is a full /generate body (e.g. from :func:`group_request`); each result is what
         the server returned for it (a list for batched input_ids). The first failure cancels the
-        others and is raised.
+        others and is raised. Results are keyed by request: a body with a string ``rid`` (unique
+        over ``requests``) gets exactly one result, whose ``meta_info.id`` must equal that rid, so
+        a retried request (failover) can neither be lost nor counted twice.
+
+        Raises:
+            ValueError: two requests share a rid.
+            RolloutRequestError: a response carries another request's id (see :meth:`post`).
         """
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        rids = [b.get("rid") for b in requests if isinstance(b.get("rid"), str)]
+        if len(set(rids)) != len(rids):
+            dup = sorted({r for r in rids if rids.count(r) > 1})
+            raise ValueError(f"requests share rids {dup[:5]}; give every request its own rid")
         sem = asyncio.Semaphore(max_concurrency)
 
         async def one(body: dict):
             async with sem:
-                return await self.post("/generate", body, http=pools.pick() if pools else None)
+                out = await self.post("/generate", body, http=pools.pick() if pools else None)
+            rid = body.get("rid")
+            if isinstance(rid, str) and isinstance(out, dict):
+                got = (out.get("meta_info") or {}).get("id")
+                if got != rid:
+                    raise RolloutRequestError(f"/generate for rid {rid!r} returned the result of {got!r}")
+            return out
 
         tasks = [asyncio.ensure_future(one(b)) for b in requests]
         try:
@@ -228,6 +314,10 @@ def group_requests(prompt_ids: list[int], n_samples_per_prompt: int, sampling_pa
     """
     if n_samples_per_prompt < 1:
         raise ValueError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
+    unknown = sorted(set(sampling_params) - SAMPLING_PARAM_FIELDS)
+    if unknown:
+        raise ValueError(f"sampling_params keys {unknown} are not in moerl's SGLang contract "
+                         f"(moerl.rollout.client.SAMPLING_PARAM_FIELDS: {sorted(SAMPLING_PARAM_FIELDS)})")
     if "sampling_seed" in sampling_params:
         raise ValueError("pass per-sample seeds as seeds=[...], not sampling_params['sampling_seed']")
     if seeds is not None and len(seeds) != n_samples_per_prompt:

@@ -15,14 +15,28 @@ PR_SET_PDEATHSIG=SIGKILL on Linux, so a SIGKILLed trainer takes its children wit
 when the *thread* that started the child exits: create the cluster in the main thread or in a thread
 that outlives it.) shutdown() runs at exit, on SIGTERM / SIGINT (then the previous handler runs), and
 when the ``with`` block ends.
+
+Failover (``failover=True``): a monitor thread polls every server process and its GET /health
+(every ``health_check_interval_s``; ``health_failure_threshold`` failed checks in a row count as a
+hung server, which is SIGKILLed). A dead server is removed from sglang-router (DELETE
+/workers/{id}, sglang-router 0.3.x worker API), so its in-flight and later requests go to the other
+servers (sglang-router retries a request whose worker connection broke on another worker; the
+client retries what still fails, with the same ``rid``). The server is then restarted on its port,
+waits for /health, receives the CURRENT weights from the restorer registered by the last weight
+update (:meth:`RolloutCluster.update_weights` / :meth:`set_weight_restorer`) and must report that
+weight_version on /get_model_info, and only then is added back to the router (POST /workers
+{"url"}), so it never serves a request with stale weights. ``max_restarts`` restarts per server; one
+more death (or a restart that fails) makes :meth:`check_alive` raise RolloutServerDiedError.
 """
 
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import ctypes
 import errno
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -35,7 +49,8 @@ from typing import Callable, Optional, Sequence
 
 import httpx
 
-from moerl.rollout.errors import PortInUseError, RolloutServerDiedError, RolloutStartupError
+from moerl.rollout.errors import (PortInUseError, RolloutError, RolloutServerDiedError, RolloutStartupError,
+                                  WeightSyncError)
 
 _PR_SET_PDEATHSIG = 1
 ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
@@ -96,6 +111,58 @@ def tail_file(path: str, n: int = 30) -> str:
         return ""
 
 
+def disk_restorer(model_path: str, weight_version: str, timeout_s: float = 600.0) -> Callable[[str], None]:
+    """A failover restorer: ``restore(url)`` POSTs SGLang's /update_weights_from_disk
+    {model_path, weight_version} to one server (model_path: the HF safetensors directory of that
+    version, readable by the server). Raises WeightSyncError when the server refuses."""
+    if not isinstance(weight_version, str) or not weight_version:
+        raise ValueError(f"weight_version must be a non-empty string, got {weight_version!r}")
+    path = os.path.abspath(os.fspath(model_path))
+
+    def restore(url: str) -> None:
+        with httpx.Client(timeout=timeout_s, trust_env=False) as client:
+            r = client.post(url.rstrip("/") + "/update_weights_from_disk",
+                            json={"model_path": path, "weight_version": weight_version})
+        try:
+            ok = r.status_code == 200 and r.json().get("success", False)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise WeightSyncError(f"{url} refused /update_weights_from_disk {path}: HTTP {r.status_code} "
+                                  f"{r.text[:500]}")
+
+    return restore
+
+
+def tensor_restorer(hf_state_dict, weight_version: str, bucket_bytes: int = 64 << 20) -> Callable[[str], None]:
+    """A failover restorer that re-sends ``hf_state_dict`` ({HF name: tensor}, kept referenced, so
+    one CPU copy of the weights stays alive until the next update) through
+    moerl.rollout.weight_sync.sync_weights_from_tensor to one server."""
+    if not isinstance(weight_version, str) or not weight_version:
+        raise ValueError(f"weight_version must be a non-empty string, got {weight_version!r}")
+
+    def restore(url: str) -> None:
+        from moerl.rollout.weight_sync import sync_weights_from_tensor
+
+        sync_weights_from_tensor([url], hf_state_dict, weight_version, bucket_bytes=bucket_bytes)
+
+    return restore
+
+
+def failover_restorer(weight_sync: str, hf_state_dict, weight_version: str, out_root=None,
+                      bucket_bytes: int = 64 << 20) -> Callable[[str], None]:
+    """The restorer the trainer registers after a weight update in ``weight_sync`` mode: disk mode
+    reloads ``out_root/weights_<version>`` (written by the update) with /update_weights_from_disk;
+    the other modes re-send the state dict with :func:`tensor_restorer` (reference-server wire format)."""
+    if weight_sync == "disk" and out_root is not None:
+        from moerl.rollout.weight_sync import _version_dirname
+
+        path = os.path.join(os.fspath(out_root), _version_dirname(weight_version))
+        if os.path.isdir(path):
+            return disk_restorer(path, weight_version)
+    return tensor_restorer(hf_state_dict, weight_version, bucket_bytes)
+
+
 @dataclass
 class _Child:
     name: str  # "server 0" / "router"
@@ -122,6 +189,18 @@ class RolloutCluster:
         tokenizer_path: passed to the reference server as --tokenizer-path.
         server_command: optional ``f(index, port) -> argv`` to run another server (e.g. real SGLang).
         extra_env: extra environment variables for every child.
+        server_env: optional ``f(index) -> dict`` of extra environment variables for server i only
+            (e.g. CUDA_VISIBLE_DEVICES of its GPUs).
+        extra_worker_urls: servers not started here (other nodes, external URLs from the recipe)
+            that the router also fronts; they are waited for but not restarted or checked.
+        failover: restart dead servers and route around them (see the module docstring).
+        max_restarts: restarts allowed per server (failover only).
+        health_check_interval_s: seconds between liveness checks of the monitor (failover only).
+        health_check_timeout_s: timeout of one GET /health (failover only).
+        health_failure_threshold: failed GET /health in a row before a live process counts as hung
+            and is killed and restarted (failover only).
+        request_log: reference servers only: server i appends its request log (see
+            moerl.rollout.server ``--request-log``) to ``log_dir/server_<i>.requests.jsonl``.
 
     Raises (from start()/__enter__):
         ValueError: bad arguments (overlapping ports, unknown policy, missing model_path).
@@ -135,16 +214,25 @@ class RolloutCluster:
                  startup_timeout_s: float = 120.0, log_dir: Optional[str] = None,
                  tokenizer_path: Optional[str] = None,
                  server_command: Optional[Callable[[int, int], Sequence[str]]] = None,
-                 extra_env: Optional[dict] = None, shutdown_grace_s: float = 10.0):
-        if num_servers < 1:
-            raise ValueError(f"num_servers must be >= 1, got {num_servers}")
+                 extra_env: Optional[dict] = None, shutdown_grace_s: float = 10.0,
+                 failover: bool = False, max_restarts: int = 3, health_check_interval_s: float = 0.5,
+                 health_check_timeout_s: float = 5.0, health_failure_threshold: int = 3,
+                 request_log: bool = False, server_env: Optional[Callable[[int], dict]] = None,
+                 extra_worker_urls: Sequence[str] = ()):
+        if num_servers < 0 or (num_servers == 0 and not extra_worker_urls):
+            raise ValueError(f"num_servers must be >= 1 (or 0 with extra_worker_urls), got {num_servers}")
         if router_policy not in ROUTER_POLICIES:
             raise ValueError(f"router_policy must be one of {ROUTER_POLICIES}, got {router_policy!r}")
         if threads_per_server < 1:
             raise ValueError(f"threads_per_server must be >= 1, got {threads_per_server}")
-        if server_command is None and not os.path.isdir(model_path):
+        if max_restarts < 0 or health_failure_threshold < 1:
+            raise ValueError(f"max_restarts must be >= 0 and health_failure_threshold >= 1, got "
+                             f"{max_restarts} and {health_failure_threshold}")
+        if not (health_check_interval_s > 0 and health_check_timeout_s > 0):
+            raise ValueError("health_check_interval_s and health_check_timeout_s must be > 0")
+        if server_command is None and num_servers and not os.path.isdir(model_path):
             raise ValueError(f"model_path {model_path!r} is not a directory")
-        server_ports = list(range(base_port, base_port + num_servers))
+        server_ports = list(range(base_port, base_port + max(1, num_servers)))
         if router_port in server_ports:
             raise ValueError(f"rollout.router_port={router_port} falls inside the server ports "
                              f"{base_port}..{server_ports[-1]} (rollout.base_port + num_servers); "
@@ -164,8 +252,10 @@ class RolloutCluster:
         self.tokenizer_path = tokenizer_path
         self.server_command = server_command
         self.extra_env = dict(extra_env or {})
+        self.server_env = server_env
+        self.extra_worker_urls = [u.rstrip("/") for u in extra_worker_urls]
         self.shutdown_grace_s = shutdown_grace_s
-        self.server_urls = [f"http://{host}:{p}" for p in server_ports]
+        self.server_urls = [f"http://{host}:{p}" for p in server_ports[:num_servers]]
         self.router_url = f"http://{host}:{router_port}"
         self._servers: list[_Child] = []
         self._router: Optional[_Child] = None
@@ -173,6 +263,26 @@ class RolloutCluster:
         self._started = False
         self._closed = False
         self._prev_handlers: dict[int, object] = {}
+        self.failover = failover
+        self.max_restarts = max_restarts
+        self.health_check_interval_s = health_check_interval_s
+        self.health_check_timeout_s = health_check_timeout_s
+        self.health_failure_threshold = health_failure_threshold
+        self.request_log = request_log
+        self.failover_events: list[dict] = []  # one dict per death / restart / rejoin (see _failover)
+        self.restarts = [0] * num_servers
+        self._down: set[int] = set()  # server indices out of the router (dead or restarting)
+        self._fatal: Optional[RolloutError] = None
+        self._weights_lock = threading.RLock()
+        self._weight_version: Optional[str] = None
+        self._restorer: Optional[Callable[[str], None]] = None
+        self._stop = threading.Event()
+        self._monitor: Optional[threading.Thread] = None
+        self._restart_threads: dict[int, threading.Thread] = {}
+        # Restarted servers are spawned by one long-lived thread: PR_SET_PDEATHSIG fires when the
+        # spawning THREAD exits, so a short-lived restart thread would take its server with it.
+        self._spawn_q: "queue.Queue" = queue.Queue()
+        self._spawner: Optional[threading.Thread] = None
 
     # ------------------------------------------------------------------ start
 
@@ -196,7 +306,7 @@ class RolloutCluster:
             raise PortInUseError(f"port {self.router_port} on {self.host} (sglang-router) is already in "
                                  f"use; change rollout.router_port or stop the process holding it")
 
-    def _env(self) -> dict:
+    def _env(self, index: Optional[int] = None) -> dict:
         env = dict(os.environ)
         t = str(self.threads_per_server)
         env.update({"OMP_NUM_THREADS": t, "MKL_NUM_THREADS": t, "OMP_WAIT_POLICY": "PASSIVE",
@@ -206,6 +316,8 @@ class RolloutCluster:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
         env.update(self.extra_env)
+        if index is not None and self.server_env is not None:
+            env.update({k: str(v) for k, v in self.server_env(index).items()})
         return env
 
     def _spawn(self, name: str, index: Optional[int], url: str, argv: Sequence[str]) -> _Child:
@@ -213,7 +325,7 @@ class RolloutCluster:
         log_file = open(log_path, "ab", buffering=0)
         log_file.write(f"# {' '.join(argv)}\n".encode())
         proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=log_file,
-                                stderr=subprocess.STDOUT, env=self._env(), start_new_session=True,
+                                stderr=subprocess.STDOUT, env=self._env(index), start_new_session=True,
                                 preexec_fn=_pdeathsig_preexec(os.getpid()), close_fds=True)
         return _Child(name, index, url, log_path, proc, log_file)
 
@@ -224,11 +336,17 @@ class RolloutCluster:
                 "--host", self.host, "--port", str(port), "--num-threads", str(self.threads_per_server)]
         if self.tokenizer_path:
             argv += ["--tokenizer-path", self.tokenizer_path]
+        if self.request_log:
+            argv += ["--request-log", self.request_log_path(i)]
         return argv
+
+    def request_log_path(self, i: int) -> str:
+        """Path of server i's request log (reference servers started with request_log=True)."""
+        return os.path.join(self.log_dir or "", f"server_{i}.requests.jsonl")
 
     def _router_argv(self) -> list[str]:
         return [sys.executable, "-m", "sglang_router.launch_router", "--host", self.host,
-                "--port", str(self.router_port), "--worker-urls", *self.server_urls,
+                "--port", str(self.router_port), "--worker-urls", *self.server_urls, *self.extra_worker_urls,
                 "--policy", self.router_policy, "--prometheus-host", "127.0.0.1",
                 "--prometheus-port", str(free_port()), "--log-level", "warn",
                 "--worker-startup-timeout-secs", str(max(1, int(self.startup_timeout_s))),
@@ -254,6 +372,13 @@ class RolloutCluster:
             self._wait_ready(self._servers, "/health", deadline)
             self._router = self._spawn("router", None, self.router_url, self._router_argv())
             self._wait_router(deadline)
+            if self.failover:
+                self._spawner = threading.Thread(target=self._spawner_loop, name="moerl-rollout-spawner",
+                                                 daemon=True)
+                self._spawner.start()
+                self._monitor = threading.Thread(target=self._monitor_loop, name="moerl-rollout-monitor",
+                                                 daemon=True)
+                self._monitor.start()
         except BaseException:
             self.shutdown()
             raise
@@ -297,7 +422,7 @@ class RolloutCluster:
                                                   f"{describe_returncode(s.proc.returncode)}")
                 try:
                     r = client.get(self.router_url + "/readiness")
-                    if r.status_code == 200 and r.json().get("healthy_workers", 0) >= self.num_servers:
+                    if r.status_code == 200 and r.json().get("healthy_workers", 0) >= self.num_servers + len(self.extra_worker_urls):
                         return
                 except (httpx.TransportError, ValueError):
                     pass
@@ -320,13 +445,257 @@ class RolloutCluster:
         """Raise RolloutServerDiedError naming the first child (server index or router) that exited."""
         if self._closed:
             raise RuntimeError("the rollout cluster was shut down")
+        if self._fatal is not None:
+            raise self._fatal
         for child in self._children():
+            if self.failover and child.index is not None:
+                continue  # the monitor restarts dead servers; _fatal is set when it cannot
             rc = child.proc.poll()
             if rc is not None:
                 raise RolloutServerDiedError(
                     f"rollout {child.name} ({child.url}, pid {child.proc.pid}) died: "
                     f"{describe_returncode(rc)}; log {child.log_path}, last lines:\n{tail_file(child.log_path, 15)}",
                     index=child.index, url=child.url, pid=child.proc.pid, returncode=rc)
+
+    # ------------------------------------------------------------------ weights and failover
+
+    @property
+    def current_weight_version(self) -> Optional[str]:
+        """The weight_version of the last :meth:`update_weights` / :meth:`set_weight_restorer` (None before)."""
+        return self._weight_version
+
+    def live_server_urls(self) -> list[str]:
+        """URLs of the servers that are running and in the router (not dead or being restarted)."""
+        with self._lock:
+            return [c.url for c in self._servers if c.index not in self._down and c.proc.poll() is None]
+
+    def weights_lock(self) -> "threading.RLock":
+        """Hold while pushing weights to :meth:`live_server_urls` and registering the restorer, so a
+        server restarting meanwhile is restored with the weights the others end up with."""
+        return self._weights_lock
+
+    def set_weight_restorer(self, weight_version: str, restore: Optional[Callable[[str], None]]) -> None:
+        """Record the current weight_version and ``restore(server_url)``, which pushes those weights
+        to one (restarted) server; failover calls it and then checks the server reports
+        ``weight_version`` before the server rejoins the router."""
+        if not isinstance(weight_version, str) or not weight_version:
+            raise ValueError(f"weight_version must be a non-empty string, got {weight_version!r}")
+        with self._weights_lock:
+            self._weight_version, self._restorer = weight_version, restore
+
+    def update_weights(self, weight_version: str, push: Callable[[list[str]], None],
+                       restore: Optional[Callable[[str], None]] = None) -> list[str]:
+        """Push new weights to the live servers, safe against a concurrent server restart.
+
+        Runs ``push(live_server_urls)`` under the weights lock (a restarting server is restored
+        either before, with the old weights and then again, or after, with these). If push fails
+        because a server died meanwhile (failover on), it is retried once on the servers still
+        alive; the dead one gets ``restore`` when it restarts. Then records ``weight_version`` and
+        ``restore`` (see :meth:`set_weight_restorer`). Returns the URLs that were updated.
+
+        Raises:
+            the push's exception when no server died (or failover is off); RolloutServerDiedError
+            when failover gave up on a server.
+        """
+        with self._weights_lock:
+            for attempt in range(2):
+                urls = self.live_server_urls()
+                if not urls:
+                    self.check_alive()
+                    raise WeightSyncError("no rollout server is live to receive the weights")
+                try:
+                    push(urls)
+                    break
+                except Exception:
+                    self.check_alive()
+                    died = [u for u in urls if u not in self.live_server_urls()]
+                    if not (self.failover and died) or attempt == 1:
+                        raise
+            self.set_weight_restorer(weight_version, restore)
+            return urls
+
+    def wait_serving(self, timeout_s: float = 120.0) -> None:
+        """Block until every server is up and in the router (no restart pending).
+
+        Raises:
+            RolloutServerDiedError: failover gave up on a server; TimeoutError: still restarting.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.check_alive()
+            with self._lock:
+                down = sorted(self._down)
+            if not down:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rollout servers {down} still restarting after {timeout_s:.0f} s")
+            time.sleep(0.1)
+
+    def _event(self, index: Optional[int], event: str, **kw) -> None:
+        rec = {"t": time.time(), "index": index, "event": event, **kw}
+        with self._lock:
+            self.failover_events.append(rec)
+        print(f"[moerl rollout failover] {rec}", file=sys.stderr, flush=True)
+
+    def _monitor_loop(self) -> None:
+        """Failover monitor: process poll + GET /health of every live server each interval."""
+        fails = [0] * self.num_servers
+        with httpx.Client(timeout=self.health_check_timeout_s, trust_env=False) as client:
+            while not self._stop.wait(self.health_check_interval_s):
+                with self._lock:
+                    live = [c for c in self._servers if c.index not in self._down]
+                for child in live:
+                    if self._stop.is_set():
+                        return
+                    rc = child.proc.poll()
+                    reason = None
+                    if rc is not None:
+                        reason = describe_returncode(rc)
+                    else:
+                        try:
+                            ok = client.get(child.url + "/health").status_code == 200
+                        except httpx.HTTPError:
+                            ok = False
+                        fails[child.index] = 0 if ok else fails[child.index] + 1
+                        if fails[child.index] >= self.health_failure_threshold:
+                            reason = f"{fails[child.index]} failed health checks in a row (killed)"
+                            child.proc.kill()
+                            child.proc.wait()
+                    if reason is not None:
+                        fails[child.index] = 0
+                        self._on_server_failure(child, reason)
+
+    def _on_server_failure(self, child: _Child, reason: str) -> None:
+        i = child.index
+        with self._lock:
+            if self._closed or i in self._down:
+                return
+            self._down.add(i)
+        self._event(i, "died", pid=child.proc.pid, reason=reason)
+        t = threading.Thread(target=self._restart, args=(child,), name=f"moerl-restart-{i}", daemon=True)
+        self._restart_threads[i] = t
+        t.start()
+
+    def _restart(self, old: _Child) -> None:
+        """Remove from the router, restart, restore the current weights, verify, rejoin the router."""
+        i, url = old.index, old.url
+        try:
+            self._router_remove(url)
+            self._event(i, "removed_from_router")
+            while True:
+                if self._closed:
+                    return
+                if self.restarts[i] >= self.max_restarts:
+                    raise RolloutServerDiedError(
+                        f"rollout server {i} ({url}) died again after {self.restarts[i]} restarts "
+                        f"(max_restarts); log {old.log_path}, last lines:\n{tail_file(old.log_path, 15)}",
+                        index=i, url=url, pid=old.proc.pid, returncode=old.proc.returncode or 0)
+                self.restarts[i] += 1
+                try:
+                    old.log_file.close()
+                except OSError:
+                    pass
+                with self._lock:
+                    if self._closed:
+                        return
+                    fut: concurrent.futures.Future = concurrent.futures.Future()
+                    self._spawn_q.put((fut, (f"server {i}", i, url, self._server_argv(i, self.base_port + i))))
+                    child = fut.result()
+                    self._servers[i] = child
+                self._event(i, "restarted", pid=child.proc.pid, restart=self.restarts[i])
+                if self._wait_healthy(child):
+                    break
+                old = child  # died during startup: try again (counts as a restart)
+            with self._weights_lock:
+                version = self._weight_version
+                if self._restorer is not None:
+                    self._restorer(url)
+                if version is not None:
+                    from moerl.rollout.weight_sync import verify_weight_version
+
+                    verify_weight_version([url], version)
+                self._event(i, "restored", weight_version=version)
+                self._router_add(url)
+                with self._lock:
+                    self._down.discard(i)
+            self._event(i, "rejoined", weight_version=version)
+        except BaseException as e:  # noqa: BLE001 - reported through check_alive()
+            if not self._closed:
+                err = e if isinstance(e, RolloutError) else RolloutServerDiedError(
+                    f"failover of rollout server {i} ({url}) failed: {type(e).__name__}: {e}",
+                    index=i, url=url, pid=old.proc.pid, returncode=old.proc.returncode or 0)
+                self._fatal = err
+                self._event(i, "gave_up", error=str(err)[:500])
+
+    def _spawner_loop(self) -> None:
+        """Run _spawn for the restart threads (see __init__); ends at shutdown."""
+        while True:
+            item = self._spawn_q.get()
+            if item is None:
+                return
+            fut, args = item
+            try:
+                fut.set_result(self._spawn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting restart thread
+                fut.set_exception(e)
+
+    def _wait_healthy(self, child: _Child) -> bool:
+        """True when the restarted server answers /health; False if it exited first.
+
+        Raises:
+            RolloutStartupError: not healthy within startup_timeout_s.
+        """
+        deadline = time.monotonic() + self.startup_timeout_s
+        with httpx.Client(timeout=2.0, trust_env=False) as client:
+            while not self._closed:
+                if child.proc.poll() is not None:
+                    return False
+                try:
+                    if client.get(child.url + "/health").status_code == 200:
+                        return True
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise self._startup_error(child, f"did not answer /health within "
+                                              f"{self.startup_timeout_s:.0f} s after a restart")
+                time.sleep(0.2)
+        return False
+
+    def router_workers(self) -> list[dict]:
+        """sglang-router's worker list (GET /workers: dicts with id, url, is_healthy, ...)."""
+        with httpx.Client(timeout=10.0, trust_env=False) as client:
+            r = client.get(self.router_url + "/workers")
+            r.raise_for_status()
+            return list(r.json().get("workers", []))
+
+    def _router_remove(self, url: str, timeout_s: float = 30.0) -> None:
+        """DELETE /workers/{id} for every router entry of ``url``; wait until the list drops it."""
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=10.0, trust_env=False) as client:
+            while True:
+                ids = [w["id"] for w in self.router_workers() if w.get("url") == url]
+                if not ids:
+                    return
+                for wid in ids:
+                    client.delete(f"{self.router_url}/workers/{wid}")
+                if time.monotonic() > deadline:
+                    raise RolloutError(f"sglang-router did not drop worker {url} within {timeout_s:.0f} s")
+                time.sleep(0.1)
+
+    def _router_add(self, url: str) -> None:
+        """POST /workers {"url"}; wait until the router lists ``url`` healthy (startup_timeout_s)."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        with httpx.Client(timeout=10.0, trust_env=False) as client:
+            r = client.post(self.router_url + "/workers", json={"url": url})
+            if r.status_code >= 400:
+                raise RolloutError(f"sglang-router refused to add worker {url}: HTTP {r.status_code} {r.text[:300]}")
+            while True:
+                if any(w.get("url") == url and w.get("is_healthy", True) for w in self.router_workers()):
+                    return
+                if time.monotonic() > deadline:
+                    raise RolloutError(f"sglang-router did not list worker {url} as healthy within "
+                                       f"{self.startup_timeout_s:.0f} s")
+                time.sleep(0.1)
 
     # ------------------------------------------------------------------ shutdown
 
@@ -336,6 +705,7 @@ class RolloutCluster:
             if self._closed:
                 return
             self._closed = True
+            self._stop.set()
             children = self._children()
             for c in children:
                 if c.proc.poll() is None:
@@ -361,6 +731,7 @@ class RolloutCluster:
                 except OSError:
                     pass
             self._restore_signal_handlers()
+            self._spawn_q.put(None)
             try:
                 atexit.unregister(self.shutdown)
             except Exception:

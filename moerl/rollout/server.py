@@ -12,13 +12,25 @@ Endpoints (SGLang names; see http_server.py / io_struct.py of sglang):
     POST /update_weights_from_disk    {model_path, load_format?, weight_version?, abort_all_requests?}
     POST /update_weights_from_tensor  {serialized_named_tensors, load_format?, flush_cache?,
                                        weight_version?, abort_all_requests?}
+    POST /init_weights_update_group   {master_address, master_port, rank_offset, world_size,
+                                       group_name?, backend? (gloo only here)}
+    POST /update_weights_from_distributed {names, dtypes, shapes, group_name?, flush_cache?,
+                                       weight_version?, load_format? (null), abort_all_requests?}
+    POST /destroy_weights_update_group {group_name?}
     GET|POST /flush_cache, GET /health, GET /health_generate, GET /get_model_info,
     GET /get_weight_version, GET /get_server_info, POST /abort_request {rid, abort_all}
+    POST /release_memory_occupation, /resume_memory_occupation {tags: null | [weights, kv_cache,
+        cuda_graph]}  (CPU: nothing is freed; /generate answers 503 while any tag is released)
+    --request-log FILE: one JSON line per request (arrival and answer), see
+        _install_request_log_and_memory
 
 /generate request: ``input_ids`` (list[int] or list[list[int]]) or ``text`` (str or list[str]);
 ``sampling_params`` (dict, or list of dicts, one per prompt) with temperature, top_p, top_k (-1 = off),
 min_p, max_new_tokens, stop_token_ids, sampling_seed, ignore_eos, n, skip_special_tokens, no_stop_trim;
-``return_logprob``, ``return_text_in_logprobs``, ``rid``. Other SGLang fields are accepted only at their
+``return_logprob``, ``return_text_in_logprobs``, ``rid``, ``return_routed_experts`` (bool or one per
+prompt; meta_info.routed_experts = base64 int32 [prompt_tokens + completion_tokens - 1, num_hidden_layers,
+num_experts_per_tok], SGLang's format, see moerl.moe.routing_replay; always enabled here, real SGLang
+needs --enable-return-routed-experts). Other SGLang fields are accepted only at their
 no-op value (an error names the field otherwise). Batched input returns a list of results, in order
 (with ``n`` > 1 the batch is repeated n times, as SGLang does).
 
@@ -68,6 +80,7 @@ import argparse
 import asyncio
 import base64
 import concurrent.futures
+import contextlib
 import glob
 import json
 import logging
@@ -127,7 +140,6 @@ _REQUEST_NOOP: dict[str, Any] = {
     "top_logprobs_num": lambda v: v in (None, 0),
     "token_ids_logprob": lambda v: not v,
     "return_hidden_states": lambda v: not v,
-    "return_routed_experts": lambda v: not v,
     "input_embeds": lambda v: v is None,
     "image_data": lambda v: not v,
     "video_data": lambda v: not v,
@@ -141,7 +153,7 @@ _REQUEST_IGNORED = {"log_metrics", "routed_dp_rank", "data_parallel_rank", "prio
                     "return_entropy", "no_logs", "received_time", "routing_key", "conversation_id",
                     "background", "return_bytes", "model"}  # the last three are added by sglang-router
 _REQUEST_KEYS = {"text", "input_ids", "sampling_params", "return_logprob", "return_text_in_logprobs",
-                 "rid"}
+                 "rid", "return_routed_experts"}
 
 
 # ----------------------------------------------------------------------------- request parsing
@@ -355,6 +367,8 @@ class _Item:
     request: "_Request"
     aborted: bool = False
     result: Optional[tuple] = None  # (tokens, logprobs, finish_reason, weight_version)
+    return_routed_experts: bool = False
+    routed_experts: Optional[Any] = None  # int32 [prompt + completion - 1, num_layers, topk] once run
 
 
 class _Request:
@@ -565,6 +579,7 @@ class ReferenceEngine:
         self._running: list[_Item] = []
         self._closed = False
         self._pending_cover: set = set()
+        self._update_groups: dict[str, Any] = {}  # group_name -> process group (distributed weight sync)
         self._sysrand = secrets.SystemRandom()
         self._warned_fields: set[str] = set()
         self._scheduler = threading.Thread(target=self._schedule_loop, name="moerl-batcher", daemon=True)
@@ -665,6 +680,8 @@ class ReferenceEngine:
         req = _Request(single, return_lp, bool(body.get("return_text_in_logprobs", False)))
         req.items = [_Item(p, s, self._clip_max_new(p, s, i), r, base_rid, req)
                      for i, (p, s, r) in enumerate(zip(prompts, specs, rids))]
+        for it, flag in zip(req.items, self._routed_flags(body, len(req.items))):
+            it.return_routed_experts = flag
         req._left = len(req.items)
         with self._cv:
             if self._closed:
@@ -672,6 +689,36 @@ class ReferenceEngine:
             self._pending.extend(req.items)
             self._cv.notify_all()
         return req
+
+    def _routed_flags(self, body: dict, total: int) -> list[bool]:
+        """Per-item ``return_routed_experts`` (a bool, or one per prompt like return_logprob; with
+        ``n`` > 1 the list repeats with the batch). Builds the router hooks on first use.
+
+        Raises:
+            ValueError: a list of the wrong length, or routing asked of a model without MoE routers.
+        """
+        flag = body.get("return_routed_experts")
+        if isinstance(flag, list):
+            if not flag or total % len(flag) or not all(isinstance(f, bool) for f in flag):
+                raise ValueError(f"return_routed_experts must be a bool or a list of one bool per prompt, "
+                                 f"got {flag!r} for {total} items")
+            flags = list(flag) * (total // len(flag))
+        else:
+            flags = [bool(flag)] * total
+        if any(flags):
+            self._routing_recorder()
+        return flags
+
+    def _routing_recorder(self):
+        """The HFRoutingRecorder hooked on the current model (re-made if the model object changed)."""
+        from moerl.moe.routing_replay import HFRoutingRecorder
+
+        rec = getattr(self, "_routing", None)
+        if rec is None or rec.model is not self.model:
+            if rec is not None:
+                rec.remove()
+            rec = self._routing = HFRoutingRecorder(self.model)
+        return rec
 
     def response(self, req: _Request):
         """The SGLang-shaped result of a finished request: a dict, or a list for batched input."""
@@ -689,6 +736,14 @@ class ReferenceEngine:
                 "weight_version": version,
                 "e2e_latency": latency,
             }
+            if it.return_routed_experts:
+                from moerl.moe.routing_replay import encode_routed_experts
+
+                routed = it.routed_experts
+                if routed is None:  # never run (aborted in the queue / max_new_tokens 0): no positions
+                    cfg = self.model.config
+                    routed = torch.zeros((0, cfg.num_hidden_layers, cfg.num_experts_per_tok), dtype=torch.int32)
+                meta["routed_experts"] = encode_routed_experts(routed)
             if req.return_lp[i]:
                 meta["output_token_logprobs"] = [
                     [lp, tok, self.tokenizer.decode([tok]) if req.text_in_lp else None]
@@ -798,11 +853,15 @@ class ReferenceEngine:
         stopper = _RowStop(sampler, items)
         gen_cfg = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new,
                                    pad_token_id=self.pad_id, use_cache=True)
-        with torch.inference_mode():
+        # return_routed_experts: forward hooks on the MoE gates record every call's top-k ids
+        recorder = self._routing_recorder() if any(it.return_routed_experts for it in items) else None
+        record = recorder.recording() if recorder is not None else contextlib.nullcontext()
+        with torch.inference_mode(), record:
             self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
                                 generation_config=gen_cfg,
                                 logits_processor=LogitsProcessorList([sampler]),
                                 stopping_criteria=StoppingCriteriaList([stopper]))
+        routes = recorder.collect(B) if recorder is not None else None  # [B, L + decode calls, layers, k]
         rows = []
         for i, it in enumerate(items):
             stop = set(it.spec.stop_ids)
@@ -819,6 +878,10 @@ class ReferenceEngine:
                 rows.append((toks, lps, {"type": "abort", "message": "Abort request"}))
             else:
                 rows.append((toks, lps, {"type": "length", "length": it.max_new}))
+            if routes is not None and it.return_routed_experts:
+                # SGLang: prompt + completion - 1 positions (the last token is never fed back)
+                n = len(it.prompt)
+                it.routed_experts = routes[i, L - n: L + len(rows[-1][0]) - 1].clone()
         return rows
 
     def abort(self, rid: Optional[str] = None, abort_all: bool = False) -> None:
@@ -901,6 +964,124 @@ class ReferenceEngine:
                 msg += f" Weight version updated to {weight_version}."
         return True, msg
 
+    # ------------------------------------------------------------------ distributed weight sync
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str = "weight_update_group",
+                                  backend: str = "gloo") -> tuple[bool, str]:
+        """Join the trainer's weight update group as rank ``rank_offset`` (SGLang
+        InitWeightsUpdateGroupReqInput; this server is one tp rank, so rank = rank_offset + 0).
+
+        Built like SGLang's ``init_custom_process_group``: tcp:// rendezvous at
+        master_address:master_port (the trainer, rank 0, hosts the TCPStore), the store prefixed with
+        group_name, the backend made by torch's ``_new_process_group_helper``. Blocks until every
+        rank joined (timeout: MOERL_WEIGHT_SYNC_TIMEOUT_S, default 600 s). Only gloo (CPU) here.
+        Returns (success, message).
+        """
+        import datetime
+
+        import torch.distributed as tdist
+        from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+
+        if backend != "gloo":
+            return False, f"backend={backend!r}: the moerl reference server (CPU) supports only 'gloo'"
+        if not isinstance(group_name, str) or not group_name:
+            return False, "group_name must be a non-empty string"
+        if group_name in self._update_groups:
+            return False, f"weight update group {group_name!r} already exists; destroy it first"
+        for key, v in (("master_port", master_port), ("rank_offset", rank_offset), ("world_size", world_size)):
+            if not _is_int(v):
+                return False, f"{key} must be an integer, got {v!r}"
+        if not 1 <= rank_offset < world_size:
+            return False, f"rank_offset {rank_offset} must lie in 1..world_size-1 ({world_size - 1}); 0 is the trainer"
+        timeout = datetime.timedelta(seconds=float(os.environ.get("MOERL_WEIGHT_SYNC_TIMEOUT_S", "600")))
+        try:
+            store, rank, size = next(tdist.rendezvous(f"tcp://{master_address}:{master_port}", rank_offset,
+                                                      world_size, timeout=timeout))
+            store.set_timeout(timeout)
+            import inspect
+
+            opt = ("backend_options" if "backend_options" in inspect.signature(_new_process_group_helper).parameters
+                   else "pg_options")
+            pg, _ = _new_process_group_helper(size, rank, [], Backend(backend), PrefixStore(group_name, store),
+                                              group_name=group_name, timeout=timeout, **{opt: None})
+            _world.pg_group_ranks[pg] = {i: i for i in range(size)}
+        except Exception as e:
+            return False, f"Failed to initialize custom process group: {e}."
+        self._update_groups[group_name] = pg
+        return True, "Succeeded to initialize custom process group."
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> tuple[bool, str]:
+        """Leave and destroy a weight update group (SGLang DestroyWeightsUpdateGroupReqInput)."""
+        import torch.distributed as tdist
+
+        pg = self._update_groups.pop(group_name, None)
+        if pg is None:
+            return False, "The group to be destroyed does not exist."
+        try:
+            tdist.destroy_process_group(pg)
+        except Exception as e:
+            return False, f"Failed to destroy custom process group: {e}."
+        return True, "Succeeded to destroy custom process group."
+
+    def update_weights_from_distributed(self, names: list, dtypes: list, shapes: list,
+                                        group_name: str = "weight_update_group",
+                                        weight_version: Optional[str] = None) -> tuple[bool, str]:
+        """Receive one bucket by broadcast from rank 0 of ``group_name`` and apply it (SGLang
+        UpdateWeightsFromDistributedReqInput: tensor i is torch.empty(shapes[i], dtype=getattr(torch,
+        dtypes[i])) filled by a broadcast from rank 0, in ``names`` order).
+
+        Every tensor is received before anything is checked against the model, so the group stays in
+        step even when the bucket is then refused. Publishing ``weight_version`` follows
+        :meth:`update_weights_from_tensor` (only if the buckets since the last publish covered every
+        parameter). Returns (success, message).
+        """
+        import torch.distributed as tdist
+
+        pg = self._update_groups.get(group_name)
+        if pg is None:
+            return False, (f"Group {group_name} not in {sorted(self._update_groups)}. "
+                           f"Please call `init_weights_update_group` first.")
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+                and len(names) == len(dtypes) == len(shapes)):
+            return False, "names, dtypes and shapes must be lists of the same length"
+        specs = []
+        for n, d, s in zip(names, dtypes, shapes):
+            dt = getattr(torch, d, None) if isinstance(d, str) else None
+            if not isinstance(n, str) or not isinstance(dt, torch.dtype):
+                return False, f"bad entry name={n!r} dtype={d!r}: names are strings, dtypes torch dtype names"
+            if not isinstance(s, list) or not all(_is_int(x) and x >= 0 for x in s):
+                return False, f"shape of {n!r} must be a list of non-negative ints, got {s!r}"
+            specs.append((n, dt, s))
+        try:
+            named = [(n, torch.empty(s, dtype=dt)) for n, dt, s in specs]
+            works = []
+            for _, t in named:
+                opts = tdist.BroadcastOptions()
+                opts.rootRank = 0
+                works.append(pg.broadcast([t], opts))
+            for w in works:
+                w.wait()
+        except Exception as e:
+            return False, (f"Failed to update parameter online: {e}. The weights may be partially updated; "
+                           f"discard them.")
+        with self._model_lock:
+            try:
+                self._pending_cover |= self.mapper.apply(named)
+            except ValueError as e:
+                return False, f"update_weights_from_distributed failed, this bucket was not applied: {e}"
+            msg = f"Succeeded to update {len(named)} tensors."
+            if weight_version is not None:
+                missing = self.mapper.missing(self._pending_cover)
+                self._pending_cover = set()
+                if missing:
+                    return False, (f"weight_version {weight_version!r} not published: the updates since "
+                                   f"the last version did not cover {len(missing)} model weights, e.g. "
+                                   f"{missing[:8]}")
+                self.weight_version = str(weight_version)
+                msg += f" Weight version updated to {weight_version}."
+        return True, msg
+
     # ------------------------------------------------------------------ info
 
     def model_info(self) -> dict:
@@ -912,6 +1093,108 @@ class ReferenceEngine:
 # ----------------------------------------------------------------------------- HTTP
 
 
+# SGLang's memory-occupation tags (sglang.srt.constants GPU_MEMORY_TYPE_*).
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+# Body fields copied into the request log (small ones only; never tensors).
+_LOGGED_FIELDS = ("rid", "tags", "weight_version", "model_path", "abort_all", "group_name", "flush_cache")
+
+
+def _install_request_log_and_memory(app, engine: "ReferenceEngine", request_log: Optional[str]) -> None:
+    """Add the request log and SGLang's /release_memory_occupation, /resume_memory_occupation.
+
+    Request log (``--request-log FILE``; off when None): one JSON line per HTTP request on arrival
+    ``{"t", "pid", "event": "recv", "method", "path", <small body fields: rid, tags, weight_version,
+    model_path, ...>}`` and one when answered ``{..., "event": "done", "status", "weight_version"}``
+    (the engine's version after the call), appended and flushed line by line so that it survives a
+    SIGKILL. Tests read it to check the order of control calls (e.g. release/resume around training,
+    weight restore before the first /generate of a restarted server).
+
+    Memory occupation (SGLang ReleaseMemoryOccupationReqInput / ResumeMemoryOccupationReqInput,
+    body ``{"tags": [..] | null}``, null = all of weights, kv_cache, cuda_graph): on CPU nothing is
+    freed; the server tracks which tags are released. While any tag is released /generate is
+    refused (HTTP 503), and weight updates are refused while "weights" is released (HTTP 400), as
+    on a GPU server whose memory is gone. Unknown tags -> HTTP 400 naming them.
+    """
+    import json as _json
+
+    from fastapi.responses import JSONResponse
+
+    released: set = set()
+    app.state.released_memory_tags = released
+    lock = threading.Lock()
+    log_file = open(request_log, "a", buffering=1) if request_log else None
+
+    def write(rec: dict) -> None:
+        if log_file is not None:
+            with lock:
+                log_file.write(_json.dumps(rec) + "\n")
+                log_file.flush()
+
+    @app.middleware("http")
+    async def request_log_and_memory_guard(request: Request, call_next):
+        path = request.url.path
+        rec: dict = {"t": time.time(), "pid": os.getpid(), "event": "recv", "method": request.method,
+                     "path": path}
+        if log_file is not None and request.method in ("POST", "PUT"):
+            try:
+                small = int(request.headers.get("content-length") or 0) <= 256 * 1024
+                body = _json.loads(await request.body()) if small else None
+            except ValueError:
+                body = None
+            if isinstance(body, dict):
+                rec.update({k: body[k] for k in _LOGGED_FIELDS if k in body})
+        write(rec)
+        if released and path == "/generate":
+            resp = JSONResponse({"error": {"message": f"memory of {sorted(released)} is released; call "
+                                                      f"/resume_memory_occupation first"}}, status_code=503)
+        elif "weights" in released and path.startswith("/update_weights"):
+            resp = JSONResponse({"success": False, "message": "weights memory is released; call "
+                                 "/resume_memory_occupation with tags ['weights'] first"}, status_code=400)
+        else:
+            resp = await call_next(request)
+        write({**rec, "t": time.time(), "event": "done", "status": resp.status_code,
+               "weight_version": engine.weight_version})
+        return resp
+
+    def tags_of(body) -> list:
+        tags = (body or {}).get("tags") if isinstance(body, dict) else None
+        if tags is None:
+            return list(MEMORY_TAGS)
+        if not isinstance(tags, list) or any(t not in MEMORY_TAGS for t in tags):
+            raise ValueError(f"tags must be null or a list of {list(MEMORY_TAGS)}, got {tags!r}")
+        return tags
+
+    async def _json_body(request: Request):
+        try:
+            return await request.json()
+        except ValueError:
+            return None
+
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(request: Request):
+        try:
+            tags = tags_of(await _json_body(request))
+        except ValueError as e:
+            return JSONResponse({"error": {"message": str(e)}}, status_code=400)
+        def release() -> None:
+            with engine._model_lock:  # after the running batch, as SGLang waits for an idle scheduler
+                released.update(tags)
+
+        from starlette.concurrency import run_in_threadpool
+
+        await run_in_threadpool(release)
+        return JSONResponse(None, status_code=200)
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(request: Request):
+        try:
+            tags = tags_of(await _json_body(request))
+        except ValueError as e:
+            return JSONResponse({"error": {"message": str(e)}}, status_code=400)
+        released.difference_update(tags)
+        return JSONResponse(None, status_code=200)
+
+
 def create_app(engine: ReferenceEngine, server_args: Optional[dict] = None):
     """FastAPI app exposing ``engine`` with SGLang's native endpoints (see module docstring)."""
     from fastapi import FastAPI
@@ -920,6 +1203,7 @@ def create_app(engine: ReferenceEngine, server_args: Optional[dict] = None):
 
     app = FastAPI(title="moerl reference rollout server")
     args = dict(server_args or {})
+    _install_request_log_and_memory(app, engine, args.pop("request_log", None))
 
     def error(msg: str, status: int = 400):
         return JSONResponse({"error": {"message": msg}}, status_code=status)
@@ -968,6 +1252,41 @@ def create_app(engine: ReferenceEngine, server_args: Optional[dict] = None):
         ok, msg = await run_in_threadpool(
             engine.update_weights_from_tensor, body.get("serialized_named_tensors"),
             body.get("load_format"), bool(body.get("flush_cache", True)), body.get("weight_version"))
+        return JSONResponse({"success": ok, "message": msg}, status_code=200 if ok else 400)
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request):
+        body = await body_of(request)
+        need = ("master_address", "master_port", "rank_offset", "world_size")
+        if not isinstance(body, dict) or any(k not in body for k in need):
+            return JSONResponse({"success": False, "message": f"body needs {list(need)} (+ group_name, backend)"},
+                                status_code=400)
+        ok, msg = await run_in_threadpool(
+            engine.init_weights_update_group, body["master_address"], body["master_port"], body["rank_offset"],
+            body["world_size"], body.get("group_name", "weight_update_group"), body.get("backend", "nccl"))
+        return JSONResponse({"success": ok, "message": msg}, status_code=200 if ok else 400)
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request):
+        body = await body_of(request) or {}
+        ok, msg = await run_in_threadpool(engine.destroy_weights_update_group,
+                                          body.get("group_name", "weight_update_group"))
+        return JSONResponse({"success": ok, "message": msg}, status_code=200 if ok else 400)
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request):
+        body = await body_of(request)
+        if not isinstance(body, dict) or any(k not in body for k in ("names", "dtypes", "shapes")):
+            return JSONResponse({"success": False, "message": "body needs names, dtypes, shapes (+ group_name)"},
+                                status_code=400)
+        if body.get("load_format") not in (None, "auto"):
+            return JSONResponse({"success": False, "message": f"load_format={body['load_format']!r} is not "
+                                 f"supported by the reference server (use null)"}, status_code=400)
+        if body.get("abort_all_requests"):
+            engine.abort(abort_all=True)
+        ok, msg = await run_in_threadpool(
+            engine.update_weights_from_distributed, body["names"], body["dtypes"], body["shapes"],
+            body.get("group_name", "weight_update_group"), body.get("weight_version"))
         return JSONResponse({"success": ok, "message": msg}, status_code=200 if ok else 400)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
@@ -1026,6 +1345,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--switch-interval-ms", type=float, default=0.5, help="Python GIL switch interval")
     p.add_argument("--log-file", default=None, help="append logs here instead of stderr")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--request-log", default=None, help="append one JSON line per HTTP request "
+                   "(arrival and answer) to this file (tests read the order of control calls)")
     return p
 
 
@@ -1051,7 +1372,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise SystemExit(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
     engine = ReferenceEngine(args.model_path, args.tokenizer_path, max_batch_size=args.max_batch_size)
     app = create_app(engine, {"host": args.host, "port": args.port, "num_threads": args.num_threads,
-                              "max_batch_size": args.max_batch_size, "tp_size": 1, "dp_size": 1})
+                              "max_batch_size": args.max_batch_size, "tp_size": 1, "dp_size": 1,
+                              "request_log": args.request_log})
     logger.info("serving on http://%s:%d", args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False,
                 log_level=args.log_level)

@@ -1,17 +1,29 @@
 """Push trainer weights (HF names) to every rollout server and check they took effect.
 
-Two paths, both ending with every server reporting the new ``weight_version`` on /get_model_info:
-  * disk:   write an HF safetensors directory per version (atomically), POST
-            /update_weights_from_disk {model_path, weight_version} to each server, keep only the
-            new and the previous version directories.
-  * tensor: POST /update_weights_from_tensor in buckets of about ``bucket_bytes``; each element of
-            serialized_named_tensors is base64 text of safetensors bytes (the moerl reference
-            server's wire format; real SGLang expects its own serializer and needs another sender).
-            weight_version rides on the last bucket only; the reference server then checks that the
-            buckets covered every parameter.
+Three modes (``rollout.weight_sync``), all bucketed by ``bucket_bytes`` (``rollout.weight_sync_bucket_mb``)
+and all ending with every server reporting the new ``weight_version`` on /get_model_info:
+  * disk:   write an HF safetensors directory per version (atomically), sharded into files of about
+            ``bucket_bytes`` (``model.safetensors.index.json``), POST /update_weights_from_disk
+            {model_path, weight_version} to each server, keep only the new and previous directories.
+  * tensor: POST /update_weights_from_tensor per bucket; each element of serialized_named_tensors is
+            base64 text of safetensors bytes (the moerl reference server's wire format; real SGLang
+            expects its own MultiprocessingSerializer and needs another sender). weight_version rides
+            on the last bucket; the reference server then checks that the buckets covered every
+            parameter.
+  * distributed: SGLang's NCCL/gloo path. Once: POST /init_weights_update_group {master_address,
+            master_port, rank_offset, world_size, group_name, backend} to every server while the
+            trainer joins the same group as rank 0 (:class:`DistributedWeightUpdater`). Per bucket:
+            POST /update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache,
+            weight_version} to every server and, while those requests wait, broadcast each tensor of
+            the bucket from rank 0 in that group (in ``names`` order). Server i (tp size t_i) holds
+            ranks rank_offset_i .. rank_offset_i + t_i - 1 (SGLang: rank = rank_offset + tp_rank).
 
 hf_state_dict: {HF on-disk name: tensor}, per-expert names for MoE experts
 (``model.layers.{l}.mlp.experts.{e}.gate_proj.weight`` ...), any dtype, any device.
+
+Uneven layouts: :func:`gather_buckets` walks the union of every trainer rank's (possibly empty)
+local HF tensors in buckets, moving each bucket to one rank; a rank that owns nothing in a bucket
+(or nothing at all) just takes part in the metadata exchange.
 """
 
 from __future__ import annotations
@@ -23,7 +35,7 @@ import re
 import shutil
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Mapping, Optional, Sequence
+from typing import Iterable, Iterator, Mapping, Optional, Sequence
 
 import httpx
 import torch
@@ -101,36 +113,25 @@ def _version_dirname(weight_version: str) -> str:
     return "weights_" + re.sub(r"[^A-Za-z0-9._-]", "_", weight_version)
 
 
-def write_hf_version_dir(hf_state_dict: Mapping[str, torch.Tensor], hf_config, out_root, weight_version: str) -> str:
-    """Write ``out_root/weights_<version>`` (model.safetensors + config.json) atomically; returns it.
+def write_hf_version_dir(hf_state_dict: Mapping[str, torch.Tensor], hf_config, out_root, weight_version: str,
+                         max_shard_bytes: int = 5 << 30) -> str:
+    """Write ``out_root/weights_<version>`` (HF safetensors + config.json) atomically; returns it.
 
-    Written to a temporary sibling directory first and renamed with os.replace, so a server never
-    sees a half-written version. Uses moerl.checkpoint.hf_io.save_hf_checkpoint when available.
+    Tensors are written in their own dtype, in shards of at most ``max_shard_bytes`` (a larger tensor
+    gets a shard of its own; several shards come with ``model.safetensors.index.json``). Written to
+    a temporary sibling directory first and renamed into place, so a server never sees a
+    half-written version (moerl.checkpoint.hf_io.save_hf_checkpoint).
+    Raises:
+        ValueError: hf_state_dict is empty or max_shard_bytes <= 0.
     """
+    from moerl.checkpoint.hf_io import save_hf_checkpoint
+
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
     out_root = os.fspath(out_root)
     os.makedirs(out_root, exist_ok=True)
     final = os.path.join(out_root, _version_dirname(weight_version))
-    tmp = os.path.join(out_root, f".tmp_{_version_dirname(weight_version)}_{uuid.uuid4().hex[:8]}")
-    tensors = _cpu_tensors(hf_state_dict)
-    try:
-        try:
-            from moerl.checkpoint.hf_io import save_hf_checkpoint  # type: ignore
-        except ImportError:
-            save_hf_checkpoint = None
-        if save_hf_checkpoint is not None:
-            save_hf_checkpoint(tensors, hf_config, tmp)
-        else:
-            from safetensors.torch import save_file
-
-            os.makedirs(tmp)
-            save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-            hf_config.save_pretrained(tmp)
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    save_hf_checkpoint(_cpu_tensors(hf_state_dict), hf_config, final, max_shard_size=int(max_shard_bytes))
     return final
 
 
@@ -155,7 +156,8 @@ def _record_and_prune(out_root: str, new_dir: str, keep: int) -> None:
 
 def sync_weights_from_disk(server_urls: Sequence[str], hf_state_dict: Mapping[str, torch.Tensor], hf_config,
                            out_root, weight_version: str, *, timeout_s: float = 600.0,
-                           keep_versions: int = 2, http_client: Optional[httpx.Client] = None) -> str:
+                           keep_versions: int = 2, http_client: Optional[httpx.Client] = None,
+                           bucket_bytes: int = 5 << 30) -> str:
     """Write the weights as an HF checkpoint and make every server load it (SGLang /update_weights_from_disk).
 
     Args:
@@ -165,6 +167,7 @@ def sync_weights_from_disk(server_urls: Sequence[str], hf_state_dict: Mapping[st
         out_root: directory holding one ``weights_<version>`` subdirectory per version.
         weight_version: new version string (servers report it on /generate and /get_model_info).
         keep_versions: version directories written by this function to keep (new + previous).
+        bucket_bytes: safetensors shard size in bytes (one bucket = one shard file).
         http_client: optional httpx.Client to use (e.g. a FastAPI TestClient).
     Returns: the version directory.
     Raises:
@@ -174,7 +177,7 @@ def sync_weights_from_disk(server_urls: Sequence[str], hf_state_dict: Mapping[st
         raise ValueError(f"weight_version must be a non-empty string, got {weight_version!r}")
     if keep_versions < 1:
         raise ValueError(f"keep_versions must be >= 1, got {keep_versions}")
-    path = write_hf_version_dir(hf_state_dict, hf_config, out_root, weight_version)
+    path = write_hf_version_dir(hf_state_dict, hf_config, out_root, weight_version, max_shard_bytes=bucket_bytes)
     _post_all(server_urls, "/update_weights_from_disk",
               {"model_path": os.path.abspath(path), "weight_version": weight_version}, timeout_s, http_client)
     verify_weight_version(server_urls, weight_version, http_client=http_client)
@@ -221,13 +224,392 @@ def sync_weights_from_tensor(server_urls: Sequence[str], hf_state_dict: Mapping[
     """
     if not isinstance(weight_version, str) or not weight_version:
         raise ValueError(f"weight_version must be a non-empty string, got {weight_version!r}")
-    buckets = make_buckets(_cpu_tensors(hf_state_dict), bucket_bytes)
+    buckets = make_buckets(dict(hf_state_dict), bucket_bytes)
     if not buckets:
         raise ValueError("hf_state_dict is empty")
-    for k, bucket in enumerate(buckets):
+    for k, bucket in enumerate(buckets):  # one bucket on the CPU at a time
         last = k == len(buckets) - 1
-        payload = {"serialized_named_tensors": [serialize_bucket(bucket)], "load_format": None,
+        payload = {"serialized_named_tensors": [serialize_bucket(_cpu_tensors(bucket))], "load_format": None,
                    "flush_cache": last, "weight_version": weight_version if last else None}
         _post_all(server_urls, "/update_weights_from_tensor", payload, timeout_s, http_client)
     verify_weight_version(server_urls, weight_version, http_client=http_client)
     return len(buckets)
+
+
+# ----------------------------------------------------------------------------- uneven layouts
+
+
+def _comm_device(group) -> torch.device:
+    """cuda (current device) when ``group`` runs NCCL, else cpu."""
+    import torch.distributed as tdist
+
+    return (torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(tdist.get_backend(group)).lower()
+            else torch.device("cpu"))
+
+
+def gather_buckets(local: Mapping[str, torch.Tensor], bucket_bytes: int, *, dst: int = 0,
+                   group=None) -> Iterator[dict[str, torch.Tensor]]:
+    """Walk the union of every rank's local HF tensors in buckets, each bucket gathered on ``dst``.
+
+    Collective over ``group`` (torch.distributed; the default group when None; a plain
+    :func:`make_buckets` walk when torch.distributed is not initialized or has one rank). Every
+    rank passes the HF-named tensors it owns (any subset, possibly none: uneven TP/EP/PP layouts);
+    names must be unique across ranks. The global order is rank 0's tensors, then rank 1's, ...,
+    each in its own order, cut into buckets of at most ``bucket_bytes`` (a larger tensor goes
+    alone). Every rank yields once per bucket: on ``dst`` the bucket {name: tensor} (dst's own
+    tensors as given, the others received with send/recv onto the group's device: cuda for NCCL,
+    cpu for gloo), on the other ranks an empty dict. A rank owning nothing in a bucket neither
+    sends nor receives for it, so no rank waits on it.
+
+    Args:
+        local: this rank's {HF name: tensor}.
+        bucket_bytes: bucket size in bytes (> 0).
+        dst: group rank that receives the buckets.
+        group: a torch.distributed process group, or None for the default group.
+    Raises:
+        ValueError: bucket_bytes <= 0, or a name owned by several ranks (raised on every rank).
+        TypeError: a value of ``local`` is not a tensor.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    for name, t in local.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"local[{name!r}] is a {type(t).__name__}, expected a torch.Tensor")
+    import torch.distributed as tdist
+
+    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size(group) == 1:
+        yield from make_buckets(dict(local), bucket_bytes)
+        return
+    me, world = tdist.get_rank(group), tdist.get_world_size(group)
+    mine = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size())
+            for n, t in local.items()]
+    metas: list = [None] * world
+    tdist.all_gather_object(metas, mine, group=group)
+    owner: dict[str, int] = {}
+    for r, meta in enumerate(metas):
+        for n, *_ in meta:
+            if n in owner:
+                raise ValueError(f"weight {n!r} is owned by ranks {owner[n]} and {r}; every HF name must "
+                                 f"come from exactly one rank")
+            owner[n] = r
+    plan: list[list[tuple]] = []
+    cur: list[tuple] = []
+    size = 0
+    for r, meta in enumerate(metas):
+        for n, dt, shape, nbytes in meta:
+            if cur and size + nbytes > bucket_bytes:
+                plan.append(cur)
+                cur, size = [], 0
+            cur.append((r, n, dt, shape))
+            size += nbytes
+    if cur:
+        plan.append(cur)
+    device = _comm_device(group)
+    for bucket in plan:
+        out: dict[str, torch.Tensor] = {}
+        for r, n, dt, shape in bucket:
+            if me == dst:
+                if r == me:
+                    out[n] = local[n]
+                else:
+                    t = torch.empty(shape, dtype=getattr(torch, dt), device=device)
+                    if t.numel():
+                        tdist.recv(t, group=group, group_src=r)
+                    out[n] = t
+            elif r == me and local[n].numel():
+                tdist.send(local[n].detach().to(device).contiguous(), group=group, group_dst=dst)
+        yield out
+
+
+# ----------------------------------------------------------------------------- distributed mode
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """SGLang's wire name of a dtype: ``torch.bfloat16`` -> ``"bfloat16"`` (it does getattr(torch, name))."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _free_port(host: str) -> int:
+    """A free TCP port in 20000..32000 (below Linux's ephemeral range, see tests/_mp_helpers.py)."""
+    import random
+    import socket
+
+    rng = random.Random(os.getpid() * 7919 + uuid.uuid4().int)
+    for _ in range(500):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        return port
+    raise WeightSyncError(f"no free port on {host} for the weight update group")
+
+
+def _post_async(pool: ThreadPoolExecutor, client: httpx.Client, url: str, path: str, payload: dict):
+    """Submit one POST; the future returns None or an error string naming the server."""
+
+    def one() -> Optional[str]:
+        try:
+            r = client.post(url.rstrip("/") + path, json=payload)
+        except httpx.HTTPError as e:
+            return f"{url}: {type(e).__name__}: {e}"
+        try:
+            body = r.json()
+        except ValueError:
+            body = {}
+        if r.status_code != 200 or not body.get("success", False):
+            return f"{url}: HTTP {r.status_code}: {body.get('message', r.text[:500])}"
+        return None
+
+    return pool.submit(one)
+
+
+class DistributedWeightUpdater:
+    """Trainer side of SGLang's distributed weight update (rank 0 of a dedicated process group).
+
+    The group is SGLang's: servers join it from POST /init_weights_update_group with
+    ``init_custom_process_group`` (tcp:// rendezvous at master_address:master_port, the store
+    prefixed with group_name, a gloo or NCCL backend made by torch's process-group helper); server
+    i joins as ranks rank_offset_i .. rank_offset_i + tp_i - 1. The trainer joins as rank 0 with
+    the same store layout but builds the backend object directly (``ProcessGroupGloo`` /
+    ``ProcessGroupNCCL`` on ``PrefixStore("<dev>/", PrefixStore("<group>/", PrefixStore(group,
+    store)))``), so the trainer's default group (Megatron's) is neither used nor registered with.
+
+    Args:
+        server_urls: base URL of each server (not the router).
+        master_address: address the servers reach the trainer at (its TCPStore listens there).
+        master_port: TCPStore port; None = a free port.
+        backend: "nccl" (GPU trainer and servers) or "gloo" (the moerl reference server, CPU).
+        group_name: group name; None = a fresh ``moerl_weight_sync_<hex>`` per group.
+        timeout_s: rendezvous, collective and HTTP timeout in seconds.
+        http_client: optional httpx.Client (e.g. a FastAPI TestClient) used for every request.
+    The group is created on first use (:meth:`init_group`); :meth:`close` tears it down on both sides
+    (POST /destroy_weights_update_group). After a failed update or a server restart call
+    :meth:`close` and make a new updater (world size and ranks are fixed per group).
+    """
+
+    def __init__(self, server_urls: Sequence[str], *, master_address: str = "127.0.0.1",
+                 master_port: Optional[int] = None, backend: str = "gloo", group_name: Optional[str] = None,
+                 timeout_s: float = 600.0, http_client: Optional[httpx.Client] = None):
+        if not server_urls:
+            raise ValueError("server_urls is empty; the distributed weight sync needs at least one server")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.server_urls = list(server_urls)
+        self.master_address = master_address
+        self.master_port = master_port
+        self.backend = backend
+        self.group_name = group_name or f"moerl_weight_sync_{uuid.uuid4().hex[:8]}"
+        self.timeout_s = float(timeout_s)
+        self._client = http_client
+        self._own_client = http_client is None
+        self._pg = None
+        self.world_size: Optional[int] = None
+        self.rank_offsets: list[int] = []
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def client(self) -> httpx.Client:
+        if self._client is None:
+            self._client = httpx.Client(timeout=self.timeout_s, trust_env=False)
+        return self._client
+
+    @property
+    def device(self) -> torch.device:
+        """Where broadcast tensors must live: cuda (current device) for NCCL, cpu for gloo."""
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+
+    def _server_tp_sizes(self) -> list[int]:
+        sizes = []
+        for url in self.server_urls:
+            try:
+                info = self.client.get(url.rstrip("/") + "/get_server_info").json()
+            except (httpx.HTTPError, ValueError) as e:
+                raise WeightSyncError(f"{url}/get_server_info failed: {type(e).__name__}: {e}") from e
+            for key in ("dp_size", "pp_size"):
+                if int(info.get(key) or 1) != 1:
+                    raise WeightSyncError(
+                        f"{url} runs {key}={info.get(key)}; SGLang's weight update group gives rank "
+                        f"rank_offset + tp_rank to each worker, so distributed sync needs dp_size = pp_size = 1 "
+                        f"per server (run more servers instead, or use rollout.weight_sync: disk|tensor)")
+            sizes.append(int(info.get("tp_size") or 1))
+        return sizes
+
+    def _wait(self, futures, works=()) -> None:
+        """Wait for the HTTP futures and the broadcast works; fail fast when a server refuses."""
+        import time
+
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            errors = [f.result() for f in futures if f.done() and f.result()]
+            if errors:
+                raise WeightSyncError(f"{len(errors)} of {len(futures)} servers failed:\n" + "\n".join(errors))
+            if all(f.done() for f in futures) and all(w.is_completed() for w in works):
+                for w in works:
+                    w.wait()  # surfaces a backend error
+                return
+            if time.monotonic() > deadline:
+                raise WeightSyncError(f"distributed weight sync timed out after {self.timeout_s:.0f} s "
+                                      f"(group {self.group_name!r})")
+            time.sleep(0.001)
+
+    # ------------------------------------------------------------------ API
+    def init_group(self) -> None:
+        """Create the group: POST /init_weights_update_group to every server while joining as rank 0.
+
+        Raises:
+            WeightSyncError: a server refused, the rendezvous timed out, or a server cannot take part.
+        """
+        import datetime
+
+        import torch.distributed as tdist
+        from torch.distributed import PrefixStore
+
+        if self._pg is not None:
+            return
+        tp = self._server_tp_sizes()
+        self.world_size = 1 + sum(tp)
+        self.rank_offsets = [1 + sum(tp[:i]) for i in range(len(tp))]
+        if self.master_port is None:
+            self.master_port = _free_port(self.master_address)
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        box: dict = {}
+
+        def join() -> None:
+            try:
+                store, _, _ = next(tdist.rendezvous(f"tcp://{self.master_address}:{self.master_port}", 0,
+                                                    self.world_size, timeout=timeout))
+                store.set_timeout(timeout)
+                dev = "cuda" if self.backend == "nccl" else "cpu"
+                store = PrefixStore(f"{dev}/", PrefixStore(f"{self.group_name}/", PrefixStore(self.group_name, store)))
+                if self.backend == "gloo":
+                    pg = tdist.ProcessGroupGloo(store, 0, self.world_size, timeout)
+                else:
+                    opts = tdist.ProcessGroupNCCL.Options()
+                    opts.is_high_priority_stream = False
+                    opts._timeout = timeout
+                    pg = tdist.ProcessGroupNCCL(store, 0, self.world_size, opts)
+                pg._set_sequence_number_for_group()  # rank 0 publishes it; the servers wait for it
+                box["store"], box["pg"] = store, pg
+            except BaseException as e:  # reported by the waiter below
+                box["error"] = e
+
+        with ThreadPoolExecutor(max_workers=len(self.server_urls) + 1) as pool:
+            futures = [_post_async(pool, self.client, url, "/init_weights_update_group", {
+                "master_address": self.master_address, "master_port": self.master_port,
+                "rank_offset": off, "world_size": self.world_size, "group_name": self.group_name,
+                "backend": self.backend}) for url, off in zip(self.server_urls, self.rank_offsets)]
+            joined = pool.submit(join)
+            self._wait(futures + [joined])
+        if "error" in box:
+            raise WeightSyncError(f"joining weight update group {self.group_name!r} at "
+                                  f"{self.master_address}:{self.master_port} failed: {box['error']}")
+        self._store, self._pg = box["store"], box["pg"]
+
+    def update_bucket(self, bucket: Mapping[str, torch.Tensor], *, weight_version: Optional[str] = None,
+                      flush_cache: bool = False) -> None:
+        """Send one bucket: POST /update_weights_from_distributed to every server, broadcast its tensors.
+
+        ``bucket`` may be empty (the servers then receive nothing; a weight_version still travels).
+        Tensors are broadcast in the bucket's order, on :attr:`device`, in their own dtype.
+        Raises:
+            WeightSyncError: a server refused the update or the broadcast failed / timed out.
+        """
+        import torch.distributed as tdist
+
+        self.init_group()
+        names = list(bucket)
+        tensors = [bucket[n].detach().to(self.device).contiguous() for n in names]
+        payload = {"names": names, "dtypes": [dtype_name(t.dtype) for t in tensors],
+                   "shapes": [list(t.shape) for t in tensors], "group_name": self.group_name,
+                   "flush_cache": bool(flush_cache)}
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        with ThreadPoolExecutor(max_workers=len(self.server_urls)) as pool:
+            futures = [_post_async(pool, self.client, url, "/update_weights_from_distributed", payload)
+                       for url in self.server_urls]
+            works = []
+            for t in tensors:
+                opts = tdist.BroadcastOptions()
+                opts.rootRank = 0
+                works.append(self._pg.broadcast([t], opts))
+            self._wait(futures, works)
+
+    def sync(self, buckets: Iterable[Mapping[str, torch.Tensor]], weight_version: str) -> int:
+        """Send every bucket; the last one carries ``weight_version`` and flush_cache=True; then check
+        that every server reports it. Returns the number of buckets sent (>= 1).
+
+        Raises:
+            ValueError: weight_version is not a non-empty string.
+            WeightSyncError: as :meth:`update_bucket`, or a server reports another weight_version.
+        """
+        if not isinstance(weight_version, str) or not weight_version:
+            raise ValueError(f"weight_version must be a non-empty string, got {weight_version!r}")
+        it = iter(buckets)
+        cur = next(it, {})
+        n = 0
+        for nxt in it:
+            self.update_bucket(cur)
+            n += 1
+            cur = nxt
+        self.update_bucket(cur, weight_version=weight_version, flush_cache=True)
+        verify_weight_version(self.server_urls, weight_version, http_client=self._client)
+        return n + 1
+
+    def close(self) -> None:
+        """POST /destroy_weights_update_group to every server (errors ignored) and drop the group."""
+        if self._pg is not None:
+            for url in self.server_urls:
+                try:
+                    self.client.post(url.rstrip("/") + "/destroy_weights_update_group",
+                                     json={"group_name": self.group_name})
+                except httpx.HTTPError:
+                    pass
+            try:
+                self._pg.shutdown()
+            except Exception:
+                pass
+            self._pg = None
+        if self._own_client and self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+def sync_weights_from_distributed(updater: DistributedWeightUpdater, hf_state_dict: Mapping[str, torch.Tensor],
+                                  weight_version: str, bucket_bytes: int = 64 << 20) -> int:
+    """Send ``hf_state_dict`` through ``updater`` in buckets of at most ``bucket_bytes``; returns the
+    number of buckets. An empty dict sends one empty bucket carrying weight_version.
+    Raises: as :meth:`DistributedWeightUpdater.sync`; ValueError for bucket_bytes <= 0."""
+    return updater.sync(make_buckets(dict(hf_state_dict), bucket_bytes), weight_version)
+
+
+WEIGHT_SYNC_MODES = ("disk", "tensor", "distributed")
+
+
+def sync_weights(mode: str, server_urls: Sequence[str], hf_state_dict: Mapping[str, torch.Tensor],
+                 weight_version: str, *, bucket_bytes: int = 64 << 20, hf_config=None, out_root=None,
+                 updater: Optional[DistributedWeightUpdater] = None, http_client: Optional[httpx.Client] = None,
+                 timeout_s: float = 600.0) -> None:
+    """One weight sync in ``mode`` (``rollout.weight_sync``): disk | tensor | distributed.
+
+    disk needs ``hf_config`` and ``out_root``; distributed needs ``updater`` (kept across syncs: the
+    group is created once). Raises ValueError for a bad mode or missing argument, WeightSyncError
+    when a server refuses or ends on another weight_version.
+    """
+    if mode == "disk":
+        if hf_config is None or out_root is None:
+            raise ValueError("weight_sync 'disk' needs hf_config and out_root")
+        sync_weights_from_disk(server_urls, hf_state_dict, hf_config, out_root, weight_version,
+                               bucket_bytes=bucket_bytes, http_client=http_client, timeout_s=timeout_s)
+    elif mode == "tensor":
+        sync_weights_from_tensor(server_urls, hf_state_dict, weight_version, bucket_bytes,
+                                 http_client=http_client, timeout_s=timeout_s)
+    elif mode == "distributed":
+        if updater is None:
+            raise ValueError("weight_sync 'distributed' needs a DistributedWeightUpdater (updater=...)")
+        sync_weights_from_distributed(updater, hf_state_dict, weight_version, bucket_bytes)
+    else:
+        raise ValueError(f"rollout.weight_sync must be one of {WEIGHT_SYNC_MODES}, got {mode!r}")

@@ -42,11 +42,14 @@ from moerl.observe.metrics import MetricsLogger
 from moerl.observe.timers import Timers
 from moerl.parallel.packing import flops_linear_coeff, pack_micro_batches
 from moerl.rollout.client import RolloutClient
-from moerl.rollout.launcher import RolloutCluster
-from moerl.rollout.weight_sync import sync_weights_from_disk, sync_weights_from_tensor
-from moerl.runtime.distributed import destroy_distributed, init_distributed
+from moerl.rollout.launcher import RolloutCluster, failover_restorer
+from moerl.rollout.placement import RolloutPlacement
+from moerl.rollout.sglang_launcher import launch_sglang_rollout
+from moerl.rollout.weight_sync import DistributedWeightUpdater, sync_weights
+from moerl.runtime.distributed import destroy_distributed, fault_injection_point, init_distributed
 from moerl.data.tokenizer import encode_sft_example
 from moerl.moe.config import moe_actor_kwargs
+from moerl.moe.routing_replay import RoutingReplay, gather_recorded_routing
 from moerl.moe.telemetry import MoETelemetry
 from moerl.train.actor import MegatronActor, actor_parallel_kwargs
 from moerl.train.batching import make_micro_batch, split_micro_batches, split_packed_micro_batches
@@ -94,22 +97,41 @@ class WeightSync:
 
     def __init__(self, ctx: RunContext, cluster: Optional[RolloutCluster], version: int = 0):
         self.ctx, self.cluster, self.version = ctx, cluster, version
+        self.updater: Optional[DistributedWeightUpdater] = None  # rollout.weight_sync == "distributed"
+        # rollout.placement: colocated releases / resumes server memory around training (every rank
+        # calls the trainer offload hooks; rank 0 alone talks to the servers)
+        self.placement = RolloutPlacement(ctx.cfg.rollout.placement,
+                                          cluster.live_server_urls if cluster is not None else None)
 
     def __call__(self, actor: MegatronActor) -> str:
         self.version += 1
         version = str(self.version)
         hf_sd = actor.export_hf_state_dict(dst=0)
+        self.placement.before_weight_sync()
         if self.cluster is not None:
-            try:
-                if self.ctx.cfg.rollout.weight_sync == "disk":
-                    sync_weights_from_disk(
-                        self.cluster.server_urls, hf_sd, self.ctx.hf_config, self.ctx.run_dir / "weights", version
-                    )
-                else:
-                    sync_weights_from_tensor(self.cluster.server_urls, hf_sd, version, bucket_bytes=64 << 20)
-            except Exception:
-                self.cluster.check_alive()  # a dead server is named (RolloutServerDiedError)
-                raise
+            ro = self.ctx.cfg.rollout
+            with self.cluster.weights_lock():  # a server restarting meanwhile gets these weights
+                urls = list(self.cluster.live_server_urls() if ro.failover else self.cluster.server_urls)
+                if ro.weight_sync == "distributed" and (self.updater is None or self.updater.server_urls != urls):
+                    if self.updater is not None:
+                        self.updater.close()
+                    self.updater = DistributedWeightUpdater(
+                        urls, master_address=ro.weight_sync_master_address or ro.host, backend=ro.weight_sync_backend)
+                try:
+                    sync_weights(ro.weight_sync, urls, hf_sd, version,
+                                 bucket_bytes=int(ro.weight_sync_bucket_mb * (1 << 20)), hf_config=self.ctx.hf_config,
+                                 out_root=self.ctx.run_dir / "weights", updater=self.updater)
+                except Exception:
+                    if self.updater is not None:  # the group may be out of step: rebuild it next time
+                        self.updater.close()
+                        self.updater = None
+                    self.cluster.check_alive()  # a dead server is named (RolloutServerDiedError)
+                    raise
+                if ro.failover:  # what a restarted server receives before it serves again
+                    self.cluster.set_weight_restorer(version, failover_restorer(
+                        ro.weight_sync, hf_sd, version, self.ctx.run_dir / "weights",
+                        bucket_bytes=int(ro.weight_sync_bucket_mb * (1 << 20))))
+        self.placement.before_rollout()
         return version
 
 
@@ -454,6 +476,7 @@ class _Checkpointer:
         self.last = time.time()
 
     def __call__(self, step: int, force: bool = False) -> bool:
+        fault_injection_point(self.state.phase, step)  # test-only switch; no-op unless MOERL_FAULT_EXIT_AT is set
         tr = self.ctx.cfg.train
         due = force or bool(tr.save_every and step % tr.save_every == 0)
         if tr.save_every_minutes and not due:
@@ -509,14 +532,26 @@ def _train(ctx: RunContext, t_start: float) -> dict:
         logger = MetricsLogger(ctx.run_dir / "tensorboard", tensorboard=cfg.log.tensorboard,
                                wandb_project=cfg.log.wandb_project)
     ckpt = _Checkpointer(ctx, actor, state, samplers, timers)
-    cluster_cm = contextlib.nullcontext(None)
-    if main:
+    cluster_cm = node_cm = contextlib.nullcontext(None)
+    if ro.backend == "sglang":  # collective: local rank 0 of every node starts its node's servers
+        launched = launch_sglang_rollout(
+            str(v0), rollout_gpu_ids=ro.gpu_ids, router_port=ro.router_port, base_port=ro.base_port, host=ro.host,
+            tp_size=ro.server_tp_size, dp_size=ro.server_dp_size, ep_size=ro.server_ep_size,
+            mem_fraction_static=ro.mem_fraction_static, colocated=ro.placement == "colocated",
+            external_urls=ro.external_urls, log_dir=str(ctx.run_dir / "logs"), router_policy=ro.router_policy,
+            failover=ro.failover, startup_timeout_s=ro.startup_timeout_s, random_seed=cfg.seed)
+        if main:
+            cluster_cm = launched
+        elif launched is not None:
+            node_cm = launched
+    elif main:
         cluster_cm = RolloutCluster(
             model_path=str(v0), num_servers=ro.num_servers, host=ro.host, base_port=ro.base_port,
             router_port=ro.router_port, router_policy=ro.router_policy, threads_per_server=ro.threads_per_server,
             startup_timeout_s=ro.startup_timeout_s, log_dir=str(ctx.run_dir / "logs"),
+            failover=ro.failover, max_restarts=ro.max_restarts, extra_worker_urls=ro.external_urls,
         )
-    with cluster_cm as cluster:
+    with node_cm, cluster_cm as cluster:
         client = None
         if cluster is not None:
             client = RolloutClient(cluster.router_url, timeout_s=ro.request_timeout_s, max_retries=ro.max_retries,
@@ -568,6 +603,8 @@ def _train(ctx: RunContext, t_start: float) -> dict:
         t_rl, first = time.time(), state.rl_step + 1
         if telemetry is not None:
             telemetry.enabled = True
+        if cfg.moe.routing_replay != "none":  # R2/R3 in the RL passes only (not SFT)
+            actor.routing_replay = RoutingReplay(actor.model, cfg.moe.routing_replay)
         for step in range(first, cfg.train.num_steps + 1):
             metrics = _rl_step(ctx, step, actor, ref, client, sync, samplers["rl"], sampling_params, timers)
             state.rl_step, state.weight_version = step, sync.version
@@ -623,6 +660,8 @@ def _rollout_on_main(ctx, step, client, sampler, sampling_params, timers) -> tup
             client, rows, ctx.encode, n_samples_per_prompt=ro.n_samples_per_prompt,
             sampling_params=sampling_params, seed=cfg.seed, step=step,
             prompt_key=cfg.data.prompt_key, label_key=cfg.data.label_key,
+            routing_shape=((ctx.hf_config.num_hidden_layers, ctx.hf_config.num_experts_per_tok)
+                           if cfg.moe.routing_replay == "r3" else None),
         )
     with timers("reward"):
         for s in samples:
@@ -646,8 +685,11 @@ def _rl_step(ctx, step, actor, ref, client, sync, sampler, sampling_params, time
     if len(kept) < _dp()[0]:  # nothing (or too little) to share over the DP ranks
         m["skipped_update"] = 1.0
         return m
+    sync.placement.before_train()  # colocated: the servers release their memory before training
     with timers("log_prob"):
         old = attach_log_probs(ctx, actor, kept, ro.temperature, "old_log_probs")
+        if cfg.moe.routing_replay == "r2":  # replay the old-log-prob pass's routing in the updates
+            gather_recorded_routing(actor.routing_replay, kept)
         if ref is not None:
             attach_log_probs(ctx, ref, kept, ro.temperature, "ref_log_probs")
     diffs = [abs(a - b) for s, lp in zip(kept, old) for a, b in zip(lp, s.rollout_log_probs)]

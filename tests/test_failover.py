@@ -1,0 +1,172 @@
+"""Rollout failover: kill -9 of one of two reference servers (behind the real sglang-router) in the
+middle of a 64-prompt x 4-sample rollout.
+
+Independent references: every sample's tokens and log-probs are recomputed by an in-process
+ReferenceEngine loaded from the same weight-version directory (a sample depends only on its prompt,
+its sampling_seed and the weights, not on the server that produced it), and the servers' own request
+logs (JSON lines written by each process) show what was in flight at the kill and in which order the
+restarted process was called.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+from moerl.rollout.client import RolloutClient, group_requests, parse_generate_item  # noqa: E402
+from moerl.rollout.launcher import RolloutCluster, disk_restorer  # noqa: E402
+from moerl.rollout.server import ReferenceEngine, load_safetensors_dir  # noqa: E402
+from moerl.rollout.testing import make_tiny_moe_checkpoint  # noqa: E402
+from moerl.rollout.weight_sync import sync_weights_from_disk  # noqa: E402
+
+from _mp_helpers import free_port_block  # noqa: E402
+
+N_PROMPTS, N_SAMPLES, VERSION = 64, 4, "v7"
+
+
+def _read_log(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _requests(prefix: str, n_prompts: int, n_samples: int) -> list[dict]:
+    sp = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 12, "stop_token_ids": [1]}
+    out = []
+    for g in range(n_prompts):
+        prompt = [3 + (g * 7 + j) % 40 for j in range(3 + g % 5)]
+        out += group_requests(prompt, n_samples, sp, seeds=[1000 * g + k for k in range(n_samples)],
+                              rid=f"{prefix}-g{g}")
+    return out
+
+
+@pytest.mark.slow  # 13-27 s on 2 shared cores
+def test_kill9_mid_rollout_returns_every_sample_once_and_restart_gets_current_weights(tmp_path):
+    from transformers import AutoConfig
+
+    ckpt = str(tmp_path / "tiny")
+    make_tiny_moe_checkpoint(ckpt, seed=0)
+    # The weights the servers must use: the checkpoint perturbed, published as weight_version v7.
+    g = torch.Generator().manual_seed(5)
+    new_sd = {n: t + 0.3 * torch.randn(t.shape, generator=g) for n, t in load_safetensors_dir(ckpt)}
+    base = free_port_block(3)
+    cluster = RolloutCluster(ckpt, num_servers=2, base_port=base, router_port=base + 2,
+                             startup_timeout_s=120, log_dir=str(tmp_path / "logs"), failover=True,
+                             health_check_interval_s=0.2, request_log=True, max_restarts=2)
+    with cluster:
+        root = tmp_path / "weights"
+        cluster.update_weights(
+            VERSION, lambda urls: sync_weights_from_disk(urls, new_sd, AutoConfig.from_pretrained(ckpt), root, VERSION),
+            restore=disk_restorer(str(root / f"weights_{VERSION}"), VERSION))
+        assert cluster.current_weight_version == VERSION
+
+        reqs = _requests("fo", N_PROMPTS, N_SAMPLES)
+        assert len(reqs) == 256
+        client = RolloutClient(cluster.router_url, timeout_s=120, max_retries=2, cluster=cluster)
+        result: dict = {}
+        worker = threading.Thread(target=lambda: result.update(outs=client.generate_many(reqs, max_concurrency=256)))
+        log0 = cluster.request_log_path(0)
+        old_pid = cluster.pids[0]
+        worker.start()
+        # kill -9 server 0 as soon as it has rollout requests in flight
+        deadline = time.monotonic() + 60
+        while not any(r["path"] == "/generate" and r["event"] == "recv" and str(r.get("rid", "")).startswith("fo-")
+                      for r in _read_log(log0)):
+            assert time.monotonic() < deadline, "server 0 never received a rollout request"
+            time.sleep(0.02)
+        time.sleep(0.1)
+        os.kill(old_pid, signal.SIGKILL)
+        worker.join(180)
+        assert not worker.is_alive(), "the rollout did not finish after the kill"
+        outs = result["outs"]
+
+        # server 0 had requests in flight that it never answered
+        old_log = [r for r in _read_log(log0) if r["pid"] == old_pid and r["path"] == "/generate"]
+        recv = {r["rid"] for r in old_log if r["event"] == "recv"}
+        done = {r["rid"] for r in old_log if r["event"] == "done"}
+        lost = recv - done
+        assert lost, "the kill did not hit any in-flight request; the test exercised nothing"
+
+        # every sample exactly once, keyed by its rid, equal to an independent in-process engine
+        assert [o["meta_info"]["id"] for o in outs] == [r["rid"] for r in reqs]
+        assert len({o["meta_info"]["id"] for o in outs}) == 256
+        ref = ReferenceEngine(str(root / f"weights_{VERSION}"), tokenizer_path=ckpt)
+        try:
+            pending = [ref.submit(r) for r in reqs]
+            expect = [ref.response(p) for p in pending]
+        finally:
+            ref.close()
+        for req, out, exp in zip(reqs, outs, expect):
+            item = parse_generate_item(out)
+            assert item.weight_version == VERSION
+            assert out["output_ids"] == exp["output_ids"], req["rid"]
+            lp_ref = [e[0] for e in exp["meta_info"]["output_token_logprobs"]]
+            assert item.rollout_log_probs == pytest.approx(lp_ref, abs=1e-5)
+        assert lost <= {o["meta_info"]["id"] for o in outs}
+        # the lost requests were served by the surviving server, each request once there
+        log1 = [r for r in _read_log(cluster.request_log_path(1)) + _read_log(log0)
+                if r["pid"] != old_pid and r["path"] == "/generate" and r["event"] == "done"
+                and r["status"] == 200 and str(r.get("rid", "")).startswith("fo-")]
+        survivors = [r["rid"] for r in log1]
+        assert lost <= set(survivors) and len(survivors) == len(set(survivors))
+        assert set(survivors) | done == {r["rid"] for r in reqs}
+
+        # the dead server was restarted, got v7 before rejoining the router
+        cluster.wait_serving(timeout_s=120)
+        events = [e for e in cluster.failover_events if e["index"] == 0]
+        assert [e["event"] for e in events] == ["died", "removed_from_router", "restarted", "restored", "rejoined"]
+        new_pid = cluster.pids[0]
+        assert new_pid != old_pid and events[2]["pid"] == new_pid and events[3]["weight_version"] == VERSION
+        assert sorted(w["url"] for w in cluster.router_workers()) == sorted(cluster.server_urls)
+
+        # a second rollout reaches the restarted server too, with the current weights
+        reqs2 = _requests("after", 8, 2)
+        outs2 = client.generate_many(reqs2)
+        new_log = [r for r in _read_log(log0) if r["pid"] == new_pid]
+        first_gen = next(k for k, r in enumerate(new_log) if r["path"] == "/generate")
+        upd = [k for k, r in enumerate(new_log) if r["path"] == "/update_weights_from_disk" and r["event"] == "done"]
+        assert upd and upd[0] < first_gen, "the restarted server served before it received the weights"
+        assert new_log[upd[0]]["status"] == 200 and new_log[upd[0]]["weight_version"] == VERSION
+        assert all(r["weight_version"] == VERSION for r in new_log[upd[0]:] if r["event"] == "done")
+        served_new = {r["rid"] for r in new_log if r["path"] == "/generate" and r["event"] == "done"}
+        assert served_new, "the router sent nothing to the restarted server"
+        ref = ReferenceEngine(str(root / f"weights_{VERSION}"), tokenizer_path=ckpt)
+        try:
+            for req, out in zip(reqs2, outs2):
+                assert out["meta_info"]["weight_version"] == VERSION
+                assert out["output_ids"] == ref.generate(req)["output_ids"]
+        finally:
+            ref.close()
+        cluster.check_alive()
+
+
+def test_failover_gives_up_after_max_restarts_and_names_the_server(tmp_path):
+    """max_restarts=0: the dead server leaves the router, the other keeps serving, and
+    check_alive() raises RolloutServerDiedError naming the server."""
+    from moerl.rollout.errors import RolloutServerDiedError
+
+    ckpt = str(tmp_path / "tiny")
+    make_tiny_moe_checkpoint(ckpt, seed=0)
+    base = free_port_block(3)
+    with RolloutCluster(ckpt, num_servers=2, base_port=base, router_port=base + 2, startup_timeout_s=120,
+                        log_dir=str(tmp_path / "logs"), failover=True, health_check_interval_s=0.2,
+                        max_restarts=0) as cluster:
+        os.kill(cluster.pids[1], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while cluster._fatal is None:
+            assert time.monotonic() < deadline, "failover did not give up"
+            time.sleep(0.1)
+        with pytest.raises(RolloutServerDiedError, match=r"server 1 .*max_restarts") as e:
+            cluster.check_alive()
+        assert e.value.index == 1 and e.value.url == cluster.server_urls[1]
+        assert [w["url"] for w in cluster.router_workers()] == [cluster.server_urls[0]]
+        assert cluster.live_server_urls() == [cluster.server_urls[0]]
+        out = RolloutClient(cluster.router_url, max_retries=0).generate_many(_requests("x", 2, 2))
+        assert len(out) == 4 and all(o["meta_info"]["weight_version"] == "default" for o in out)

@@ -1,0 +1,129 @@
+"""Colocated placement issues release / resume around training in the right order, read back from
+the reference server's own request log (one JSON line per call, written by the server process);
+disaggregated placement issues none. The expected order is the colocated protocol written out by
+hand: release everything before training, resume weights before the weight update, resume the KV
+cache before the next generation."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import httpx
+import pytest
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+from moerl.rollout.client import RolloutClient, group_requests  # noqa: E402
+from moerl.rollout.launcher import RolloutCluster  # noqa: E402
+from moerl.rollout.placement import RolloutPlacement  # noqa: E402
+from moerl.rollout.server import load_safetensors_dir  # noqa: E402
+from moerl.rollout.testing import make_tiny_moe_checkpoint  # noqa: E402
+from moerl.rollout.weight_sync import sync_weights_from_tensor  # noqa: E402
+
+from _mp_helpers import free_port_block  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("tiny"))
+    make_tiny_moe_checkpoint(ckpt, seed=0)
+    base = free_port_block(2)
+    c = RolloutCluster(ckpt, num_servers=1, base_port=base, router_port=base + 1, startup_timeout_s=120,
+                       log_dir=str(tmp_path_factory.mktemp("logs")), request_log=True)
+    with c:
+        c.ckpt = ckpt
+        yield c
+
+
+def _log(cluster) -> list[dict]:
+    with open(cluster.request_log_path(0)) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _calls(records: list[dict]) -> list[str]:
+    """Answered calls in order, generate runs collapsed: 'generate', 'release:all', 'resume:weights', ..."""
+    out = []
+    for r in records:
+        if r["event"] != "done" or r["path"] in ("/health", "/get_model_info"):
+            continue
+        p = r["path"].lstrip("/")
+        if p.endswith("memory_occupation"):
+            tags = r.get("tags")
+            p = p.split("_")[0] + ":" + ("all" if tags is None else ",".join(tags))
+        if not out or out[-1] != p or p != "generate":
+            out.append(p)
+    return out
+
+
+def _rollout(cluster, step: int) -> list[dict]:
+    reqs = group_requests([4, 5, 6], 2, {"max_new_tokens": 4}, seeds=[step, step + 100], rid=f"s{step}")
+    return RolloutClient(cluster.router_url, cluster=cluster).generate_many(reqs)
+
+
+def _run_steps(cluster, placement: RolloutPlacement, trainer: list, n_steps: int, tag: str) -> int:
+    sd = dict(load_safetensors_dir(cluster.ckpt))
+    for step in range(1, n_steps + 1):
+        outs = _rollout(cluster, step)
+        if step > 1:  # the rollout ran on the weights pushed after the previous step's training
+            assert all(o["meta_info"]["weight_version"] == f"{tag}{step - 1}" for o in outs)
+        placement.before_train()
+        trainer.append(("train", step))
+        sd = {k: v + 0.01 for k, v in sd.items()}  # "training"
+        placement.before_weight_sync()
+        sync_weights_from_tensor(cluster.server_urls, sd, f"{tag}{step}")
+        placement.before_rollout()
+    return n_steps
+
+
+def test_colocated_release_resume_order_from_server_log(cluster):
+    start = len(_log(cluster))
+    trainer: list = []
+    placement = RolloutPlacement("colocated", cluster.server_urls,
+                                 offload_trainer=lambda: trainer.append(("offload",)),
+                                 reload_trainer=lambda: trainer.append(("reload",)))
+    _run_steps(cluster, placement, trainer, 2, "c")
+    assert all(o["meta_info"]["weight_version"] == "c2" for o in _rollout(cluster, 3))
+    calls = _calls(_log(cluster)[start:])
+    step = ["release:all", "resume:weights", "update_weights_from_tensor", "resume:kv_cache,cuda_graph", "generate"]
+    assert calls == ["generate"] + step + step, calls
+    # trainer side: offload before the servers' weights come back, reload only after a release
+    assert trainer == [("train", 1), ("offload",), ("reload",), ("train", 2), ("offload",)]
+    acts = [a for _, a, _ in placement.events]
+    assert acts == ["release_memory_occupation", "offload_trainer", "resume_memory_occupation:weights",
+                    "resume_memory_occupation:kv_cache,cuda_graph",
+                    "release_memory_occupation", "reload_trainer", "offload_trainer",
+                    "resume_memory_occupation:weights", "resume_memory_occupation:kv_cache,cuda_graph"]
+    # the server saw each release before the trainer's offload hook ran, and the resume after it
+    log = [r for r in _log(cluster)[start:] if r["event"] == "done"]
+    t_release = [r["t"] for r in log if r["path"] == "/release_memory_occupation"]
+    t_resume_w = [r["t"] for r in log if r["path"] == "/resume_memory_occupation" and r.get("tags") == ["weights"]]
+    t_offload = [t for _, a, t in placement.events if a == "offload_trainer"]
+    assert all(a <= b <= c for a, b, c in zip(t_release, t_offload, t_resume_w)) and len(t_offload) == 2
+
+
+def test_server_refuses_generate_and_updates_while_released(cluster):
+    url = cluster.server_urls[0]
+    with httpx.Client(timeout=30, trust_env=False) as c:
+        assert c.post(url + "/release_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
+        r = c.post(url + "/generate", json={"input_ids": [4, 5], "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 503 and "kv_cache" in r.text
+        assert c.post(url + "/release_memory_occupation", json={"tags": None}).status_code == 200
+        r = c.post(url + "/update_weights_from_disk", json={"model_path": cluster.ckpt})
+        assert r.status_code == 400 and "weights" in r.text
+        assert c.post(url + "/release_memory_occupation", json={"tags": ["gpu"]}).status_code == 400
+        assert c.post(url + "/resume_memory_occupation", json={}).status_code == 200
+        r = c.post(url + "/generate", json={"input_ids": [4, 5], "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 200 and len(r.json()["output_ids"]) == 2
+
+
+def test_disaggregated_issues_no_memory_calls(cluster):
+    start = len(_log(cluster))
+    trainer: list = []
+    placement = RolloutPlacement("disaggregated", cluster.server_urls,
+                                 offload_trainer=lambda: trainer.append(("offload",)))
+    _run_steps(cluster, placement, trainer, 1, "d")
+    assert _calls(_log(cluster)[start:]) == ["generate", "update_weights_from_tensor"]
+    assert trainer == [("train", 1)] and placement.events == []
+    with pytest.raises(ValueError, match="rollout.placement"):
+        RolloutPlacement("shared")

@@ -1,0 +1,170 @@
+#!/usr/bin/env python
+"""Benchmark moerl's three weight-sync modes against a plain memory copy of the same bytes.
+
+A random Qwen3-MoE of about ``--params`` parameters (fp32) is served by ``--servers`` moerl
+reference servers (``python -m moerl.rollout.server``, real HTTP on 127.0.0.1, one thread each);
+the trainer side (this process) holds a second random copy of the weights as an HF state dict and
+pushes it with moerl.rollout.weight_sync in every mode:
+
+* ``disk``        sharded HF safetensors written (fsynced) per version, /update_weights_from_disk.
+* ``tensor``      /update_weights_from_tensor per bucket (base64 safetensors in JSON).
+* ``distributed`` /init_weights_update_group once (not timed), then per bucket
+                  /update_weights_from_distributed + a gloo broadcast from the trainer.
+
+Each timed sync ends when every server reports the new weight_version. ``memcpy`` copies the same
+tensors into preallocated buffers (``Tensor.copy_``) in this process: the ceiling for moving the
+bytes once. Columns: median wall seconds over ``--runs`` runs, bytes/s (model bytes / seconds;
+with several servers every server receives all of them, the figure counts them once), and the
+ratio to memcpy's bytes/s. The first sync of each mode is a warm-up and is not timed.
+
+Usage: python tools/bench_weight_sync.py [--params 100e6] [--bucket-mb 64] [--runs 3] [--servers 1]
+       [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import httpx  # noqa: E402
+import torch  # noqa: E402
+
+
+def model_overrides(params: float) -> dict:
+    """Qwen3-MoE shape with about ``params`` parameters: hidden 512, 8 experts of width 512, top-2,
+    as many layers as needed (about 7.1M parameters per layer)."""
+    per_layer = 8 * 3 * 512 * 512 + 2 * 512 * 512 + 2 * 512 * 256 + 512 * 8
+    layers = max(1, round(params / per_layer))
+    return dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=512, num_hidden_layers=layers,
+                num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=8, num_experts_per_tok=2)
+
+
+def _free_ports(n: int) -> int:
+    sys.path.insert(0, str(REPO / "tests"))
+    from _mp_helpers import free_port_block
+
+    return free_port_block(n)
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600.0) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server {url} exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2.0, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"server {url} not healthy after {timeout_s} s")
+
+
+def bench_memcpy(sd: dict, runs: int) -> list[float]:
+    """Seconds to copy every tensor of ``sd`` into a preallocated buffer, per run."""
+    dst = {n: torch.empty_like(t) for n, t in sd.items()}
+    out = []
+    for _ in range(runs + 1):
+        t0 = time.perf_counter()
+        for n, t in sd.items():
+            dst[n].copy_(t)
+        out.append(time.perf_counter() - t0)
+    return out[1:]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--params", type=float, default=100e6, help="approximate parameter count (fp32)")
+    p.add_argument("--bucket-mb", type=float, default=64.0, help="bucket / shard size in MiB")
+    p.add_argument("--runs", type=int, default=3, help="timed runs per mode (median reported)")
+    p.add_argument("--servers", type=int, default=1, help="reference servers to sync")
+    p.add_argument("--modes", nargs="+", default=["disk", "tensor", "distributed"])
+    p.add_argument("--json", default=None, help="also write the results here")
+    args = p.parse_args(argv)
+    if args.runs < 1 or args.servers < 1 or args.bucket_mb <= 0:
+        p.error("--runs and --servers must be >= 1 and --bucket-mb > 0")
+
+    from moerl.rollout.server import load_safetensors_dir
+    from moerl.rollout.testing import make_tiny_moe_checkpoint
+    from moerl.rollout.weight_sync import DistributedWeightUpdater, sync_weights
+
+    torch.set_num_threads(1)
+    bucket_bytes = int(args.bucket_mb * (1 << 20))
+    with tempfile.TemporaryDirectory(prefix="moerl_bench_ws_") as tmp:
+        served, trainer = os.path.join(tmp, "served"), os.path.join(tmp, "trainer")
+        ov = model_overrides(args.params)
+        make_tiny_moe_checkpoint(served, seed=0, **ov)
+        make_tiny_moe_checkpoint(trainer, seed=1, **ov)
+        sd = dict(load_safetensors_dir(trainer))
+        nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+        n_params = sum(t.numel() for t in sd.values())
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(trainer)
+        print(f"model: {n_params / 1e6:.1f}M parameters, {nbytes / 2**20:.0f} MiB fp32, {len(sd)} tensors, "
+              f"{ov['num_hidden_layers']} layers; bucket {args.bucket_mb:g} MiB; {args.servers} server(s); "
+              f"{args.runs} runs", flush=True)
+
+        base = _free_ports(args.servers)
+        urls = [f"http://127.0.0.1:{base + i}" for i in range(args.servers)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        procs = [subprocess.Popen([sys.executable, "-m", "moerl.rollout.server", "--model-path", served, "--port",
+                                   str(base + i), "--num-threads", "1", "--log-file",
+                                   os.path.join(tmp, f"server{i}.log")], env=env) for i in range(args.servers)]
+        results: dict[str, list[float]] = {"memcpy": bench_memcpy(sd, args.runs)}
+        updater = None
+        try:
+            for u, pr in zip(urls, procs):
+                _wait_healthy(u, pr)
+            version = 0
+            for mode in args.modes:
+                if mode == "distributed":
+                    updater = DistributedWeightUpdater(urls, backend="gloo", timeout_s=600)
+                    updater.init_group()
+                times = []
+                for k in range(args.runs + 1):
+                    version += 1
+                    t0 = time.perf_counter()
+                    sync_weights(mode, urls, sd, f"bench{version}", bucket_bytes=bucket_bytes, hf_config=hf_config,
+                                 out_root=os.path.join(tmp, "weights"), updater=updater)
+                    dt = time.perf_counter() - t0
+                    if k > 0:
+                        times.append(dt)
+                    print(f"  {mode:<12} run {k}{' (warm-up)' if k == 0 else ''}: {dt:.2f} s", flush=True)
+                results[mode] = times
+        finally:
+            if updater is not None:
+                updater.close()
+            for pr in procs:
+                pr.kill()
+                pr.wait()
+
+    mem_bps = nbytes / statistics.median(results["memcpy"])
+    rows = []
+    print(f"\n| mode | median s | MB/s | ratio to memcpy |\n|---|---:|---:|---:|")
+    for mode, times in results.items():
+        med = statistics.median(times)
+        bps = nbytes / med
+        rows.append({"mode": mode, "median_s": med, "bytes_per_s": bps, "ratio_to_memcpy": bps / mem_bps,
+                     "runs_s": times})
+        print(f"| {mode} | {med:.3f} | {bps / 1e6:,.0f} | {bps / mem_bps:.4f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"params": n_params, "bytes": nbytes, "bucket_mb": args.bucket_mb, "servers": args.servers,
+                       "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
