@@ -83,8 +83,8 @@ def reference(tmp_path_factory):
 
 def _kill_at(run_dir: Path, pattern: str, extra_delay: float) -> None:
     """Start a run, SIGKILL it extra_delay seconds after a stdout line matching ``pattern``."""
-    # its own session, so that the kill takes the whole job: a checkpoint-writer process forked by
-    # the trainer would otherwise outlive it (it has no parent-death signal; see the issue note)
+    # its own session, so that the cleanup below takes the whole job even if a child were to
+    # survive (test_kill9_of_trainer_alone_leaves_no_child checks that none does)
     proc = subprocess.Popen(_cmd(run_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=_env(), cwd=REPO, start_new_session=True)
     try:
@@ -202,3 +202,147 @@ def test_tp2ep2_checkpoint_resumes_at_tp1_and_pp2_with_same_next_loss(tmp_path):
 
 if __name__ == "__main__":
     run_layout_case(sys.argv[1], Path(sys.argv[2]))
+
+
+# ----------------------------------------------------------------------------- no orphan processes
+def test_checkpoint_writer_children_die_with_the_saving_process(tmp_path):
+    """The mechanism of save_dist_checkpoint's orphan guard, fast: inside the guard a forked child
+    (as megatron's writer processes are) dies within seconds of a SIGKILL of its parent, and
+    megatron's write-results queue is an in-process queue (no spawned Manager) that is put back
+    afterwards. Reference: the child's liveness as seen from here (psutil)."""
+    import psutil
+
+    code = (
+        "import os, queue, signal, time\n"
+        "from megatron.core.dist_checkpointing.strategies import filesystem_async as fa\n"
+        "from moerl.checkpoint.dist_ckpt import _writer_processes_die_with_trainer\n"
+        "before = fa._results_queue\n"
+        "with _writer_processes_die_with_trainer():\n"
+        "    assert type(fa._results_queue) is queue.Queue\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        time.sleep(120)\n"
+        "        os._exit(0)\n"
+        "assert fa._results_queue is before\n"
+        "print(pid, flush=True)\n"
+        "time.sleep(0.5)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=h.subprocess_env(), cwd=REPO)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+    child = int(r.stdout.split()[0])
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            if psutil.Process(child).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, signal.SIGKILL)
+        pytest.fail("a child forked inside the checkpoint guard outlived its SIGKILLed parent")
+
+
+def _alive(procs) -> list:
+    import psutil
+
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+@pytest.mark.slow
+def test_kill9_of_trainer_alone_leaves_no_child_and_time_based_checkpoints_resume(tmp_path, reference):
+    """kill -9 of ONLY the trainer process (not its process group), mid-save or just after one:
+    every process it started (rollout servers, router, checkpoint writers...) is gone a few seconds
+    later. The run saves by wall clock only (train.save_every=1000 is never reached,
+    train.save_every_minutes=0.001 = 60 ms), so the checkpoints it resumes from are time-based ones;
+    the resumed run is bit-identical to the uninterrupted reference (saving draws no randomness)."""
+    import threading
+
+    import psutil
+
+    run_dir = tmp_path / "run"
+    timed = ["train.save_every=1000", "train.save_every_minutes=0.001"]
+    proc = subprocess.Popen(_cmd(run_dir, *timed), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_env(), cwd=REPO, start_new_session=True)
+    seen: dict = {}
+    stop = threading.Event()
+
+    def watch():  # every descendant the trainer ever had (writers live for a fraction of a second)
+        try:
+            root = psutil.Process(proc.pid)
+            while not stop.is_set():
+                for c in root.children(recursive=True):
+                    seen.setdefault(c.pid, c)
+                time.sleep(0.02)
+        except psutil.NoSuchProcess:
+            pass
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        for line in proc.stdout:
+            if "sft step 2/6" in line:  # printed just before the step-2 save
+                time.sleep(random.Random(0).uniform(0.0, 0.5))
+                break
+        else:
+            pytest.fail("run ended before sft step 2")
+        stop.set()
+        watcher.join()
+        os.kill(proc.pid, signal.SIGKILL)  # the trainer alone
+        proc.wait()
+        assert len(seen) >= 3, f"expected the rollout servers and router among {len(seen)} children"
+        deadline = time.time() + 10
+        while _alive(seen.values()) and time.time() < deadline:
+            time.sleep(0.2)
+        left = [(p.pid, " ".join(p.cmdline())[:200]) for p in _alive(seen.values())]
+        assert not left, f"processes outlived the SIGKILLed trainer: {left}"
+    finally:
+        stop.set()
+        for p in _alive(seen.values()):
+            p.kill()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    # killed during the SFT warm start, after at least the time-based save of SFT step 1
+    assert list((run_dir / "checkpoints").glob("sft_step_*/moerl_complete.json"))
+    out = _run(run_dir, *timed, "resume=auto")
+    assert f"RESUME from {run_dir / 'checkpoints' / 'sft_step_'}" in out and "step 6/6" in out, out[-2000:]
+    # time-based saves kept happening after the resume (keep_checkpoints=2: the last two remain)
+    assert sorted(d.name for d in (run_dir / "checkpoints").iterdir()) == ["step_5", "step_6"]
+    _assert_bit_identical(_export(run_dir), reference)
+
+
+def test_save_every_minutes_saves_when_the_time_is_up(monkeypatch):
+    """train.save_every_minutes: the checkpointer saves once that much wall-clock time has passed
+    since the last save even though train.save_every steps is not reached, and not before; the
+    step rule and ``force`` still apply. Reference: a hand-worked schedule with real sleeps."""
+    from types import SimpleNamespace
+
+    from moerl.observe.timers import Timers
+    from moerl.train import loop
+
+    saved = []
+    monkeypatch.setattr(loop, "save_checkpoint", lambda ctx, actor, state, samplers: saved.append(state.step))
+    cfg = SimpleNamespace(train=SimpleNamespace(save_every=100, save_every_minutes=0.005))  # 0.3 s
+    state = SimpleNamespace(step=0, phase="rl")
+    ckpt = loop._Checkpointer(SimpleNamespace(cfg=cfg), None, state, {}, Timers())
+    due = []
+    for step, wait in [(1, 0.0), (2, 0.35), (3, 0.0), (4, 0.35), (100, 0.0), (101, 0.0)]:
+        time.sleep(wait)
+        state.step = step
+        due.append(ckpt(step))
+    assert due == [False, True, False, True, True, False]
+    assert saved == [2, 4, 100]
+    state.step = 102
+    assert ckpt(102, force=True) and saved[-1] == 102

@@ -10,14 +10,31 @@ another (shared design CPU_MEGATRON.md). The distributed optimizer's state is sa
 ``dp_reshardable`` format (reshards across data parallelism only; megatron-core 0.16.1's
 ``fully_reshardable`` gathers with ``.cuda()`` and ``fully_sharded_model_space`` is rejected by
 dist_checkpointing), so after a TP/EP/PP change load with ``optimizer=None``. The saver may use
-multiprocessing (spawn): scripts calling it need an ``if __name__ == "__main__":`` guard; it also
-needs ``psutil``.
+forked writer processes (``FileSystemWriterAsync.write_preloaded_data_multiproc``, one per write
+bucket; TorchDistSaveShardedStrategy thread_count=2 by default); it also needs ``psutil``.
+
+No checkpoint process outlives the trainer. megatron-core 0.16.1's synchronous torch_dist save
+(``AsyncSaveShardedStrategy.save`` -> ``execute_sync``) would otherwise leave two processes per
+rank behind a ``kill -9`` of the trainer: a ``multiprocessing`` *spawn* Manager server holding the
+write-results queue (``filesystem_async._get_write_results_queue``, created on the first save and
+kept for the life of the process) and the resource tracker it starts. Neither watches its parent.
+In a synchronous save that queue is filled and read by the saving process itself, so
+``save_dist_checkpoint`` hands megatron an in-process ``queue.Queue`` for the duration of the save
+(no Manager, no tracker). The writer processes it forks get ``PR_SET_PDEATHSIG=SIGKILL`` (Linux
+prctl, from an ``os.register_at_fork`` hook that is active only inside ``save_dist_checkpoint``),
+so a trainer killed mid-save takes them with it instead of leaving them writing into ``.tmp``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
+import queue
 import shutil
+import signal
+import sys
+import threading
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -29,6 +46,49 @@ __all__ = ["save_dist_checkpoint", "load_dist_checkpoint", "unwrap_model"]
 SHARDED_STRATEGY = ("torch_dist", 1)
 _OPTIM_SHARDING_TYPE = "dp_reshardable"
 _EXTRA_KEY = "moerl_extra"
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_SAVE_STATE = threading.local()  # .parent_pid set while this thread runs a save
+_FORK_HOOK_INSTALLED = False
+_LIBC: Optional[ctypes.CDLL] = None
+
+
+def _set_pdeathsig_in_child() -> None:
+    """``os.register_at_fork(after_in_child=...)`` hook: in a child forked while a save runs (a
+    megatron writer process), ask Linux to SIGKILL it when the forking thread's process dies; exit
+    at once if that already happened before the prctl took effect."""
+    parent = getattr(_SAVE_STATE, "parent_pid", None)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    _SAVE_STATE.parent_pid = None  # a process the writer itself forks is not covered
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+@contextlib.contextmanager
+def _writer_processes_die_with_trainer():
+    """Inside: megatron's torch_dist writer uses an in-process results queue instead of a spawned
+    multiprocessing Manager, and the writer processes it forks die with this process (see the
+    module docstring). The previous queue object is restored on exit."""
+    global _FORK_HOOK_INSTALLED, _LIBC
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not _FORK_HOOK_INSTALLED:
+        if sys.platform.startswith("linux"):  # resolved here: the fork hook must not run ldconfig
+            _LIBC = ctypes.CDLL(None, use_errno=True)  # the process's own symbols, libc's prctl among them
+        os.register_at_fork(after_in_child=_set_pdeathsig_in_child)
+        _FORK_HOOK_INSTALLED = True
+    previous = filesystem_async._results_queue
+    filesystem_async._results_queue = queue.Queue()
+    _SAVE_STATE.parent_pid = os.getpid()
+    try:
+        yield
+    finally:
+        _SAVE_STATE.parent_pid = None
+        filesystem_async._results_queue = previous
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -141,12 +201,14 @@ def save_dist_checkpoint(model, optimizer, path: Union[str, os.PathLike], extra:
     _barrier()
     state = _sharded_state_dict(model, optimizer, is_loading=False)
     state[_EXTRA_KEY] = dict(extra or {})
-    dist_checkpointing.save(
-        state,
-        str(tmp),
-        sharded_strategy=SHARDED_STRATEGY,
-        content_metadata={"moerl_optim_sharding_type": _OPTIM_SHARDING_TYPE, "has_optimizer": optimizer is not None},
-    )
+    with _writer_processes_die_with_trainer():
+        dist_checkpointing.save(
+            state,
+            str(tmp),
+            sharded_strategy=SHARDED_STRATEGY,
+            content_metadata={"moerl_optim_sharding_type": _OPTIM_SHARDING_TYPE,
+                              "has_optimizer": optimizer is not None},
+        )
     _barrier()
     if _rank() == 0:
         old = path.with_name(path.name + ".old")

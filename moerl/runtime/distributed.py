@@ -1,7 +1,8 @@
 """Process groups, Megatron-Core parallel_state and seeds for one moerl worker process.
 
 ``init_distributed`` works under torchrun (reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-MASTER_PORT) and as a plain single process (world size 1 on a free 127.0.0.1 port). It uses gloo
+MASTER_PORT; after a ``--max-restarts`` restart, TORCHELASTIC_RESTART_COUNT namespaces the
+rendezvous keys so the new workers do not meet the dead ones' stale gloo addresses) and as a plain single process (world size 1 on a free 127.0.0.1 port). It uses gloo
 without CUDA and NCCL with it, installs the CPU compatibility patches on CPU
 (``moerl.runtime.cpu_compat``), builds Megatron's tensor/pipeline/expert/data-parallel groups with
 ``megatron.core.parallel_state.initialize_model_parallel`` and seeds python, numpy, torch and
@@ -23,7 +24,8 @@ import torch.distributed as dist
 
 from moerl.runtime import cpu_compat
 
-__all__ = ["DistInfo", "init_distributed", "destroy_distributed", "validate_layout"]
+__all__ = ["DistInfo", "init_distributed", "destroy_distributed", "validate_layout", "fault_injection_point",
+           "FAULT_ENV"]
 
 # True when init_distributed created the default process group (and so destroy_distributed
 # must destroy it); False when the caller had already initialised torch.distributed.
@@ -217,13 +219,24 @@ def init_distributed(
     torch.set_num_threads(_positive_int("num_threads", num_threads))
 
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend=backend,
-            init_method=init_method,
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        timeout = timedelta(seconds=timeout_s)
+        attempt = _env_int("TORCHELASTIC_RESTART_COUNT")
+        if init_method == "env://" and attempt is not None:
+            # Under torchrun the workers share the elastic agent's TCPStore, and with the default
+            # static rendezvous (--master_addr/--master_port) that store lives for the whole job:
+            # after a --max-restarts restart it still holds attempt 0's keys (gloo's per-rank
+            # addresses, group barriers), and the new workers read the dead workers' addresses
+            # ("Gloo connectFullMesh failed ... Connection refused"). torch.distributed.rendezvous
+            # gives the same store init_process_group would use; a per-attempt prefix gives every
+            # attempt a clean key space.
+            store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+            run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+            store = dist.PrefixStore(f"moerl/{run_id}/attempt_{attempt}", store)
+            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        else:
+            dist.init_process_group(
+                backend=backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
+            )
         _OWNS_PROCESS_GROUP = True
     try:
         parallel_state.initialize_model_parallel(
@@ -284,3 +297,35 @@ def destroy_distributed() -> None:
     if _OWNS_PROCESS_GROUP and dist.is_initialized():
         dist.destroy_process_group()
     _OWNS_PROCESS_GROUP = False
+
+
+# ----------------------------------------------------------------------------- fault injection
+FAULT_ENV = "MOERL_FAULT_EXIT_AT"
+
+
+def fault_injection_point(phase: str, step: int) -> None:
+    """TEST-ONLY fault-injection switch: exit this process abruptly at a chosen step.
+
+    Does nothing unless the environment variable ``MOERL_FAULT_EXIT_AT`` is set (never set it in a
+    real run). Its value ``"<rank>:<phase>:<step>"`` (e.g. ``"1:rl:3"``) makes the process whose
+    global RANK is ``<rank>`` call ``os._exit(17)`` when the training loop reaches this point for
+    ``phase`` ("sft" or "rl") step ``step`` (after the step's update, before its checkpoint), but
+    only in torchrun's first attempt (TORCHELASTIC_RESTART_COUNT unset or 0), so a run under
+    ``torchrun --max-restarts`` fails once, is restarted by the elastic agent and then runs through.
+    ``os._exit`` skips every cleanup, like a crash or an OOM kill of one worker.
+
+    Raises:
+        ValueError: the variable is set but malformed.
+    """
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    parts = spec.split(":")
+    if len(parts) != 3 or parts[1] not in ("sft", "rl") or not (parts[0].isdigit() and parts[2].isdigit()):
+        raise ValueError(f"{FAULT_ENV}={spec!r}: expected '<rank>:<sft|rl>:<step>', e.g. '1:rl:3'")
+    if (_env_int("TORCHELASTIC_RESTART_COUNT") or 0) != 0:
+        return
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if rank == int(parts[0]) and phase == parts[1] and int(step) == int(parts[2]):
+        print(f"[moerl] {FAULT_ENV}: rank {rank} exits at {phase} step {step} (fault injection)", flush=True)
+        os._exit(17)
