@@ -1,0 +1,323 @@
+"""Megatron-Core GPT-MoE (Qwen3-MoE) cut into pipeline stages for :mod:`moerl.pipeline.interpreter`.
+
+A model of ``L`` decoder layers is cut into ``num_stages`` stages of ``L / num_stages`` consecutive layers
+(``moerl.parallel.layout.pipeline_layer_range``): stage 0 also holds the embedding, the last stage the final
+norm and the output layer; the RL policy loss is the criterion (:class:`PolicyCriterion`).  Each stage is a
+``GPTModel`` built with ``pre_process``/``post_process`` and its own layer count (its TransformerConfig says
+``pipeline_model_parallel_size=1`` whatever parallel_state's pp size): the pipelining is done by moerl's
+interpreter, so one process can
+hold two non-adjacent stages (DualPipe: ``r`` and ``PP-1-r``; DualPipeV: ``r`` and ``2PP-1-r``), which
+Megatron's virtual-pipeline layout (stage ``v*PP + r``) cannot express.  Tested with tp = ep = 1 (TP/EP
+inside a stage would use the parallel_state groups as ``build_gpt_model`` does, untested here); tied
+embeddings only where the first and last stage share a rank (:func:`build_chunk_modules`).
+
+Weights: :func:`load_hf_into_stages` cuts a full HF state dict into the stages with the converter of
+``moerl.checkpoint.hf_convert`` (a stage = one pipeline rank of an even ``num_stages``-way split);
+:func:`export_hf_from_stages` gathers the stages back into the full HF state dict.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from moerl.checkpoint.hf_convert import ShardLayout, hf_to_megatron, load_megatron_state_dict, merge_megatron_shards
+from moerl.models.qwen3_moe import build_gpt_model, hf_moe_layer_pattern, transformer_config_from_hf
+from moerl.parallel.layout import pipeline_layer_range
+from moerl.pipeline.schedules import Schedule
+
+__all__ = [
+    "MegatronStage",
+    "PolicyCriterion",
+    "build_stage",
+    "build_chunk_modules",
+    "load_hf_into_stages",
+    "export_hf_from_stages",
+    "megatron_stage_fn",
+    "make_forward_backward_func",
+]
+
+
+class MegatronStage(torch.nn.Module):
+    """One pipeline stage: a ``GPTModel`` with this stage's layers.
+
+    ``forward(x, mb)``: ``mb`` is the micro-batch (``moerl.train.batching.MicroBatch`` or
+    ``PackedMicroBatch``); on stage 0 ``x`` is ignored and the tokens come from ``mb``; on later stages ``x``
+    is the previous stage's hidden states, float ``[S, B, H]`` (Megatron's sequence-first layout).  Returns
+    hidden states ``[S, B, H]``, or logits ``[B, S, V]`` on the last stage.
+    """
+
+    def __init__(self, model: torch.nn.Module, stage: int, num_stages: int):
+        super().__init__()
+        self.model = model
+        self.stage, self.num_stages = stage, num_stages
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def forward(self, x, mb):
+        from moerl.train.batching import model_forward_args
+
+        args, kwargs = model_forward_args(mb)
+        if self.is_first:
+            return self.model(*args, **kwargs)
+        self.model.set_input_tensor(x)
+        return self.model(None, None, args[2], **kwargs)
+
+
+def _stage_config(hf_config, stage: int, num_stages: int, **config_kw):
+    layers = pipeline_layer_range(hf_config.num_hidden_layers, num_stages, stage)
+    pattern = hf_moe_layer_pattern(hf_config)[layers.start:layers.stop]
+    overrides = dict(config_kw.pop("overrides", None) or {})
+    overrides.update(num_layers=len(layers), moe_layer_freq=1 if all(pattern) else list(pattern),
+                     pipeline_model_parallel_size=1)
+    return transformer_config_from_hf(hf_config, pp_size=1, **config_kw, **overrides)
+
+
+def build_stage(hf_config, stage: int, num_stages: int, **config_kw) -> MegatronStage:
+    """Build stage ``stage`` of ``num_stages``.  Megatron parallel_state must be initialised; its pp_size may
+    be 1 or the pipeline size (the stage's TransformerConfig says pipeline_model_parallel_size=1, so Megatron
+    builds exactly this stage's layers with no offset whatever the pp rank).
+
+    Args:
+        hf_config: Qwen3MoeConfig; ``num_hidden_layers`` must be divisible by ``num_stages``.
+        stage, num_stages: which stage.
+        **config_kw: ``transformer_config_from_hf`` arguments (moe_aux_loss_coeff, params_dtype, ...);
+            ``overrides=`` a dict of extra TransformerConfig fields.
+
+    Raises:
+        ValueError: tied embeddings, layers not divisible, or stage out of range.
+    """
+    if getattr(hf_config, "tie_word_embeddings", False):
+        raise ValueError("build_stage: tie_word_embeddings=True is not supported for a lone stage; use "
+                         "build_chunk_modules (ties the first and last stage when one rank holds both)")
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
+    cfg = _stage_config(hf_config, stage, num_stages, **config_kw)
+    model = build_gpt_model(hf_config, cfg, pre_process=stage == 0, post_process=stage == num_stages - 1)
+    return MegatronStage(model, stage, num_stages)
+
+
+def build_chunk_modules(schedule: Schedule, pp_rank: int, hf_config, **config_kw) -> dict[int, MegatronStage]:
+    """The chunk id -> :class:`MegatronStage` dict that ``PipelineInterpreter`` needs on ``pp_rank``
+    (one stage module per chunk, ``schedule.num_stages`` stages in all).
+
+    Tied embeddings (``tie_word_embeddings``) are supported when the first and the last stage live on the
+    same rank as chunks of one model copy (DualPipeV's rank 0, or a single stage): the last stage's
+    ``output_layer.weight`` *is* the first stage's embedding Parameter, so both chunks' gradients accumulate
+    into it.  Other schedules with tied embeddings raise ValueError.
+    """
+    import copy
+
+    chunks = schedule.chunks_of_rank(pp_rank)
+    S = schedule.num_stages
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    if tied:
+        holders = {schedule.chunk_rank[c] for c in range(schedule.num_chunks) if schedule.chunk_stage[c] in (0, S - 1)}
+        if schedule.name == "dualpipe" or len(holders) != 1:
+            raise ValueError(
+                f"tie_word_embeddings=True needs the first and last stage on one rank (schedule dualpipev, or "
+                f"pp_size 1); schedule {schedule.name} puts them on ranks {sorted(holders)}: set "
+                "model.hf_config.tie_word_embeddings=false or use dualpipev")
+        build_cfg = copy.deepcopy(hf_config)
+        build_cfg.tie_word_embeddings = False
+    else:
+        build_cfg = hf_config
+    out = {c: build_stage(build_cfg, schedule.chunk_stage[c], S, **config_kw) for c in chunks}
+    if tied:
+        first = [m for m in out.values() if m.is_first]
+        last = [m for m in out.values() if m.is_last]
+        if first and last and first[0] is not last[0]:
+            last[0].model.output_layer.weight = first[0].model.embedding.word_embeddings.weight
+    return out
+
+
+def _layout(stage: MegatronStage) -> ShardLayout:
+    base = ShardLayout.from_parallel_state()
+    return ShardLayout(tp_size=base.tp_size, tp_rank=base.tp_rank, pp_size=stage.num_stages, pp_rank=stage.stage,
+                       ep_size=base.ep_size, ep_rank=base.ep_rank, etp_size=base.etp_size, etp_rank=base.etp_rank)
+
+
+def load_hf_into_stages(stages: Sequence[MegatronStage] | Mapping[Any, MegatronStage],
+                        hf_state_dict: Mapping[str, torch.Tensor], hf_config) -> None:
+    """Load each stage's part of a full HF state dict strictly (hf_convert naming; TP/EP slices from
+    parallel_state)."""
+    for st in (stages.values() if isinstance(stages, Mapping) else stages):
+        load_megatron_state_dict(st.model, hf_to_megatron(hf_state_dict, hf_config, _layout(st)))
+
+
+def export_hf_from_stages(stages: Sequence[MegatronStage] | Mapping[Any, MegatronStage], hf_config, *,
+                          group: Optional[dist.ProcessGroup] = None,
+                          tensors: str = "weights") -> dict[str, torch.Tensor]:
+    """Full HF state dict from the stages spread over the pipeline group (collective over ``group`` when
+    torch.distributed is initialised; TP/EP > 1 are not gathered here).
+
+    Args:
+        stages: this rank's stages; mirrored copies (DualPipe) are taken once.
+        tensors: ``"weights"`` or ``"grads"`` (``param.main_grad`` under Megatron DDP, else ``param.grad``,
+            zeros where None) -- the latter maps gradients to HF names, for checks.
+
+    Returns:
+        dict HF key -> CPU tensor, as ``megatron_to_hf`` of the whole model.
+    """
+    if tensors not in ("weights", "grads"):
+        raise ValueError(f"tensors must be 'weights' or 'grads', got {tensors!r}")
+    local = {}
+    for st in (stages.values() if isinstance(stages, Mapping) else stages):
+        if st.stage in local:
+            continue
+        if tensors == "weights":
+            sd = {k: v.detach().cpu() for k, v in st.model.state_dict().items() if isinstance(v, torch.Tensor)}
+        else:
+            sd = {}
+            params = dict(st.model.named_parameters())
+            for k, v in st.model.state_dict().items():
+                if k in params:
+                    g = getattr(params[k], "main_grad", None)  # Megatron DDP's buffer
+                    g = params[k].grad if g is None else g
+                    sd[k] = (g if g is not None else torch.zeros_like(params[k])).detach().cpu()
+                elif isinstance(v, torch.Tensor):
+                    sd[k] = v.detach().cpu()
+        local[st.stage] = (st.num_stages, _layout(st), sd)
+    gathered = [local]
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, local, group=group)
+    shards = {}
+    for part in gathered:
+        for _, (_, layout, sd) in part.items():
+            shards.setdefault(layout, sd)
+    return merge_megatron_shards(shards, hf_config)
+
+
+def megatron_stage_fn(micro_batches: Sequence[Any]) -> Callable:
+    """``stage_fn`` for ``PipelineInterpreter``: calls ``stage(x, micro_batches[m])``."""
+
+    def stage_fn(chunk, module, x, m):
+        return module(x, micro_batches[m])
+
+    return stage_fn
+
+
+class PolicyCriterion:
+    """Criterion of the last stage: the actor's ``loss_fn(log_probs, entropy, mb) -> (loss, metrics)``
+    (``moerl.train.losses.policy_loss`` / ``sft_loss``) applied to ``token_log_probs_from_logits(logits
+    [B,S,V], labels, temperature)``; the loss is multiplied by ``loss_scale``.  Metrics of each micro-batch
+    are appended to ``self.metrics``.  TP > 1 (vocab-parallel logits) is not handled here."""
+
+    def __init__(self, loss_fn, temperature: float = 1.0, loss_scale: float = 1.0):
+        self.loss_fn, self.temperature, self.loss_scale = loss_fn, float(temperature), float(loss_scale)
+        self.metrics: list[dict] = []
+
+    def __call__(self, logits: torch.Tensor, mb) -> torch.Tensor:
+        from moerl.algorithms.logprobs import entropy_from_logits, token_log_probs_from_logits
+        from moerl.train.batching import model_labels, to_label_layout
+
+        log_probs = token_log_probs_from_logits(logits, model_labels(mb), self.temperature)
+        with torch.no_grad():
+            entropy = entropy_from_logits(logits.detach(), self.temperature)
+        log_probs, entropy = to_label_layout(mb, log_probs), to_label_layout(mb, entropy)
+        loss, metrics = self.loss_fn(log_probs, entropy, mb)
+        self.metrics.append(dict(metrics))
+        return loss * self.loss_scale
+
+
+def make_forward_backward_func(schedule: Schedule | str, *, group: Optional[dist.ProcessGroup] = None,
+                               split_backward: str = "retrace") -> Callable:
+    """A drop-in for Megatron-Core's ``get_forward_backward_func()`` that runs ``schedule`` with the
+    interpreter (what ``MegatronActor._run_schedule`` calls).
+
+    ``schedule`` is a built :class:`Schedule` (its micro-batch count must match every call) or a schedule
+    name: then each call builds ``build_schedule(name, pp size of group, num_microbatches, fallback=True)``,
+    i.e. DualPipe(V) when there are enough micro-batches and GPipe order on the same chunk layout otherwise.
+
+    The returned function takes Megatron's keyword arguments ``forward_step_func, data_iterator, model,
+    num_microbatches, forward_only`` (others, e.g. seq_length / micro_batch_size, are accepted and ignored:
+    shapes travel with the tensors):
+
+    - ``model``: list of this rank's chunk models (GPTModel, optionally Megatron-DDP wrapped) in
+      ``schedule.chunks_of_rank(pp_rank)`` order;
+    - ``forward_step_func(data_iterator, model) -> (output, loss_func)`` as for Megatron; on a non-first chunk
+      the input activation is set with ``set_input_tensor`` before the call (so the step may pass
+      ``input_ids=None`` there; a pre_process chunk needs the tokens);
+    - ``loss_func(output) -> (loss, reduced)`` or ``(loss, num_tokens, reduced)`` runs on the chunk ending a
+      micro-batch's route; the loss is divided by ``num_microbatches`` (by ``num_tokens`` too for the 3-tuple,
+      unless ``config.calculate_per_token_loss``), and the MoE aux-loss scale set to ``1/num_microbatches``,
+      exactly as Megatron's ``forward_step_calc_loss`` does.
+
+    After a training step it sums DualPipe's mirrored gradients and calls ``config.finalize_model_grads_func``
+    (when set) on the model list, as Megatron's schedules do.  Returns the ``reduced`` values in
+    micro-batch order on the ranks that computed losses, ``[]`` elsewhere.
+    """
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    from megatron.core.utils import get_attr_wrapped_model, get_model_config
+
+    from moerl.pipeline.interpreter import PipelineInterpreter, sync_mirrored_grads
+
+    from moerl.pipeline.schedules import build_schedule
+
+    def forward_backward(*, forward_step_func, data_iterator, model, num_microbatches: int,
+                         forward_only: bool = False, **_ignored):
+        if isinstance(schedule, str):
+            pp = dist.get_world_size(group) if dist.is_initialized() else 1
+            sched = build_schedule(schedule, pp, num_microbatches, fallback=True)
+        else:
+            sched = schedule
+        if num_microbatches != sched.num_microbatches:
+            raise ValueError(f"num_microbatches={num_microbatches} but the {sched.name} schedule was built for "
+                             f"{sched.num_microbatches}; rebuild it (make_forward_backward_func(build_schedule(...)))")
+        models = list(model) if isinstance(model, (list, tuple)) else [model]
+        pp_rank = dist.get_rank(group) if dist.is_initialized() else 0
+        chunks = sched.chunks_of_rank(pp_rank)
+        if len(models) != len(chunks):
+            raise ValueError(f"model: pp rank {pp_rank} holds chunks {chunks} of {sched.name}; got {len(models)} "
+                             "model chunks")
+        by_chunk = dict(zip(chunks, models))
+        config = get_model_config(models[0])
+        mbs = [next(data_iterator) for _ in range(num_microbatches)]
+        loss_funcs: dict[int, Callable] = {}
+        reduced: dict[int, Any] = {}
+
+        def stage_fn(c, module, x, m):
+            if not sched.is_first(c, m):
+                get_attr_wrapped_model(module, "set_input_tensor")(x)
+            out, loss_func = forward_step_func(iter([mbs[m]]), module)
+            if sched.is_last(c, m):
+                loss_funcs[m] = loss_func
+            return out
+
+        def criterion(out, m):
+            res = loss_funcs.pop(m)(out)
+            if len(res) == 3:
+                loss, num_tokens, red = res
+                if not config.calculate_per_token_loss:
+                    loss = loss / torch.clamp(num_tokens, min=1) / num_microbatches
+            else:
+                loss, red = res
+                loss = loss / num_microbatches
+            reduced[m] = red
+            return loss
+
+        if getattr(config, "num_moe_experts", None) and not forward_only:
+            scale = (config.grad_scale_func(torch.ones(1)) if config.grad_scale_func is not None else torch.ones(1))
+            MoEAuxLossAutoScaler.set_loss_scale(scale if config.calculate_per_token_loss else scale / num_microbatches)
+        interp = PipelineInterpreter(sched, by_chunk, criterion, pp_rank=pp_rank, group=group, stage_fn=stage_fn,
+                                     split_backward=split_backward)
+        idx = list(range(num_microbatches))
+        interp.run(idx, idx, forward_only=forward_only)
+        if not forward_only:
+            uses_main_grad = any(getattr(p, "main_grad", None) is not None for m in models for p in m.parameters())
+            sync_mirrored_grads(sched, by_chunk, pp_rank=pp_rank, group=group,
+                                grad_attr="main_grad" if uses_main_grad else "grad")
+            if config.finalize_model_grads_func is not None:
+                config.finalize_model_grads_func(models)
+        return [reduced[m] for m in sorted(reduced)]
+
+    return forward_backward

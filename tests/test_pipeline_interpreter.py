@@ -1,0 +1,181 @@
+"""The pipeline interpreter on gloo (moerl.pipeline.interpreter).
+
+Reference: the same stage modules run without pipelining in the parent process (micro-batch after
+micro-batch, loss.backward() each).  Losses and forward-only outputs must be bitwise equal; gradients
+must satisfy 1 - 2*sum(xy)/sum(x^2+y^2) < 1e-12 (DualPipe: after summing the two mirrored copies).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _mp_helpers import free_port_block  # noqa: E402
+
+from moerl.pipeline.interpreter import PipelineInterpreter, sync_mirrored_grads  # noqa: E402
+from moerl.pipeline.schedules import build_schedule  # noqa: E402
+
+D, BATCH = 16, 3
+
+
+class Stage(torch.nn.Module):
+    """Residual MLP block; stage 0 also has a token embedding (its input is an int64 tensor)."""
+
+    def __init__(self, stage: int, num_stages: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(1000 + stage)
+        self.first, self.last = stage == 0, stage == num_stages - 1
+        if self.first:
+            self.emb = torch.nn.Parameter(torch.randn(11, D, generator=g))
+        self.w1 = torch.nn.Parameter(torch.randn(D, 2 * D, generator=g) / D ** 0.5)
+        self.w2 = torch.nn.Parameter(torch.randn(2 * D, D, generator=g) / D ** 0.5)
+        if self.last:
+            self.head = torch.nn.Parameter(torch.randn(D, 5, generator=g))
+
+    def forward(self, x):
+        if self.first:
+            x = self.emb[x]
+        x = x + torch.tanh(x @ self.w1) @ self.w2
+        return x @ self.head if self.last else x
+
+
+def criterion(logits, labels):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, 5), labels.reshape(-1)) / 4.0
+
+
+def make_data(M: int):
+    g = torch.Generator().manual_seed(7)
+    inputs = [torch.randint(0, 11, (BATCH, 2), generator=g) for _ in range(M)]
+    labels = [torch.randint(0, 5, (BATCH, 2), generator=g) for _ in range(M)]
+    return inputs, labels
+
+
+def _worker(rank, world, port, name, M, out_dir, split="retrace"):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        sched = build_schedule(name, world, M, fallback=True)
+        S = sched.num_stages
+        modules = {c: Stage(sched.chunk_stage[c], S) for c in sched.chunks_of_rank(rank)}
+        inputs, labels = make_data(M)
+        interp = PipelineInterpreter(sched, modules, criterion, split_backward=split)
+        res = interp.run(inputs, labels, return_outputs=True)
+        sync_mirrored_grads(sched, modules)
+        fwd = interp.run(inputs, None, forward_only=True)
+        grads = {c: {n: p.grad.clone() for n, p in m.named_parameters()} for c, m in modules.items()}
+        torch.save({"losses": res.losses, "outputs": res.outputs, "fwd": fwd.outputs, "grads": grads,
+                    "stages": {c: sched.chunk_stage[c] for c in modules}},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def reference(num_stages: int, M: int):
+    # bitwise comparison: same intra-op thread count as the workers (earlier tests may change ours)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference(num_stages, M)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(num_stages: int, M: int):
+    stages = [Stage(s, num_stages) for s in range(num_stages)]
+    inputs, labels = make_data(M)
+    losses, outputs = [], []
+    for x, y in zip(inputs, labels):
+        for st in stages:
+            x = st(x)
+        outputs.append(x.detach())
+        loss = criterion(x, y)
+        loss.backward()
+        losses.append(loss.detach())
+    grads = [{n: p.grad.clone() for n, p in st.named_parameters()} for st in stages]
+    return losses, outputs, grads
+
+
+def rel_err(x, y):
+    x, y = x.double(), y.double()
+    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
+
+
+def run_case(name, P, M, tmp_path, split="retrace"):
+    port = free_port_block(1)
+    mp.start_processes(_worker, args=(P, port, name, M, str(tmp_path), split), nprocs=P, join=True,
+                       start_method="spawn")
+    sched = build_schedule(name, P, M, fallback=True)
+    ref_losses, ref_outputs, ref_grads = reference(sched.num_stages, M)
+    got_losses, got_out, got_fwd = {}, {}, {}
+    seen_stages = {}
+    for r in range(P):
+        d = torch.load(tmp_path / f"rank{r}.pt")
+        for m, v in d["losses"].items():
+            assert m not in got_losses
+            got_losses[m] = v
+        got_out.update(d["outputs"])
+        got_fwd.update(d["fwd"])
+        for c, g in d["grads"].items():
+            seen_stages.setdefault(d["stages"][c], []).append(g)
+    assert sorted(got_losses) == list(range(M))
+    for m in range(M):
+        assert torch.equal(got_losses[m], ref_losses[m]), (m, got_losses[m], ref_losses[m])
+        assert torch.equal(got_out[m], ref_outputs[m])
+        assert torch.equal(got_fwd[m], ref_outputs[m])
+    assert sorted(seen_stages) == list(range(sched.num_stages))
+    for s, copies in seen_stages.items():
+        assert len(copies) == (2 if name == "dualpipe" else 1)  # (dualpipe M=1: copy 1 idle, zero grads)
+        for g in copies:
+            assert g.keys() == ref_grads[s].keys()
+            for n in g:
+                assert rel_err(g[n], ref_grads[s][n]) < 1e-12, (s, n)
+        if len(copies) == 2:  # mirrored copies hold the same summed gradient
+            assert all(torch.equal(copies[0][n], copies[1][n]) for n in copies[0])
+
+
+@pytest.mark.parametrize("name,M", [("dualpipe", 8), ("dualpipev", 10)])
+def test_pp2_matches_unpipelined(name, M, tmp_path):
+    run_case(name, 2, M, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,M", [("1f1b", 8), ("zb1p", 9), ("dualpipev", 3), ("dualpipe", 1)])
+def test_pp2_matches_unpipelined_1f1b_zb1p(name, M, tmp_path):
+    run_case(name, 2, M, tmp_path)
+
+
+@pytest.mark.parametrize("name", ["dualpipev"])
+def test_pp2_torch_split_backward(name, tmp_path):
+    run_case(name, 2, 8, tmp_path, split="torch")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,M", [("zb1p", 8), ("dualpipe", 12)])
+def test_pp4_torch_split_backward(name, M, tmp_path):
+    run_case(name, 4, M, tmp_path, split="torch")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,M", [("1f1b", 12), ("zb1p", 12), ("dualpipe", 16), ("dualpipev", 8)])
+def test_pp4_matches_unpipelined(name, M, tmp_path):
+    run_case(name, 4, M, tmp_path)
+
+
+def test_interpreter_argument_errors():
+    sched = build_schedule("dualpipev", 2, 4)
+    with pytest.raises(ValueError, match="missing"):
+        PipelineInterpreter(sched, {0: Stage(0, 4)}, criterion, pp_rank=0)
+    with pytest.raises(ValueError, match="not held"):
+        PipelineInterpreter(sched, {0: Stage(0, 4), 3: Stage(3, 4), 1: Stage(1, 4)}, criterion, pp_rank=0)
+    interp = PipelineInterpreter(sched, {0: Stage(0, 4), 3: Stage(3, 4)}, criterion, pp_rank=0)
+    with pytest.raises(ValueError, match="inputs"):
+        interp.run(None, None)
+    with pytest.raises(ValueError, match="labels"):
+        interp.run(make_data(4)[0], None)
