@@ -385,5 +385,14 @@ def test_recipe_dry_run_commands_pass_the_wheel_check(sglang_src):
                                 "http://NODE1_ADDRESS:30000", "http://NODE1_ADDRESS:30001"]
     with pytest.raises(ValueError, match="--no-such-flag"):
         check_server_argv(servers[0]["argv"] + ["--no-such-flag", "1"], flags)
+    # routing replay R3 asks SGLang to return routed experts (a real flag of the pinned version)
+    r3 = dry_run(load_config(REPO / "configs" / "qwen3_30b_a3b.yaml",
+                             ["rollout.backend=sglang", "rollout.gpu_ids=[0,1]", "moe.routing_replay=r3"]))
+    argv = [e for e in r3 if "sglang.launch_server" in e["argv"]][0]["argv"]
+    assert "--enable-return-routed-experts" in argv and "--enable-return-routed-experts" not in servers[0]["argv"]
+    check_server_argv(argv, flags)
+    with pytest.raises(ValueError, match="rollout.host=auto"):  # loopback servers on two nodes
+        dry_run(load_config(REPO / "configs" / "qwen3_30b_a3b.yaml",
+                            ["rollout.backend=sglang", "rollout.gpu_ids=[0,1]"]), nnodes=2)
     with pytest.raises(ValueError, match="needs a value"):
         check_server_argv(servers[0]["argv"] + ["--port"], flags)

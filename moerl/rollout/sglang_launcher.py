@@ -68,6 +68,8 @@ class SGLangServerSpec:
         weight_version: optional --weight-version reported before the first weight update.
         enable_memory_saver: --enable-memory-saver (needed by release/resume memory occupation).
         deterministic: --enable-deterministic-inference (honour per-request sampling_seed).
+        return_routed_experts: --enable-return-routed-experts (routing replay R3: /generate returns
+            meta_info.routed_experts; moe.routing_replay=r3).
         random_seed: --random-seed.
         extra_args: further ``--flag value`` strings appended verbatim.
     Raises (``validate``): ValueError naming the field and the fix.
@@ -85,6 +87,7 @@ class SGLangServerSpec:
     weight_version: Optional[str] = None
     enable_memory_saver: bool = False
     deterministic: bool = True
+    return_routed_experts: bool = False
     random_seed: int = 0
     extra_args: Sequence[str] = field(default_factory=tuple)
 
@@ -125,6 +128,8 @@ class SGLangServerSpec:
             argv.append("--enable-memory-saver")
         if self.deterministic:
             argv.append("--enable-deterministic-inference")
+        if self.return_routed_experts:
+            argv.append("--enable-return-routed-experts")
         argv += [str(a) for a in self.extra_args]
         return argv
 
@@ -359,6 +364,9 @@ def dry_run(cfg, nnodes: int = 1, model_path: Optional[str] = None) -> list[dict
 
     ro = cfg.rollout
     model = model_path or "MODEL_PATH"  # the trainer's HF export of weight version 0 at run time
+    if nnodes > 1 and ro.gpu_ids and ro.host in ("127.0.0.1", "localhost"):
+        raise ValueError(f"rollout servers run on {nnodes} nodes but rollout.host={ro.host} binds loopback, which "
+                         "the router on node 0 cannot reach; set rollout.host=auto (each node's address)")
     plan = []
     urls = []
     for node in range(nnodes):
@@ -366,7 +374,8 @@ def dry_run(cfg, nnodes: int = 1, model_path: Optional[str] = None) -> list[dict
         specs = plan_node_servers(model, ro.gpu_ids, tp_size=ro.server_tp_size, dp_size=ro.server_dp_size,
                                   ep_size=ro.server_ep_size, base_port=ro.base_port, host=host,
                                   mem_fraction_static=ro.mem_fraction_static,
-                                  enable_memory_saver=ro.placement == "colocated", random_seed=cfg.seed) \
+                                  enable_memory_saver=ro.placement == "colocated", random_seed=cfg.seed,
+                                  return_routed_experts=cfg.moe.routing_replay == "r3") \
             if ro.gpu_ids else []
         for s in specs:
             plan.append({"node": node, "env": s.env(), "argv": s.argv("python")})

@@ -539,7 +539,8 @@ def _train(ctx: RunContext, t_start: float) -> dict:
             tp_size=ro.server_tp_size, dp_size=ro.server_dp_size, ep_size=ro.server_ep_size,
             mem_fraction_static=ro.mem_fraction_static, colocated=ro.placement == "colocated",
             external_urls=ro.external_urls, log_dir=str(ctx.run_dir / "logs"), router_policy=ro.router_policy,
-            failover=ro.failover, startup_timeout_s=ro.startup_timeout_s, random_seed=cfg.seed)
+            failover=ro.failover, startup_timeout_s=ro.startup_timeout_s, random_seed=cfg.seed,
+            return_routed_experts=cfg.moe.routing_replay == "r3")
         if main:
             cluster_cm = launched
         elif launched is not None:
