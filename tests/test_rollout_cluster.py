@@ -203,7 +203,7 @@ def test_ctrl_c_shuts_the_cluster_down_then_raises_keyboardinterrupt(ckpt, tmp_p
         pids = [int(x) for x in owner.stdout.readline().split()]
         assert len(pids) == 2
         owner.send_signal(signal.SIGINT)
-        out, _ = owner.communicate(timeout=30)
+        out, _ = owner.communicate(timeout=90)  # liveness bound only (slow when the 2 cores are busy)
         assert out.startswith("KeyboardInterrupt"), out
         codes = ast.literal_eval(out.split(" ", 1)[1])  # e.g. [0, 0]
         assert all(rc is not None for rc in codes)  # reaped before the interrupt reached the loop

@@ -309,6 +309,9 @@ class TrainConfig(_Section):
     pack: bool = True
     max_tokens_per_micro_batch: int = Field(2048, ge=1)  # token cap of one packed micro-batch
     pack_balance: Literal["tokens", "flops"] = "tokens"  # DP balancing load: L or a*L + L^2
+    # pipeline schedule at parallel.pp_size > 1 (moerl.pipeline): Megatron's 1F1B, or moerl's interpreter
+    # running DeepSeek's DualPipe (2 mirrored model copies, even pp) / DualPipeV (2*pp stages in a V)
+    pipeline_schedule: Literal["1f1b", "dualpipe", "dualpipev"] = "1f1b"
 
     @model_validator(mode="after")
     def _cross_fields(self) -> "TrainConfig":
@@ -417,6 +420,42 @@ class RecipeConfig(_Section):
 
         validate_routing_replay(self.moe.routing_replay, pp_size=self.parallel.pp_size,
                                 recompute=self.parallel.recompute)
+        return self
+
+    @model_validator(mode="after")
+    def _pipeline_schedule_rules(self) -> "RecipeConfig":
+        """train.pipeline_schedule rules that involve other sections (world-size independent; the
+        micro-batch count rule needs dp_size and is in ``check_world_size``)."""
+        sched, p, hf = self.train.pipeline_schedule, self.parallel, self.model.hf_config
+        if sched == "1f1b":
+            return self
+        key = f"train.pipeline_schedule={sched}"
+        if p.pp_size < 2:
+            raise ValueError(f"{key} needs parallel.pp_size > 1 (got {p.pp_size}); use train.pipeline_schedule=1f1b "
+                             "or set parallel.pp_size >= 2")
+        if sched == "dualpipe" and p.pp_size % 2:
+            raise ValueError(f"{key} needs an even parallel.pp_size (got {p.pp_size}); use dualpipev or an even pp_size")
+        if self.train.pack:
+            raise ValueError(f"{key} needs train.pack=false (padded micro-batches between pipeline stages)")
+        if p.tp_size != 1 or p.ep_size != 1:
+            raise ValueError(f"{key} supports parallel.tp_size=1 and parallel.ep_size=1 only (got tp_size={p.tp_size}, "
+                             f"ep_size={p.ep_size}); use train.pipeline_schedule=1f1b for TP/EP")
+        if p.num_layers_in_first_pipeline_stage is not None or p.num_layers_in_last_pipeline_stage is not None:
+            raise ValueError(f"{key} splits the layers evenly: unset parallel.num_layers_in_first_pipeline_stage / "
+                             "num_layers_in_last_pipeline_stage")
+        stages = 2 * p.pp_size if sched == "dualpipev" else p.pp_size
+        if hf.num_hidden_layers % stages:
+            raise ValueError(f"{key} cuts the model into {stages} stages of equal size: "
+                             f"model.hf_config.num_hidden_layers ({hf.num_hidden_layers}) must be divisible by "
+                             f"{stages} ({'2 * ' if sched == 'dualpipev' else ''}parallel.pp_size)")
+        if sched == "dualpipe" and hf.tie_word_embeddings:
+            raise ValueError(f"{key} keeps the first and last stage on different ranks: set "
+                             "model.hf_config.tie_word_embeddings=false, or use dualpipev")
+        if self.moe.routing_replay != "none":
+            raise ValueError(f"{key} does not support moe.routing_replay={self.moe.routing_replay}: set "
+                             "moe.routing_replay=none or train.pipeline_schedule=1f1b")
+        if p.recompute == "full":
+            raise ValueError(f"{key} does not support parallel.recompute=full; use none or selective")
         return self
 
     @model_validator(mode="after")
@@ -548,6 +587,20 @@ class RecipeConfig(_Section):
                     f"{name}.global_batch_size ({sec.global_batch_size}) must be divisible by "
                     f"{name}.micro_batch_size * dp_size ({sec.micro_batch_size} * {dp}) for world_size {world_size}"
                 )
+        t = self.train
+        if t.pipeline_schedule != "1f1b":
+            m, need = t.global_batch_size // (t.micro_batch_size * dp), 2 * self.parallel.pp_size
+            if m < need:
+                raise ConfigError(
+                    f"train.pipeline_schedule={t.pipeline_schedule} needs >= 2 * parallel.pp_size ({need}) "
+                    f"micro-batches per step on each DP rank; train.global_batch_size / (train.micro_batch_size "
+                    f"* dp_size) = {t.global_batch_size} / ({t.micro_batch_size} * {dp}) = {m}: lower "
+                    "train.micro_batch_size or raise train.global_batch_size"
+                )
+            if t.pipeline_schedule == "dualpipe" and m % 2:
+                raise ConfigError(
+                    f"train.pipeline_schedule=dualpipe needs an even number of micro-batches per step (got {m} = "
+                    "train.global_batch_size / (train.micro_batch_size * dp_size)): change train.micro_batch_size")
         if self.model.planner_extras is not None:
             raise ConfigError(
                 "model.planner_extras (shared experts / multi-head latent attention) is only understood by "

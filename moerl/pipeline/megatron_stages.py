@@ -30,6 +30,7 @@ from moerl.pipeline.schedules import Schedule
 
 __all__ = [
     "MegatronStage",
+    "StageChunks",
     "PolicyCriterion",
     "build_stage",
     "build_chunk_modules",
@@ -195,6 +196,74 @@ def export_hf_from_stages(stages: Sequence[MegatronStage] | Mapping[Any, Megatro
         for _, (_, layout, sd) in part.items():
             shards.setdefault(layout, sd)
     return merge_megatron_shards(shards, hf_config)
+
+
+class StageChunks(torch.nn.Module):
+    """This rank's stage chunks as ONE module, for one Megatron DDP, one optimizer and one checkpoint.
+
+    A tied embedding (DualPipeV's rank 0 holds stage 0 and the last stage) is then one parameter in one
+    DDP buffer.  ``chunks`` is a ``ModuleDict`` chunk id -> ``GPTModel`` (state-dict keys
+    ``chunks.<id>.<GPTModel key>``); ``config`` is the first chunk's TransformerConfig (what Megatron's
+    ``get_model_config`` reads); ``forward`` is not defined (the interpreter calls the chunks).
+
+    Args:
+        stages: chunk id -> :class:`MegatronStage` (``build_chunk_modules``).
+        schedule: the schedule the chunks were built for (any micro-batch count: only its chunk layout is
+            used).
+        num_layers: decoder layers of the whole model (``hf_config.num_hidden_layers``).
+    """
+
+    def __init__(self, stages: Mapping[int, MegatronStage], schedule: Schedule, num_layers: int):
+        super().__init__()
+        self.chunk_ids = sorted(stages)
+        self.chunks = torch.nn.ModuleDict({str(c): stages[c].model for c in self.chunk_ids})
+        self.stages = {c: stages[c] for c in self.chunk_ids}  # plain dict: not registered twice
+        self.config = stages[self.chunk_ids[0]].model.config
+        self.num_layers = int(num_layers)
+        # DualPipe's copy-1 chunk runs a stage whose copy-0 chunk is saved by another rank
+        self.mirrors = {c for c in self.chunk_ids
+                        if any(schedule.chunk_stage[t] == schedule.chunk_stage[c] for t in range(c))}
+
+    def models(self) -> list[torch.nn.Module]:
+        """The chunk GPTModels in chunk-id order (``schedule.chunks_of_rank`` order)."""
+        return [self.chunks[str(c)] for c in self.chunk_ids]
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("StageChunks is a container: run its chunks (models()) through the pipeline schedule")
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """Megatron dist-checkpointing state of every chunk with GLOBAL decoder-layer keys.
+
+        Each chunk is a GPTModel whose layers are numbered from 1 inside the stage; its state is taken
+        in Megatron's per-layer (``non_homogeneous_layers``) form, ``decoder.layers.<i>.`` keyed, and
+        ``i`` is shifted by the stage's first global layer, so every layer has one key whatever rank
+        holds it.  The chunks of DualPipe's second model copy are marked as non-main replicas (the
+        first copy saves them).  Checkpoints resume in the same schedule layout (the key format differs
+        from 1F1B's stacked-layer format).
+        """
+        import re
+
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+        if sharded_offsets:
+            raise ValueError("StageChunks.sharded_state_dict: unexpected sharded_offsets")
+        md = dict(metadata or {})
+        md["non_homogeneous_layers"] = True
+        pat = re.compile(r"^decoder\.layers\.(\d+)\.")
+        out = {}
+        for c in self.chunk_ids:
+            st = self.stages[c]
+            off = pipeline_layer_range(self.num_layers, st.num_stages, st.stage).start
+            sd = st.model.sharded_state_dict(prefix="", metadata=md)
+            for v in nested_values(sd):
+                key = getattr(v, "key", None)
+                if isinstance(key, str):
+                    v.key = pat.sub(lambda m: f"decoder.layers.{int(m.group(1)) + off}.", key)
+                if c in self.mirrors and hasattr(v, "replica_id"):
+                    rid = v.replica_id
+                    v.replica_id = (1, *rid) if isinstance(rid, tuple) else (1, rid)
+            out.update({f"{prefix}chunks.{c}.{k}": v for k, v in sd.items()})
+        return out
 
 
 def megatron_stage_fn(micro_batches: Sequence[Any]) -> Callable:

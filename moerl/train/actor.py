@@ -17,6 +17,14 @@ Parallel layouts (whatever moerl.runtime.distributed.init_distributed set up):
 * EP: experts are local to each EP rank (Megatron's alltoall dispatcher); every DP rank must run
   the same number of micro-batches (checked).
 * DP: each DP rank gets its own micro-batches; Megatron DDP reduces the gradients.
+* Pipeline schedule ``pipeline_schedule="dualpipe" | "dualpipev"`` (pp_size > 1, tp = ep = 1): the
+  model is cut into stage chunks (moerl.pipeline.megatron_stages.build_chunk_modules: DualPipeV
+  2*PP stages, rank r holding stages r and 2PP-1-r; DualPipe two mirrored copies of PP stages),
+  held by one container module (StageChunks) under ONE Megatron DDP and one optimizer, and run by
+  moerl's interpreter (make_forward_backward_func). Micro-batch results (losses, log-probs) come out
+  on whichever ranks end a micro-batch's route (DualPipeV: pp rank 0) and are gathered over the
+  pipeline group in micro-batch order. Steps with fewer than 2*PP micro-batches run GPipe order on
+  the same chunks (build_schedule(..., fallback=True)).
 
 Padding is right padding with a zero loss mask: with a causal mask it leaves every real token's
 logits unchanged (the padded tokens do count in Megatron's per-micro-batch MoE aux loss).
@@ -159,6 +167,11 @@ class MegatronActor:
         sequence_parallel: Megatron sequence parallelism when tp_size > 1 (required by Megatron
             for MoE with TP when training; ignored at tp_size == 1).
         config_overrides: extra TransformerConfig fields (e.g. num_layers_in_first_pipeline_stage).
+        pipeline_schedule: "1f1b" (Megatron's schedules) | "dualpipe" | "dualpipev" (moerl.pipeline;
+            needs pp_size > 1, tp_size = ep_size = 1, an even layer split over the stages).
+
+    Raises:
+        ValueError: an unknown pipeline_schedule or a layout it does not support.
 
     Requires moerl.runtime.distributed.init_distributed() to have run (the layout comes from
     Megatron's parallel_state).
@@ -181,26 +194,35 @@ class MegatronActor:
         recompute: str = "none",
         sequence_parallel: bool = True,
         config_overrides: Optional[Mapping[str, Any]] = None,
+        pipeline_schedule: str = "1f1b",
     ):
         self.hf_config = hf_config
         overrides = recompute_config(recompute)
         overrides.update(config_overrides or {})
-        self.tf_config = transformer_config_from_hf(
-            hf_config,
-            moe_aux_loss_coeff=moe_aux_loss_coeff,
-            moe_router_load_balancing_type=moe_load_balancing_type,
-            sequence_parallel=sequence_parallel,
-            **overrides,
-        )
-        self.model = build_gpt_model(hf_config, self.tf_config)
-        self.device = next(self.model.parameters()).device
-        self.layout = ShardLayout.from_parallel_state(self.tf_config)
-        self.trainable = trainable
-        self.use_distributed_optimizer = bool(use_distributed_optimizer)
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
         self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
         self.dp_size = parallel_state.get_data_parallel_world_size()
-        self._fwd_bwd = get_forward_backward_func()
+        if pipeline_schedule not in ("1f1b", "dualpipe", "dualpipev"):
+            raise ValueError(f"pipeline_schedule must be 1f1b, dualpipe or dualpipev, got {pipeline_schedule!r}")
+        self.pipeline_schedule = pipeline_schedule
+        self.dual = pipeline_schedule != "1f1b"
+        self._stages = None
+        if self.dual:
+            self._build_chunks(hf_config, overrides, moe_aux_loss_coeff, moe_load_balancing_type)
+        else:
+            self.tf_config = transformer_config_from_hf(
+                hf_config,
+                moe_aux_loss_coeff=moe_aux_loss_coeff,
+                moe_router_load_balancing_type=moe_load_balancing_type,
+                sequence_parallel=sequence_parallel,
+                **overrides,
+            )
+            self.model = build_gpt_model(hf_config, self.tf_config)
+            self.layout = ShardLayout.from_parallel_state(self.tf_config)
+            self._fwd_bwd = get_forward_backward_func()
+        self.device = next(self.model.parameters()).device
+        self.trainable = trainable
+        self.use_distributed_optimizer = bool(use_distributed_optimizer)
         if trainable:
             ddp_config = DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True,
@@ -208,8 +230,19 @@ class MegatronActor:
                 use_distributed_optimizer=self.use_distributed_optimizer,
             )
             self.ddp_model = DistributedDataParallel(config=self.tf_config, ddp_config=ddp_config, module=self.model)
-            self.tf_config.no_sync_func = self.ddp_model.no_sync
-            self.tf_config.finalize_model_grads_func = finalize_model_grads
+            if self.dual:
+                # only the DP gradient sync: Megatron's finalize_model_grads would all-reduce tied
+                # embeddings between the first and last pp rank, which here share one parameter
+                ddp = self.ddp_model
+
+                def finalize(*_args, **_kwargs):
+                    ddp.finish_grad_sync()
+
+                for m in self.model.models():
+                    m.config.finalize_model_grads_func = finalize
+            else:
+                self.tf_config.no_sync_func = self.ddp_model.no_sync
+                self.tf_config.finalize_model_grads_func = finalize_model_grads
             self._opt_kwargs = dict(
                 weight_decay=weight_decay, adam_beta1=adam_beta1, adam_beta2=adam_beta2, adam_eps=adam_eps,
                 clip_grad=clip_grad,
@@ -220,6 +253,32 @@ class MegatronActor:
             self.optimizer = None
             for p in self.model.parameters():
                 p.requires_grad_(False)
+
+    def _build_chunks(self, hf_config, overrides: dict, moe_aux_loss_coeff: float, moe_load_balancing_type: str):
+        """DualPipe(V): this pp rank's stage chunks (moerl.pipeline.megatron_stages) in one StageChunks."""
+        from moerl.pipeline.megatron_stages import StageChunks, build_chunk_modules, make_forward_backward_func
+        from moerl.pipeline.schedules import build_schedule
+
+        name = self.pipeline_schedule
+        if self.pp_size < 2:
+            raise ValueError(f"pipeline_schedule={name} needs pp_size > 1 (got {self.pp_size}); use 1f1b")
+        ep = parallel_state.get_expert_model_parallel_world_size()
+        if self.tp_size != 1 or ep != 1:
+            raise ValueError(f"pipeline_schedule={name} supports tp_size = ep_size = 1 only (got {self.tp_size}, {ep})")
+        for key in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
+            if overrides.get(key) is not None:
+                raise ValueError(f"pipeline_schedule={name} splits layers evenly: {key} is not supported")
+        group = parallel_state.get_pipeline_model_parallel_group()
+        self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        # the chunk layout does not depend on the micro-batch count: build it for the smallest valid one
+        self.schedule_layout = build_schedule(name, self.pp_size, 2 * self.pp_size)
+        self._stages = build_chunk_modules(
+            self.schedule_layout, self.pp_rank, hf_config, moe_aux_loss_coeff=moe_aux_loss_coeff,
+            moe_router_load_balancing_type=moe_load_balancing_type, overrides=overrides)
+        self.model = StageChunks(self._stages, self.schedule_layout, hf_config.num_hidden_layers)
+        self.tf_config = self.model.config
+        self.layout = None
+        self._fwd_bwd = make_forward_backward_func(name, group=group)
 
     def set_lr(self, lr: float) -> None:
         """(Re)build the Megatron Adam optimizer at learning rate ``lr`` with fresh moments (used
@@ -244,6 +303,11 @@ class MegatronActor:
     def load_hf_state_dict(self, hf_state_dict: dict[str, torch.Tensor]) -> None:
         """Load HF-named weights (moerl.checkpoint.hf_convert naming) strictly into this rank's
         shard of the model (TP slices, local experts, this pipeline stage's layers)."""
+        if self.dual:
+            from moerl.pipeline.megatron_stages import load_hf_into_stages
+
+            load_hf_into_stages(self._stages, hf_state_dict, self.hf_config)
+            return
         load_megatron_state_dict(self.model, hf_to_megatron(hf_state_dict, self.hf_config, self.layout))
 
     def export_hf_state_dict(self, dst: Optional[int] = None) -> dict[str, torch.Tensor]:
@@ -253,6 +317,12 @@ class MegatronActor:
         (moerl.checkpoint.hf_convert.gather_megatron_to_hf); ``dst=None`` returns the full dict
         on every rank, ``dst=r`` only on global rank r (an empty dict elsewhere).
         """
+        if self.dual:
+            from moerl.pipeline.megatron_stages import export_hf_from_stages
+
+            full = export_hf_from_stages(self._stages, self.hf_config,
+                                         group=parallel_state.get_pipeline_model_parallel_group())
+            return full if dst is None or dist.get_rank() == dst else {}
         return gather_megatron_to_hf(self.model.state_dict(), self.hf_config, self.layout, dst=dst)
 
     # ----------------------------------------------------------------- batching
@@ -302,7 +372,12 @@ class MegatronActor:
                 entropy = entropy_from_logits(logits.detach(), temperature)
         return log_probs, entropy
 
-    def _forward_step(self, temperature: float, loss_fn: Optional[LossFn], num_microbatches: int):
+    def _forward_step(self, temperature: float, loss_fn: Optional[LossFn], num_microbatches: int,
+                      index: Optional[dict] = None):
+        """Megatron ``forward_step_func``; with ``index`` (id(micro-batch) -> position, dual schedules)
+        each loss_func result also carries ``"_mb"``, the micro-batch's position."""
+        from megatron.core.utils import get_attr_wrapped_model
+
         first_stage = parallel_state.is_pipeline_first_stage()
         # MoE routing replay (moerl.moe.routing_replay.RoutingReplay, set by the RL loop when
         # moe.routing_replay is r2/r3): force mb.routed_experts, or record (r2 first pass)
@@ -312,7 +387,9 @@ class MegatronActor:
             mb: MicroBatch = next(data_iterator)
             # padded [B,S] with a causal mask, or one packed THD row with cu_seqlens
             args, kwargs = model_forward_args(mb)
-            if not first_stage:  # token ids enter on the first stage only
+            # token ids enter on the first stage only (a dual schedule's chunk knows if it is one)
+            is_first = bool(get_attr_wrapped_model(model, "pre_process")) if self.dual else first_stage
+            if not is_first:
                 args = (None, None, args[2])
             if replay is not None:
                 replay.before_forward(mb)
@@ -323,22 +400,35 @@ class MegatronActor:
             def loss_func(logits):  # runs on the last stage only
                 log_probs, entropy = self._token_log_probs(logits, model_labels(mb), temperature)
                 log_probs, entropy = to_label_layout(mb, log_probs), to_label_layout(mb, entropy)
+                tag = {} if index is None else {"_mb": index[id(mb)]}
                 if loss_fn is None:
                     zero = logits.sum() * 0.0
-                    return zero, {"log_probs": log_probs.detach(), "entropy": entropy}
+                    return zero, {"log_probs": log_probs.detach(), "entropy": entropy, **tag}
                 loss, metrics = loss_fn(log_probs, entropy, mb)
                 metrics = dict(metrics)
-                return loss * num_microbatches * self.dp_size, metrics
+                return loss * num_microbatches * self.dp_size, {**metrics, **tag}
 
             return output, loss_func
 
         return forward_step
 
+    def _index(self, padded: list[MicroBatch]) -> Optional[dict]:
+        """id(micro-batch) -> position, for the dual schedules (None for 1F1B)."""
+        return {id(mb): i for i, mb in enumerate(padded)} if self.dual else None
+
+    def _gather_pipeline(self, out: list) -> list:
+        """Dual schedules: the loss_func results of every pipeline rank, in micro-batch order, on
+        every pipeline rank (all_gather_object over the pipeline group); ``_mb`` tags removed."""
+        parts: list = [None] * self.pp_size
+        dist.all_gather_object(parts, list(out), group=parallel_state.get_pipeline_model_parallel_group())
+        merged = sorted((d for part in parts for d in part), key=lambda d: d["_mb"])
+        return [{k: v for k, v in d.items() if k != "_mb"} for d in merged]
+
     def _run_schedule(self, padded: list[MicroBatch], forward_step, forward_only: bool):
         return self._fwd_bwd(
             forward_step_func=forward_step,
             data_iterator=iter(padded),
-            model=[self.ddp_model],
+            model=self.model.models() if self.dual else [self.ddp_model],
             num_microbatches=len(padded),
             seq_length=max(mb.tokens.shape[1] for mb in padded),
             micro_batch_size=max(mb.batch_size for mb in padded),
@@ -364,8 +454,11 @@ class MegatronActor:
         """
         padded = self._prepare(micro_batches)
         self.ddp_model.eval()
-        out = self._run_schedule(padded, self._forward_step(temperature, None, len(padded)), forward_only=True)
-        if self.pp_size > 1:
+        out = self._run_schedule(padded, self._forward_step(temperature, None, len(padded), self._index(padded)),
+                                 forward_only=True)
+        if self.dual:
+            out = self._gather_pipeline(out)
+        elif self.pp_size > 1:
             b, s = padded[0].tokens.shape
             if parallel_state.is_pipeline_last_stage():
                 stacked = torch.stack([torch.stack([d["log_probs"].float(), d["entropy"].float()]) for d in out])
@@ -408,10 +501,13 @@ class MegatronActor:
         self.optimizer.zero_grad()
         clear_aux_losses_tracker()
         n = len(padded)
-        out = self._run_schedule(padded, self._forward_step(temperature, loss_fn, n), forward_only=False)
+        out = self._run_schedule(padded, self._forward_step(temperature, loss_fn, n, self._index(padded)),
+                                 forward_only=False)
         update_successful, grad_norm, _ = self.optimizer.step()
+        if self.dual:
+            out = self._gather_pipeline(out)
         metrics: dict[str, float] = {}
-        for d in out:  # empty except on the last pipeline stage
+        for d in out:  # empty except on the last pipeline stage (every stage for dual schedules)
             for k, v in d.items():
                 metrics[k] = metrics.get(k, 0.0) + float(v)
         metrics = self._reduce_metrics(metrics)
@@ -423,6 +519,13 @@ class MegatronActor:
     def _reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """Sum the last stage's metrics over DP ranks, then hand them to every pipeline stage."""
         if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return metrics
+        if self.dual:  # every pipeline rank already holds all micro-batches' metrics
+            if self.dp_size > 1:
+                keys = sorted(metrics)
+                values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)
+                dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
+                metrics = dict(zip(keys, values.tolist()))
             return metrics
         if parallel_state.is_pipeline_last_stage() and self.dp_size > 1:
             keys = sorted(metrics)
@@ -437,6 +540,8 @@ class MegatronActor:
         DP with megatron's reduce_aux_losses_tracker_across_ranks; the last stage's value is
         broadcast to all stages)."""
         tracker = get_moe_layer_wise_logging_tracker()
+        if self.dual:
+            return self._aux_loss_chunks(num_microbatches)
         if dist.is_initialized() and dist.get_world_size() > 1:
             # every rank must reduce the same names (a stage without MoE layers has none)
             names: list = [None] * dist.get_world_size()
@@ -453,6 +558,29 @@ class MegatronActor:
                 total += float(values.sum()) / (num_microbatches * max(1, int((values != 0).sum())))
         clear_aux_losses_tracker()
         return self._from_last_stage(total)
+
+    def _aux_loss_chunks(self, num_microbatches: int) -> float:
+        """``_aux_loss`` for the dual schedules. Megatron's tracker indexes a layer by the router's
+        stage-local layer number, so several chunks' layers share an entry: the per-name sum over this
+        rank's entries is summed over the pipeline group, averaged over DP and divided by
+        num_microbatches * (MoE layers of the whole model)."""
+        from moerl.models.qwen3_moe import hf_moe_layer_pattern
+
+        tracker = get_moe_layer_wise_logging_tracker()
+        names: list = [None] * dist.get_world_size()
+        dist.all_gather_object(names, sorted(tracker))
+        all_names = sorted({x for ns in names for x in ns})
+        if not all_names:
+            return 0.0
+        sums = torch.tensor([float(tracker[k]["values"].sum()) if k in tracker else 0.0 for k in all_names],
+                            dtype=torch.float64, device=self.device)
+        dist.all_reduce(sums, group=parallel_state.get_pipeline_model_parallel_group())
+        if self.dp_size > 1:
+            dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+            sums /= self.dp_size
+        n_moe = max(1, sum(bool(x) for x in hf_moe_layer_pattern(self.hf_config)))
+        clear_aux_losses_tracker()
+        return float(sums.sum()) / (num_microbatches * n_moe)
 
     def _from_last_stage(self, obj):
         """``obj`` as the last pipeline stage holds it, on every stage (identity at pp_size 1)."""

@@ -498,6 +498,7 @@ def _train(ctx: RunContext, t_start: float) -> dict:
     mk = moe_actor_kwargs(cfg)  # balancing loss, z-loss, expert bias, routing, dispatcher (recipe keys)
     pkw = actor_parallel_kwargs(cfg.parallel)
     pkw["config_overrides"] = {**pkw.get("config_overrides", {}), **mk["config_overrides"]}
+    pkw["pipeline_schedule"] = cfg.train.pipeline_schedule  # 1f1b | dualpipe | dualpipev (moerl.pipeline)
     actor = MegatronActor(
         ctx.hf_config, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, adam_beta1=cfg.train.adam_beta1,
         adam_beta2=cfg.train.adam_beta2, clip_grad=cfg.train.clip_grad,
