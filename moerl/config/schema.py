@@ -456,6 +456,9 @@ class RecipeConfig(_Section):
                              "moe.routing_replay=none or train.pipeline_schedule=1f1b")
         if p.recompute == "full":
             raise ValueError(f"{key} does not support parallel.recompute=full; use none or selective")
+        if sched == "dualpipe" and self.moe.expert_bias:
+            raise ValueError(f"{key} does not support moe.expert_bias=true (the two model copies would count "
+                             "different tokens per expert); use dualpipev")
         return self
 
     @model_validator(mode="after")

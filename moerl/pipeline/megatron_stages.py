@@ -103,7 +103,27 @@ def build_stage(hf_config, stage: int, num_stages: int, **config_kw) -> Megatron
         raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
     cfg = _stage_config(hf_config, stage, num_stages, **config_kw)
     model = build_gpt_model(hf_config, cfg, pre_process=stage == 0, post_process=stage == num_stages - 1)
+    _global_router_numbers(model, pipeline_layer_range(hf_config.num_hidden_layers, num_stages, stage).start,
+                           hf_config.num_hidden_layers)
     return MegatronStage(model, stage, num_stages)
+
+
+def _global_router_numbers(model: torch.nn.Module, offset: int, num_layers: int) -> None:
+    """Give every MoE router of a stage its GLOBAL layer number (stage-local number + ``offset``) and a
+    config copy with the whole model's ``num_layers``, so Megatron's aux-loss tracker (indexed by
+    ``router.layer_number - 1``, sized by ``router.config.num_layers``), moerl's MoE telemetry and routing
+    replay see the model's layer indices.  The transformer layers keep their stage-local numbers (their
+    state-dict / sharded-state-dict keys are stage-local; :class:`StageChunks` shifts them)."""
+    import copy
+
+    from megatron.core.transformer.moe.router import Router
+
+    for m in model.modules():
+        if isinstance(m, Router) and m.layer_number is not None:
+            cfg = copy.copy(m.config)
+            cfg.num_layers = num_layers
+            m.config = cfg
+            m.set_layer_number(int(m.layer_number) + offset)
 
 
 def build_chunk_modules(schedule: Schedule, pp_rank: int, hf_config, **config_kw) -> dict[int, MegatronStage]:
@@ -204,7 +224,9 @@ class StageChunks(torch.nn.Module):
     A tied embedding (DualPipeV's rank 0 holds stage 0 and the last stage) is then one parameter in one
     DDP buffer.  ``chunks`` is a ``ModuleDict`` chunk id -> ``GPTModel`` (state-dict keys
     ``chunks.<id>.<GPTModel key>``); ``config`` is the first chunk's TransformerConfig (what Megatron's
-    ``get_model_config`` reads); ``forward`` is not defined (the interpreter calls the chunks).
+    ``get_model_config`` reads); ``forward`` is not defined (the interpreter calls the chunks).  The
+    parameters of DualPipe's second model copy are marked ``shared`` so that Megatron's optimizer counts
+    every stage once in the gradient norm.
 
     Args:
         stages: chunk id -> :class:`MegatronStage` (``build_chunk_modules``).
@@ -223,6 +245,12 @@ class StageChunks(torch.nn.Module):
         # DualPipe's copy-1 chunk runs a stage whose copy-0 chunk is saved by another rank
         self.mirrors = {c for c in self.chunk_ids
                         if any(schedule.chunk_stage[t] == schedule.chunk_stage[c] for t in range(c))}
+        # Megatron's grad norm skips parameters marked ``shared`` (megatron.core.transformer.module.
+        # param_is_not_shared): count each stage once, from its first copy (both copies hold the summed
+        # gradient after sync_mirrored_grads; clipping still scales both)
+        for c in self.mirrors:
+            for p in self.chunks[str(c)].parameters():
+                p.shared = True
 
     def models(self) -> list[torch.nn.Module]:
         """The chunk GPTModels in chunk-id order (``schedule.chunks_of_rank`` order)."""

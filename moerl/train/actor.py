@@ -231,12 +231,22 @@ class MegatronActor:
             )
             self.ddp_model = DistributedDataParallel(config=self.tf_config, ddp_config=ddp_config, module=self.model)
             if self.dual:
-                # only the DP gradient sync: Megatron's finalize_model_grads would all-reduce tied
-                # embeddings between the first and last pp rank, which here share one parameter
+                # Megatron's finalize_model_grads without its pipeline embedding all-reduce (a tied
+                # embedding is one parameter of one rank here; that all-reduce would hang): the DP
+                # gradient sync, the aux-loss-free expert-bias update and the MoE temporaries' reset
+                from megatron.core.distributed.finalize_model_grads import (
+                    _update_router_expert_bias,
+                    reset_model_temporary_tensors,
+                )
+
                 ddp = self.ddp_model
 
-                def finalize(*_args, **_kwargs):
+                def finalize(models, *_args, **_kwargs):
                     ddp.finish_grad_sync()
+                    cfg = models[0].config
+                    if cfg.moe_router_enable_expert_bias:
+                        _update_router_expert_bias(models, cfg)
+                    reset_model_temporary_tensors(cfg, models)
 
                 for m in self.model.models():
                     m.config.finalize_model_grads_func = finalize
@@ -279,6 +289,8 @@ class MegatronActor:
         self.tf_config = self.model.config
         self.layout = None
         self._fwd_bwd = make_forward_backward_func(name, group=group)
+        if name == "dualpipe":  # the two copies of a stage were initialised on different ranks: make them equal
+            self.load_hf_state_dict(self.export_hf_state_dict())
 
     def set_lr(self, lr: float) -> None:
         """(Re)build the Megatron Adam optimizer at learning rate ``lr`` with fresh moments (used
@@ -446,7 +458,7 @@ class MegatronActor:
 
         Returns one (micro_batch, log_probs [B,S] float32, entropy [B,S] float32) per given
         micro-batch, with the micro-batch's own [B, S] (padding removed), on every rank (broadcast
-        from the last pipeline stage). Values are log_softmax(logits / temperature) at the label
+        from the last pipeline stage; gathered from the ranks ending the routes with DualPipe(V)). Values are log_softmax(logits / temperature) at the label
         (REFERENCE.md sec. 1: the trainer must use the sampling temperature).
 
         Raises:
