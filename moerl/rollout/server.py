@@ -947,22 +947,7 @@ class ReferenceEngine:
                 named.extend(st_load(base64.b64decode(blob)).items())
         except Exception as e:  # malformed base64 / safetensors header
             return False, f"could not decode serialized_named_tensors: {e}"
-        with self._model_lock:
-            try:
-                self._pending_cover |= self.mapper.apply(named)
-            except ValueError as e:
-                return False, f"update_weights_from_tensor failed, this bucket was not applied: {e}"
-            msg = f"Succeeded to update {len(named)} tensors."
-            if weight_version is not None:
-                missing = self.mapper.missing(self._pending_cover)
-                self._pending_cover = set()
-                if missing:
-                    return False, (f"weight_version {weight_version!r} not published: the updates since "
-                                   f"the last version did not cover {len(missing)} model weights, e.g. "
-                                   f"{missing[:8]}")
-                self.weight_version = str(weight_version)
-                msg += f" Weight version updated to {weight_version}."
-        return True, msg
+        return self._apply_bucket(named, weight_version, "update_weights_from_tensor")
 
     # ------------------------------------------------------------------ distributed weight sync
 
@@ -1065,11 +1050,17 @@ class ReferenceEngine:
         except Exception as e:
             return False, (f"Failed to update parameter online: {e}. The weights may be partially updated; "
                            f"discard them.")
+        return self._apply_bucket(named, weight_version, "update_weights_from_distributed")
+
+    def _apply_bucket(self, named: list, weight_version: Optional[str], endpoint: str) -> tuple[bool, str]:
+        """Apply one bucket of HF-named tensors; with ``weight_version`` publish it, but only if the
+        buckets since the last published version covered every model weight (else refuse and keep
+        the old version). Returns SGLang's (success, message)."""
         with self._model_lock:
             try:
                 self._pending_cover |= self.mapper.apply(named)
             except ValueError as e:
-                return False, f"update_weights_from_distributed failed, this bucket was not applied: {e}"
+                return False, f"{endpoint} failed, this bucket was not applied: {e}"
             msg = f"Succeeded to update {len(named)} tensors."
             if weight_version is not None:
                 missing = self.mapper.missing(self._pending_cover)

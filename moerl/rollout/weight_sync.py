@@ -61,6 +61,18 @@ def _cpu_tensors(hf_state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.T
     return out
 
 
+def _response_error(url: str, r: "httpx.Response") -> Optional[str]:
+    """None when an SGLang weight endpoint answered HTTP 200 with ``success: true``; otherwise an
+    error string naming the server, the status and the server's message."""
+    try:
+        body = r.json()
+    except ValueError:
+        body = {}
+    if r.status_code != 200 or not body.get("success", False):
+        return f"{url}: HTTP {r.status_code}: {body.get('message', r.text[:500])}"
+    return None
+
+
 def _post_all(server_urls: Sequence[str], path: str, payload: dict, timeout_s: float,
               http_client: Optional[httpx.Client]) -> None:
     """POST payload to every server (in parallel); raise WeightSyncError naming each failure."""
@@ -75,13 +87,7 @@ def _post_all(server_urls: Sequence[str], path: str, payload: dict, timeout_s: f
                     client.close()
         except httpx.HTTPError as e:
             return f"{url}: {type(e).__name__}: {e}"
-        try:
-            body = r.json()
-        except ValueError:
-            body = {}
-        if r.status_code != 200 or not body.get("success", False):
-            return f"{url}: HTTP {r.status_code}: {body.get('message', r.text[:500])}"
-        return None
+        return _response_error(url, r)
 
     with ThreadPoolExecutor(max_workers=max(1, len(server_urls))) as pool:
         errors = [e for e in pool.map(one, server_urls) if e]
@@ -354,13 +360,7 @@ def _post_async(pool: ThreadPoolExecutor, client: httpx.Client, url: str, path: 
             r = client.post(url.rstrip("/") + path, json=payload)
         except httpx.HTTPError as e:
             return f"{url}: {type(e).__name__}: {e}"
-        try:
-            body = r.json()
-        except ValueError:
-            body = {}
-        if r.status_code != 200 or not body.get("success", False):
-            return f"{url}: HTTP {r.status_code}: {body.get('message', r.text[:500])}"
-        return None
+        return _response_error(url, r)
 
     return pool.submit(one)
 
