@@ -54,6 +54,7 @@ from moerl.moe.telemetry import MoETelemetry
 from moerl.train.actor import MegatronActor, actor_parallel_kwargs
 from moerl.train.batching import make_micro_batch, split_micro_batches, split_packed_micro_batches
 from moerl.train.losses import policy_loss, sft_loss
+from moerl.train.offload import ActorOffloader
 from moerl.train.rollout import evaluate_accuracy, generate_rollout
 from moerl.train.setup import RunContext, prepare_run
 from moerl.types import Sample
@@ -99,14 +100,30 @@ class WeightSync:
         self.ctx, self.cluster, self.version = ctx, cluster, version
         self.updater: Optional[DistributedWeightUpdater] = None  # rollout.weight_sync == "distributed"
         # rollout.placement: colocated releases / resumes server memory around training (every rank
-        # calls the trainer offload hooks; rank 0 alone talks to the servers)
+        # calls the trainer offload hooks; rank 0 alone talks to the servers). Colocated: the actors
+        # given to offload_with() go to host memory while rollout runs (moerl.train.offload)
+        off = self.offloader = ActorOffloader([], log=log) if ctx.cfg.rollout.placement == "colocated" else None
         self.placement = RolloutPlacement(ctx.cfg.rollout.placement,
-                                          cluster.live_server_urls if cluster is not None else None)
+                                          cluster.live_server_urls if cluster is not None else None,
+                                          offload_trainer=off.offload if off else None,
+                                          reload_trainer=off.reload if off else None)
+
+    def offload_with(self, actor, include_optimizer: bool = True) -> None:
+        """Colocated placement: offload ``actor`` with the trainer (weights only when
+        include_optimizer is False, e.g. the reference policy); no-op otherwise."""
+        if self.offloader is not None:
+            self.offloader.add(actor, include_optimizer)
+
+    def trainer_loaded(self):
+        """Context in which the offloaded actors are on the device (reloaded, offloaded again on
+        exit): checkpoints, exports and optimizer rebuilds between rollouts."""
+        return self.offloader.loaded() if self.offloader is not None else contextlib.nullcontext()
 
     def __call__(self, actor: MegatronActor) -> str:
         self.version += 1
         version = str(self.version)
-        hf_sd = actor.export_hf_state_dict(dst=0)
+        with self.trainer_loaded():
+            hf_sd = actor.export_hf_state_dict(dst=0)
         self.placement.before_weight_sync()
         if self.cluster is not None:
             ro = self.ctx.cfg.rollout
@@ -427,6 +444,8 @@ def run_sft(ctx: RunContext, actor: MegatronActor, client, sync: WeightSync, log
         samples = sft_samples(ctx, samplers["sft"].next_batch())
         mbs = dp_padded_micro_batches(samples, sft.micro_batch_size, ctx.pad_id, None, dp_size, dp_rank)
         n_tok = sum(sum(s.loss_mask) for s in samples)  # global denominator
+        if sync.placement.trainer_offloaded:  # colocated, after a sync: servers release, trainer reloads
+            sync.placement.before_train()
         m = actor.train_step(mbs, sft_loss(n_tok), temperature=1.0)
         state.sft_step = step
         if step % sft.eval_every == 0 or step == sft.max_steps:
@@ -474,6 +493,7 @@ class _Checkpointer:
     def __init__(self, ctx, actor, state, samplers, timers):
         self.ctx, self.actor, self.state, self.samplers, self.timers = ctx, actor, state, samplers, timers
         self.last = time.time()
+        self.loaded = contextlib.nullcontext  # WeightSync.trainer_loaded under colocated placement
 
     def __call__(self, step: int, force: bool = False) -> bool:
         fault_injection_point(self.state.phase, step)  # test-only switch; no-op unless MOERL_FAULT_EXIT_AT is set
@@ -483,7 +503,7 @@ class _Checkpointer:
             due = bool(broadcast_from_main(time.time() - self.last >= 60.0 * tr.save_every_minutes))
         if not due:
             return False
-        with self.timers("checkpoint"):
+        with self.timers("checkpoint"), self.loaded():
             save_checkpoint(self.ctx, self.actor, self.state, self.samplers)
         self.last = time.time()
         return True
@@ -563,6 +583,8 @@ def _train(ctx: RunContext, t_start: float) -> dict:
             log(f"trainer: {_world()} ranks, tp {cfg.parallel.tp_size} pp {cfg.parallel.pp_size} ep "
                 f"{cfg.parallel.ep_size} dp {_dp()[0]}")
         sync = WeightSync(ctx, cluster, version=state.weight_version)
+        sync.offload_with(actor)
+        ckpt.loaded = sync.trainer_loaded
         eval_rows = ctx.eval_rows[: cfg.eval.num_prompts]
         if resume_path is not None:
             sync(actor)  # the fresh servers hold the initial weights
@@ -574,7 +596,8 @@ def _train(ctx: RunContext, t_start: float) -> dict:
             state.summary.update({"sft_steps": state.sft_step, "sft_seconds": state.sft_seconds,
                                   "sft_accuracy": state.sft_accuracy})
             warm = ctx.run_dir / "hf_warm_start"
-            warm_sd = actor.export_hf_state_dict(dst=0)
+            with sync.trainer_loaded():
+                warm_sd = actor.export_hf_state_dict(dst=0)
             if main:
                 save_hf_checkpoint(warm_sd, ctx.hf_config, warm, tokenizer=ctx.tokenizer)
             log(f"warm-start weights saved to {warm} (reuse with model.init_from={warm} sft.enabled=false)")
@@ -586,7 +609,8 @@ def _train(ctx: RunContext, t_start: float) -> dict:
             if logger is not None:
                 logger.log(0, {"eval/accuracy": acc})
             state.phase = "rl"
-            actor.set_lr(cfg.train.lr)  # fresh Adam moments for RL
+            with sync.trainer_loaded():
+                actor.set_lr(cfg.train.lr)  # fresh Adam moments for RL
         state.phase = "rl"
 
         ref = None
@@ -596,8 +620,10 @@ def _train(ctx: RunContext, t_start: float) -> dict:
                 ref_sd = (load_hf_state_dict(str(ctx.run_dir / "hf_warm_start")) if cfg.sft.enabled
                           else broadcast_from_main(init_sd if main else None))
             else:
-                ref_sd = actor.export_hf_state_dict()
+                with sync.trainer_loaded():
+                    ref_sd = actor.export_hf_state_dict()
             ref.load_hf_state_dict(ref_sd)
+            sync.offload_with(ref, include_optimizer=False)  # weights only
         sampling_params = dict(
             temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
             max_new_tokens=ro.max_new_tokens, stop_token_ids=[ctx.eos_id],
@@ -637,7 +663,8 @@ def _train(ctx: RunContext, t_start: float) -> dict:
         f"change {100 * (acc_rl - summary['accuracy_after_warm_start']):+.1f} points)")
     state.rl_step = max(state.rl_step, cfg.train.num_steps)
     ckpt(state.rl_step, force=True)
-    final_sd = actor.export_hf_state_dict(dst=0)
+    with sync.trainer_loaded():
+        final_sd = actor.export_hf_state_dict(dst=0)
     summary["total_seconds"] = time.time() - t_start
     if resume_path is not None:
         summary["resumed_from"] = str(resume_path)
@@ -718,6 +745,9 @@ def _rl_step(ctx, step, actor, ref, client, sync, sampler, sampling_params, time
                 m[f"train/{k}"] = v
     with timers("weight_sync"):
         sync(actor)
+    if sync.offloader is not None:  # colocated: bytes moved to host / back this step
+        m["train/offload_bytes"] = float(sync.offloader.last_offload_bytes)
+        m["train/reload_bytes"] = float(sync.offloader.last_reload_bytes)
     return m
 
 
