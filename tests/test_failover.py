@@ -170,3 +170,44 @@ def test_failover_gives_up_after_max_restarts_and_names_the_server(tmp_path):
         assert cluster.live_server_urls() == [cluster.server_urls[0]]
         out = RolloutClient(cluster.router_url, max_retries=0).generate_many(_requests("x", 2, 2))
         assert len(out) == 4 and all(o["meta_info"]["weight_version"] == "default" for o in out)
+
+
+def test_weight_push_that_fails_as_a_server_dies_is_retried_on_the_survivor(tmp_path):
+    """kill -9 closes a server's sockets a moment before its process can be reaped: the push sees
+    ConnectError while proc.poll() still says alive. update_weights waits for the death to show
+    and retries on the live server instead of failing the run (reviewer's race, failover on)."""
+    from moerl.rollout.launcher import _Child
+
+    c = RolloutCluster(str(tmp_path), num_servers=2, base_port=31000, router_port=30000, failover=True)
+
+    class Proc:
+        def __init__(self, dies_at):
+            self.dies_at, self.pid, self.returncode = dies_at, 1, None
+
+        def poll(self):
+            if self.dies_at is not None and time.monotonic() >= self.dies_at:
+                self.returncode = -9
+            return self.returncode
+
+    u0, u1 = c.server_urls
+    c._servers = [_Child("server 0", 0, u0, "", Proc(None), None),
+                  _Child("server 1", 1, u1, "", Proc(time.monotonic() + 0.5), None)]
+    calls = []
+
+    def push(urls):
+        calls.append(list(urls))
+        if len(calls) == 1:
+            raise ConnectionError(f"{u1}: Connection refused")
+
+    assert c.update_weights("7", push) == [u0]
+    assert calls == [[u0, u1], [u0]] and c.current_weight_version == "7"
+    # no death: the push error is the caller's (nothing to fail over to)
+    c._servers[1] = _Child("server 1", 1, u1, "", Proc(None), None)
+
+    def broken(urls):
+        raise ValueError("bad weights")
+
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="bad weights"):
+        c.update_weights("8", broken)
+    assert time.monotonic() - t0 < 30

@@ -508,11 +508,23 @@ class RolloutCluster:
                     break
                 except Exception:
                     self.check_alive()
-                    died = [u for u in urls if u not in self.live_server_urls()]
-                    if not (self.failover and died) or attempt == 1:
+                    died = self._wait_for_dead(urls) if self.failover else []
+                    if not died or attempt == 1:
                         raise
             self.set_weight_restorer(weight_version, restore)
             return urls
+
+    def _wait_for_dead(self, urls: Sequence[str], timeout_s: float = 5.0) -> list[str]:
+        """The servers among ``urls`` that are no longer live, waiting up to ``timeout_s`` for one to
+        show up: a SIGKILLed server's sockets close (the client sees ConnectError / a reset) a moment
+        before its process can be reaped, so an HTTP failure can precede ``proc.poll()``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            live = set(self.live_server_urls())
+            died = [u for u in urls if u not in live]
+            if died or time.monotonic() > deadline:
+                return died
+            time.sleep(0.05)
 
     def wait_serving(self, timeout_s: float = 120.0) -> None:
         """Block until every server is up and in the router (no restart pending).
