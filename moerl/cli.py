@@ -41,6 +41,9 @@ def _train(argv: list[str]) -> int:
         from moerl.moe.config import check_rollout_routing_matches
 
         check_rollout_routing_matches(cfg.moe)  # the trained router must be the one that samples
+        from moerl.rollout.sglang_launcher import check_rollout_environment
+
+        check_rollout_environment(cfg.rollout)  # sglang installed / CUDA for NCCL, before any work
     except (ConfigError, ValueError) as e:
         print(f"moerl train: {e}", file=sys.stderr)
         return 2

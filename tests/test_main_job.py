@@ -7,6 +7,7 @@ README's main-job command)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -275,3 +276,22 @@ def test_full_demo_recipe_rl_gain(tmp_path):
     assert summary["accuracy_after_rl"] - summary["accuracy_after_warm_start"] >= 0.10, summary
     assert summary["step0_check"]["logprob_pass"] and summary["step0_check"]["ratio_pass"]
     assert elapsed <= 20 * 60, elapsed
+
+
+@pytest.mark.parametrize("overrides, needles", [
+    (["rollout.backend=sglang", "rollout.gpu_ids=[0,1]"], ["rollout.backend=sglang", "pip install", "sglang"]),
+    (["rollout.weight_sync=distributed", "rollout.weight_sync_backend=nccl"], ["nccl", "CUDA", "gloo"]),
+    (["rollout.backend=sglang", "rollout.gpu_ids=[0,1,2]", "rollout.server_tp_size=2"],
+     ["rollout.gpu_ids", "multiple of", "server_tp_size"]),
+    (["rollout.backend=sglang", "rollout.gpu_ids=[0,0]"], ["distinct", "[0, 0]"]),
+    (["rollout.backend=sglang", "rollout.gpu_ids=[0,1]", "rollout.weight_sync=tensor"], ["weight_sync=tensor", "disk"]),
+    (["rollout.weight_sync_bucket_mb=1e-9"], ["rollout.weight_sync_bucket_mb"]),
+])
+def test_rollout_settings_this_machine_cannot_run_fail_before_any_work(tmp_path, overrides, needles):
+    if "sglang" in " ".join(overrides) and importlib.util.find_spec("sglang") is not None:
+        pytest.skip("sglang is installed here")
+    r = moerl_train(RECIPE, *port_args(tmp_path), *overrides, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    for needle in needles:
+        assert needle in r.stderr, (needle, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr and not (tmp_path / "run" / "data").exists()  # nothing was written

@@ -212,7 +212,7 @@ class RolloutConfig(_Section):
     # init_weights_update_group once, then a broadcast per bucket from trainer rank 0 (NCCL on GPU,
     # gloo with the reference server). moerl.rollout.weight_sync.
     weight_sync: Literal["disk", "tensor", "distributed"] = "disk"
-    weight_sync_bucket_mb: float = Field(64.0, gt=0)  # bucket (disk: shard) size in MiB
+    weight_sync_bucket_mb: float = Field(64.0, ge=0.001)  # bucket (disk: shard) size in MiB (>= ~1 KiB)
     weight_sync_backend: Literal["gloo", "nccl"] = "gloo"  # distributed mode only
     weight_sync_master_address: Optional[str] = None  # where servers reach trainer rank 0; None = host
     # Servers: reference = moerl's CPU server (moerl.rollout.server), sglang = real SGLang (GPU image,
@@ -260,6 +260,19 @@ class RolloutConfig(_Section):
         for u in self.external_urls:
             if not u.startswith(("http://", "https://")):
                 raise ValueError(f"rollout.external_urls entry {u!r} must be an http(s):// URL")
+        if self.backend == "sglang":
+            per = self.server_tp_size * self.server_dp_size
+            if len(set(self.gpu_ids)) != len(self.gpu_ids) or any(g < 0 for g in self.gpu_ids):
+                raise ValueError(f"rollout.gpu_ids must be distinct GPU indices >= 0, got {self.gpu_ids}")
+            if len(self.gpu_ids) % per:
+                raise ValueError(
+                    f"rollout.gpu_ids ({len(self.gpu_ids)} GPUs {self.gpu_ids}) must be a multiple of "
+                    f"rollout.server_tp_size * rollout.server_dp_size ({per}): one SGLang server per {per} GPUs")
+            if self.weight_sync == "tensor":
+                raise ValueError(
+                    "rollout.weight_sync=tensor speaks the reference server's format; real SGLang's "
+                    "/update_weights_from_tensor takes its own serializer's CUDA-IPC payload (co-located GPUs "
+                    "only): use rollout.weight_sync=distributed (NCCL) or disk with rollout.backend=sglang")
         return self
 
 

@@ -49,6 +49,27 @@ def require_sglang() -> None:
         raise RuntimeError(f"python package 'sglang' is not installed: {INSTALL_HINT}")
 
 
+def check_rollout_environment(rollout) -> None:
+    """Refuse, before any work, rollout settings this machine cannot run (``moerl train`` calls it
+    right after loading the recipe; a recipe may be planned or dry-run anywhere).
+
+    Args:
+        rollout: the recipe's ``rollout`` section.
+
+    Raises:
+        ValueError: ``rollout.backend=sglang`` without the sglang package (names how to install it),
+            or ``rollout.weight_sync_backend=nccl`` for the distributed sync without CUDA.
+    """
+    if rollout.backend == "sglang" and rollout.gpu_ids and not sglang_available():
+        raise ValueError(f"rollout.backend=sglang: python package 'sglang' is not installed here: {INSTALL_HINT}")
+    if rollout.weight_sync == "distributed" and rollout.weight_sync_backend == "nccl":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("rollout.weight_sync_backend=nccl needs CUDA GPUs (none here); use "
+                             "rollout.weight_sync_backend=gloo with the CPU reference server")
+
+
 @dataclass
 class SGLangServerSpec:
     """One SGLang server (one ``sglang.launch_server`` process).
