@@ -124,3 +124,33 @@ def test_update_independent_of_micro_batch_cut(dist, loss):
     for g, p in results[1:]:
         assert g == pytest.approx(g0, rel=1e-5)
         assert float((p - p0).abs().max() / p0.abs().max()) <= 1e-5  # fp32 summation order
+
+
+def test_padding_does_not_change_the_update_aux_loss_included(dist):
+    """The same micro-batch, once as cut and once padded to a longer sequence with two extra
+    all-padding rows (what pipeline padding does), gives the same aux loss and the same updated
+    parameters: padded tokens stay out of Megatron's load-balancing loss (padding_mask)."""
+    from moerl.train.actor import _pad_micro_batch
+    from moerl.train.batching import padding_mask
+
+    hf = random_hf_model()
+    samples = make_samples(FIELDS["vocab_size"], n=4)
+    results = []
+    for extra in (False, True):
+        actor = actor_with(hf, lr=1e-2, moe_aux_loss_coeff=1e-1)
+        old = _old_log_probs(actor, samples, 4)
+        (mb,) = split_micro_batches(samples, 4, 0, {"old_log_probs": old})
+        if extra:
+            b, s = mb.tokens.shape
+            mb = _pad_micro_batch(mb, b + 2, s + 5)
+            mask = padding_mask(mb)
+            assert mask.shape == (b + 2, s + 5) and mask[b:].all() and mask[:, s:].all()
+            assert int((~mask).sum()) == sum(len(x.prompt_ids) + len(x.response_ids) for x in samples)
+        n_tok = int(mb.loss_mask.sum())
+        m = actor.train_step([mb], policy_loss(ALGO, global_num_tokens=n_tok, global_num_seqs=len(samples)), 1.0)
+        results.append((m["aux_loss"], torch.cat([p.main_grad.detach().flatten() for p in actor.model.parameters()])))
+        destroy_distributed()
+        init_distributed(seed=0, num_threads=2)
+    (a0, g0), (a1, g1) = results
+    assert a0 > 0 and a1 == pytest.approx(a0, rel=1e-6)
+    assert float((g1 - g0).abs().max()) <= 1e-5 * float(g0.abs().max())  # fp32 summation order

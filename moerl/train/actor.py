@@ -27,7 +27,8 @@ Parallel layouts (whatever moerl.runtime.distributed.init_distributed set up):
   the same chunks (build_schedule(..., fallback=True)).
 
 Padding is right padding with a zero loss mask: with a causal mask it leaves every real token's
-logits unchanged (the padded tokens do count in Megatron's per-micro-batch MoE aux loss).
+logits unchanged, and the padding mask (moerl.train.batching.padding_mask) keeps padded tokens out
+of Megatron's per-micro-batch MoE aux / z losses.
 
 Loss scaling (verified against megatron-core 0.16.1). Megatron divides each micro-batch loss by
 the number of micro-batches (the legacy 2-tuple loss_func contract, schedules.py
@@ -403,6 +404,13 @@ class MegatronActor:
             is_first = bool(get_attr_wrapped_model(model, "pre_process")) if self.dual else first_stage
             if not is_first:
                 args = (None, None, args[2])
+                pad = kwargs.get("padding_mask")
+                if pad is not None and self.tf_config.sequence_parallel and self.tp_size > 1:
+                    # GPTModel scatters the mask for sequence parallelism on the first stage only;
+                    # later stages see their [S/tp] slice of the sequence
+                    chunk = pad.shape[1] // self.tp_size
+                    r = parallel_state.get_tensor_model_parallel_rank()
+                    kwargs = dict(kwargs, padding_mask=pad[:, r * chunk:(r + 1) * chunk].contiguous())
             if replay is not None:
                 replay.before_forward(mb)
             output = model(*args, **kwargs)

@@ -348,7 +348,32 @@ def model_forward_args(mb: MicroBatch) -> tuple[tuple, dict]:
 
     seq_len = mb.tokens.shape[1]
     position_ids = torch.arange(seq_len, dtype=torch.long).unsqueeze(0).expand_as(mb.tokens)
-    return (mb.tokens, position_ids, causal_attention_mask(seq_len, device=mb.tokens.device)), {}
+    kwargs = {}
+    pad = padding_mask(mb)
+    if pad is not None:
+        kwargs["padding_mask"] = pad
+    return (mb.tokens, position_ids, causal_attention_mask(seq_len, device=mb.tokens.device)), kwargs
+
+
+def padding_mask(mb: MicroBatch) -> Optional[torch.Tensor]:
+    """Which positions of a padded micro-batch are padding: bool [B, S], True = padding (Megatron-Core
+    0.16 ``GPTModel.forward(padding_mask=...)``: the MoE routers leave those tokens out of the
+    load-balancing and z losses and of the expert-bias counts). Row i holds
+    ``response_starts[i] + response_lengths[i] + 1`` real tokens (prompt + response); rows past the
+    real samples (added by pipeline padding) are all padding. None when nothing is padded, so an
+    unpadded micro-batch runs exactly as before.
+
+    Without it the per-micro-batch aux loss would count padding tokens, so two layouts that pad the
+    same samples differently (e.g. PP pads every micro-batch to one shape) would train differently.
+    """
+    b, s = mb.tokens.shape
+    lengths = [st + n + 1 for st, n in zip(mb.response_starts, mb.response_lengths)]
+    if len(lengths) == b and all(n == s for n in lengths):
+        return None
+    pos = torch.arange(s, device=mb.tokens.device).unsqueeze(0)
+    real = torch.zeros(b, dtype=torch.long, device=mb.tokens.device)
+    real[: len(lengths)] = torch.tensor(lengths, dtype=torch.long, device=mb.tokens.device)
+    return pos >= real.unsqueeze(1)
 
 
 def model_labels(mb: MicroBatch) -> torch.Tensor:
