@@ -44,6 +44,9 @@ def _train(argv: list[str]) -> int:
         from moerl.rollout.sglang_launcher import check_rollout_environment
 
         check_rollout_environment(cfg.rollout)  # sglang installed / CUDA for NCCL, before any work
+        if cfg.model.params_dtype != "float32":
+            raise ValueError(f"model.params_dtype={cfg.model.params_dtype}: moerl train keeps fp32 weights and "
+                             "Adam state today (the key sizes `moerl plan`); set model.params_dtype=float32")
     except (ConfigError, ValueError) as e:
         print(f"moerl train: {e}", file=sys.stderr)
         return 2
