@@ -3,6 +3,10 @@
 Reference: the same stage modules run without pipelining in the parent process (micro-batch after
 micro-batch, loss.backward() each).  Losses and forward-only outputs must be bitwise equal; gradients
 must satisfy 1 - 2*sum(xy)/sum(x^2+y^2) < 1e-12 (DualPipe: after summing the two mirrored copies).
+
+NCCL emulation: every worker forces the tag of every ``torch.distributed.P2POp`` to 0 (and records the
+tags the interpreter asked for), so gloo, like NCCL, can only match the messages of a pair of ranks in
+posting order; a message landing in the wrong buffer would fail the header check or the comparison.
 """
 
 from __future__ import annotations
@@ -55,13 +59,32 @@ def make_data(M: int):
     return inputs, labels
 
 
-def _worker(rank, world, port, name, M, out_dir, split="retrace"):
+def _force_tag0(tags: list) -> None:
+    """Test-only switch emulating NCCL's tag-blind matching on gloo: every P2POp created from now on in
+    this process gets tag 0; the tag asked for is appended to ``tags``."""
+    import torch.distributed as dist
+
+    base = dist.P2POp
+
+    class TagZeroP2POp(base):
+        def __new__(cls, op, tensor, peer=None, group=None, tag=0, *args, **kwargs):
+            return base.__new__(cls, op, tensor, peer, group, 0, *args, **kwargs)
+
+        def __init__(self, op, tensor, peer=None, group=None, tag=0, *args, **kwargs):
+            tags.append(tag)
+            super().__init__(op, tensor, peer, group, 0, *args, **kwargs)
+
+    dist.P2POp = TagZeroP2POp
+
+
+def _worker(rank, world, port, sched, M, out_dir, split="retrace"):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    tags: list = []
+    _force_tag0(tags)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        sched = build_schedule(name, world, M, fallback=True)
         S = sched.num_stages
         modules = {c: Stage(sched.chunk_stage[c], S) for c in sched.chunks_of_rank(rank)}
         inputs, labels = make_data(M)
@@ -71,7 +94,7 @@ def _worker(rank, world, port, name, M, out_dir, split="retrace"):
         fwd = interp.run(inputs, None, forward_only=True)
         grads = {c: {n: p.grad.clone() for n, p in m.named_parameters()} for c, m in modules.items()}
         torch.save({"losses": res.losses, "outputs": res.outputs, "fwd": fwd.outputs, "grads": grads,
-                    "stages": {c: sched.chunk_stage[c] for c in modules}},
+                    "stages": {c: sched.chunk_stage[c] for c in modules}, "tags": tags},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -107,11 +130,14 @@ def rel_err(x, y):
     return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
 
 
-def run_case(name, P, M, tmp_path, split="retrace"):
+def run_case(name, P, M, tmp_path, split="retrace", sched=None):
+    """Run schedule ``name`` (or the given ``sched``) on P gloo workers with all tags forced to 0 and
+    compare with the unpipelined reference."""
     port = free_port_block(1)
-    mp.start_processes(_worker, args=(P, port, name, M, str(tmp_path), split), nprocs=P, join=True,
+    if sched is None:
+        sched = build_schedule(name, P, M, fallback=True)
+    mp.start_processes(_worker, args=(P, port, sched, M, str(tmp_path), split), nprocs=P, join=True,
                        start_method="spawn")
-    sched = build_schedule(name, P, M, fallback=True)
     ref_losses, ref_outputs, ref_grads = reference(sched.num_stages, M)
     got_losses, got_out, got_fwd = {}, {}, {}
     seen_stages = {}
@@ -124,6 +150,7 @@ def run_case(name, P, M, tmp_path, split="retrace"):
         got_fwd.update(d["fwd"])
         for c, g in d["grads"].items():
             seen_stages.setdefault(d["stages"][c], []).append(g)
+        assert d["tags"] and set(d["tags"]) == {0}, (r, sorted(set(d["tags"])))  # tag-free protocol
     assert sorted(got_losses) == list(range(M))
     for m in range(M):
         assert torch.equal(got_losses[m], ref_losses[m]), (m, got_losses[m], ref_losses[m])
@@ -146,9 +173,27 @@ def test_pp2_matches_unpipelined(name, M, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,M", [("1f1b", 8), ("zb1p", 9), ("dualpipev", 3), ("dualpipe", 1)])
+@pytest.mark.parametrize("name,M", [("1f1b", 8), ("zb1p", 9), ("dualpipev", 3), ("dualpipe", 1),
+                                    ("1f1b", 16), ("zb1p", 12), ("dualpipe", 16), ("dualpipev", 16)])
 def test_pp2_matches_unpipelined_1f1b_zb1p(name, M, tmp_path):
     run_case(name, 2, M, tmp_path)
+
+
+def test_pp2_crossed_orders_buffer_early(tmp_path):
+    """Hand-made schedule whose ranks consume micro-batches in the opposite order of their peer: rank 1
+    runs F/BW of micro-batch 3, 2, 1, 0 (rank 0 sends act 0 first), rank 0 runs BW 0..3 (rank 1 sends
+    grad 3 first).  Without tags each must receive the earlier messages first and buffer them."""
+    from moerl.pipeline.schedules import Action, Schedule, comm_plan, one_f_one_b
+
+    M = 4
+    base = one_f_one_b(2, M)
+    r0 = tuple(Action("F", 0, m) for m in range(M)) + tuple(Action("BW", 0, m) for m in range(M))
+    r1 = tuple(a for m in reversed(range(M)) for a in (Action("F", 1, m), Action("BW", 1, m)))
+    sched = Schedule("crossed", 2, M, base.chunk_rank, base.chunk_stage, base.routes, (r0, r1))
+    # rank 1's first action needs act 3: it takes acts 0..3 at once, in rank 0's send order
+    first = comm_plan(sched)[1][0]
+    assert [[(x.what, x.microbatch) for x in recvs] for _, recvs in first] == [[("act", m)] for m in range(M)]
+    run_case("crossed", 2, M, tmp_path, sched=sched)
 
 
 @pytest.mark.parametrize("name", ["dualpipev"])
@@ -163,9 +208,53 @@ def test_pp4_torch_split_backward(name, M, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,M", [("1f1b", 12), ("zb1p", 12), ("dualpipe", 16), ("dualpipev", 8)])
+@pytest.mark.parametrize("name,M", [("1f1b", 12), ("zb1p", 12), ("dualpipe", 16), ("dualpipev", 8),
+                                    ("1f1b", 8), ("zb1p", 16), ("dualpipe", 8), ("dualpipev", 16)])
 def test_pp4_matches_unpipelined(name, M, tmp_path):
     run_case(name, 4, M, tmp_path)
+
+
+def _naive_worker(rank, port, sched, out_dir):
+    """Run ``sched`` with the naive tag-free plan (each action receives what it needs, in its own order)
+    and tags forced to 0; record the error this rank raised."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from moerl.pipeline import interpreter
+    from moerl.pipeline.schedules import _build_plan
+
+    torch.set_num_threads(1)
+    _force_tag0([])
+    interpreter.comm_plan = lambda s, forward_only=False: _build_plan(s, forward_only, set(), False)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    modules = {c: Stage(sched.chunk_stage[c], 2) for c in sched.chunks_of_rank(rank)}
+    inputs, labels = make_data(sched.num_microbatches)
+    try:
+        interpreter.PipelineInterpreter(sched, modules, criterion).run(inputs, labels)
+        msg = "no error"
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        msg = f"{type(e).__name__}: {e}"
+    with open(os.path.join(out_dir, f"naive{rank}.txt"), "w") as f:
+        f.write(msg)
+
+
+def test_tag0_on_gloo_matches_in_posting_order(tmp_path):
+    """Negative control of the NCCL emulation: with tags forced to 0, the naive plan of the crossed
+    schedule makes rank 1's first receive (meant for act 3) get rank 0's first send (act 0); the header
+    check reports exactly that, so gloo with tag 0 matches a pair's messages in posting order."""
+    from moerl.pipeline.schedules import Action, Schedule, one_f_one_b
+
+    M = 4
+    base = one_f_one_b(2, M)
+    r0 = tuple(Action("F", 0, m) for m in range(M)) + tuple(Action("BW", 0, m) for m in range(M))
+    r1 = tuple(a for m in reversed(range(M)) for a in (Action("F", 1, m), Action("BW", 1, m)))
+    sched = Schedule("crossed", 2, M, base.chunk_rank, base.chunk_stage, base.routes, (r0, r1))
+    mp.start_processes(_naive_worker, args=(free_port_block(1), sched, str(tmp_path)), nprocs=2, join=True,
+                       start_method="spawn")
+    msg = (tmp_path / "naive1.txt").read_text()
+    assert "expected act of (chunk 0, micro-batch 3) from pp rank 0 but got ('act', 0, 0)" in msg, msg
 
 
 def test_interpreter_argument_errors():

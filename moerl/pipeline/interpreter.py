@@ -1,11 +1,15 @@
 """One interpreter for every schedule of :mod:`moerl.pipeline.schedules`, over torch.distributed P2P.
 
-Each rank walks its action list in order.  Before an action it receives (blocking, via
-``torch.distributed.batch_isend_irecv``) the activations / gradients the action needs from other ranks;
-after it, it posts the sends (asynchronously; the buffers are kept alive until the sends complete).  Tensors
-between chunks of the same rank are handed over locally.  Every message carries a distinct tag, so gloo
-matches them whatever the order they are posted in.  (NCCL ignores tags and matches messages between a
-pair of ranks in posting order; this interpreter has been run on gloo only.)
+Each rank walks its action list in order.  Before an action it posts (``torch.distributed.batch_isend_irecv``)
+the sends of the previous action (asynchronously; buffers kept alive until they complete) and receives,
+blocking, the activations / gradients the action needs from other ranks.  Tensors between chunks of the
+same rank are handed over locally.  No message relies on its tag (all tags are 0): NCCL ignores tags and
+matches the messages between a pair of ranks strictly in posting order, so every rank follows the FIFO
+plan of :func:`moerl.pipeline.schedules.comm_plan`: it receives each peer's messages in exactly the order
+that peer sent them, taking early (and buffering) a message sent before the one it needs.  The plan is
+checked by :func:`~moerl.pipeline.schedules.validate_fifo` (FIFO matching, asynchronous sends), and every
+header carries the message id, so a mismatch raises instead of corrupting data.  Tested on gloo only
+(where tag-0 messages of a pair match in posting order too).
 
 Backward is split as in zero-bubble pipelining (Qi et al. 2023):
 
@@ -36,12 +40,14 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from moerl.pipeline.schedules import Action, Schedule, validate_schedule
+from moerl.pipeline.schedules import P2P, Action, Schedule, _plan_actions, comm_plan, validate_schedule
 
 __all__ = ["PipelineInterpreter", "PipelineResult", "sync_mirrored_grads"]
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
-_HDR = 10  # header: dtype code, ndim, up to 8 dims
+_MAXDIM = 8
+_HDR = 5 + _MAXDIM  # header: dtype code, ndim, what (0 act, 1 grad), chunk, micro-batch, up to 8 dims
+_WHAT = ("act", "grad")
 
 
 @dataclass
@@ -125,56 +131,76 @@ class PipelineInterpreter:
         self.overlap = overlap or (lambda f, b: (f(), b()))
         self._M = schedule.num_microbatches
         self._C = schedule.num_chunks
+        # NCCL moves CUDA tensors only: headers and receive buffers live on the current CUDA device there
+        nccl = dist.is_initialized() and dist.get_backend(group) == "nccl"
+        self._device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self._plans = {fo: comm_plan(schedule, forward_only=fo)[pp_rank] for fo in (False, True)}
 
     # ------------------------------------------------------------------------------------------ p2p
     def _peer(self, pp_rank: int) -> int:
         return dist.get_global_rank(self.group, pp_rank) if self.group is not None else pp_rank
 
-    def _tag(self, what: str, chunk: int, mb: int, header: bool) -> int:
-        kind = (0 if what == "act" else 2) + (1 if header else 0)
-        return (kind * self._C + chunk) * self._M + mb + 1
+    def _post_sends(self, sends: tuple[P2P, ...]) -> None:
+        """Post the sends of one plan round asynchronously (tag 0): all headers, then all tensors, so that
+        every pair sees them in the order the receiver's header group and tensor group expect."""
+        hdrs, ops_t, keep = [], [], []
+        for x in sends:
+            t = self._outbox.pop((x.what, x.chunk, x.microbatch))
+            h = torch.zeros(_HDR, dtype=torch.int64)
+            ids = [_DTYPES.index(t.dtype), t.dim(), _WHAT.index(x.what), x.chunk, x.microbatch, *t.shape]
+            h[:len(ids)] = torch.tensor(ids, dtype=torch.int64)
+            h = h.to(self._device)
+            hdrs.append(dist.P2POp(dist.isend, h, self._peer(x.peer), self.group, 0))
+            ops_t.append(dist.P2POp(dist.isend, t, self._peer(x.peer), self.group, 0))
+            keep += [h, t]
+        self._pending_sends.append((dist.batch_isend_irecv(hdrs + ops_t), keep))
+        # drop finished sends so their buffers can be freed
+        self._pending_sends = [(ws, k) for ws, k in self._pending_sends if not all(w.is_completed() for w in ws)]
 
-    def _recv(self, items: list[tuple[int, str, int, int]]) -> list[torch.Tensor]:
-        """Blocking receive of several tensors: items are (peer pp rank, what, chunk, microbatch)."""
-        if not items:
-            return []
-        hdrs = [torch.zeros(_HDR, dtype=torch.int64) for _ in items]
-        ops = [dist.P2POp(dist.irecv, h, self._peer(p), self.group, self._tag(w, c, m, True))
-               for h, (p, w, c, m) in zip(hdrs, items)]
+    def _recv_round(self, recvs: tuple[P2P, ...]) -> None:
+        """Blocking receive of one plan round (tag 0): the headers, then the tensors; every received tensor
+        goes to the local buffer under (what, chunk, micro-batch).
+
+        Raises:
+            RuntimeError: a header names another message than the plan expects (FIFO order broken)."""
+        hdrs = [torch.zeros(_HDR, dtype=torch.int64, device=self._device) for _ in recvs]
+        ops = [dist.P2POp(dist.irecv, h, self._peer(x.peer), self.group, 0) for h, x in zip(hdrs, recvs)]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         bufs = []
-        for h in hdrs:
-            code, ndim = int(h[0]), int(h[1])
-            bufs.append(torch.empty([int(d) for d in h[2:2 + ndim]], dtype=_DTYPES[code]))
-        ops = [dist.P2POp(dist.irecv, b, self._peer(p), self.group, self._tag(w, c, m, False))
-               for b, (p, w, c, m) in zip(bufs, items)]
+        for h, x in zip(hdrs, recvs):
+            h = h.tolist()
+            got = (_WHAT[h[2]] if 0 <= h[2] < 2 else h[2], h[3], h[4])
+            if got != (x.what, x.chunk, x.microbatch):
+                raise RuntimeError(f"pipeline p2p: pp rank {self.pp_rank} expected {x.what} of (chunk {x.chunk}, "
+                                   f"micro-batch {x.microbatch}) from pp rank {x.peer} but got {got}: the ranks "
+                                   f"run different schedules or plans")
+            bufs.append(torch.empty(h[5:5 + h[1]], dtype=_DTYPES[h[0]], device=self._device))
+        ops = [dist.P2POp(dist.irecv, b, self._peer(x.peer), self.group, 0) for b, x in zip(bufs, recvs)]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-        return bufs
+        for b, x in zip(bufs, recvs):
+            self._local[(x.what, x.chunk, x.microbatch)] = b
+
+    def _communicate(self, batch) -> None:
+        """Run one batch of the FIFO plan: per round, post its sends, then receive its messages."""
+        for sends, recvs in batch:
+            if sends:
+                self._post_sends(sends)
+            if recvs:
+                self._recv_round(recvs)
+        if self._outbox:
+            raise AssertionError(f"internal: sends {sorted(self._outbox)} not in the FIFO plan")
 
     def _send(self, items: list[tuple[int, str, int, int, torch.Tensor]]) -> None:
-        """Post asynchronous sends: items are (peer pp rank, what, chunk, microbatch, tensor)."""
-        if not items:
-            return
-        ops = []
-        keep = []
+        """Queue tensors for the next plan batch: items are (peer pp rank, what, chunk, microbatch, tensor)."""
         for p, w, c, m, t in items:
             if t.dtype not in _DTYPES:
                 raise TypeError(f"pipeline p2p: chunk {c} produced a {t.dtype} {w}; chunks must exchange a "
                                 f"floating tensor (one of {_DTYPES})")
-            if t.dim() > _HDR - 2:
-                raise ValueError(f"pipeline p2p: tensors of at most {_HDR - 2} dims, got {tuple(t.shape)}")
-            t = t.detach().contiguous()
-            h = torch.zeros(_HDR, dtype=torch.int64)
-            h[0], h[1] = _DTYPES.index(t.dtype), t.dim()
-            h[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-            ops.append(dist.P2POp(dist.isend, h, self._peer(p), self.group, self._tag(w, c, m, True)))
-            ops.append(dist.P2POp(dist.isend, t, self._peer(p), self.group, self._tag(w, c, m, False)))
-            keep += [h, t]
-        self._pending_sends.append((dist.batch_isend_irecv(ops), keep))
-        # drop finished sends so their buffers can be freed
-        self._pending_sends = [(ws, k) for ws, k in self._pending_sends if not all(w.is_completed() for w in ws)]
+            if t.dim() > _MAXDIM:
+                raise ValueError(f"pipeline p2p: tensors of at most {_MAXDIM} dims, got {tuple(t.shape)}")
+            self._outbox[(w, c, m)] = t.detach().contiguous()
 
     # ------------------------------------------------------------------------------------------ run
     def run(
@@ -221,37 +247,28 @@ class PipelineInterpreter:
         self._saved: dict[tuple[int, int], tuple] = {}  # (chunk, mb) -> (x, y) after F
         self._wsaved: dict[tuple[int, int], tuple] = {}  # (chunk, mb) -> (y, grad_out) after B
         self._pending_sends = []
+        self._outbox: dict[tuple[str, int, int], torch.Tensor] = {}
         self._result = PipelineResult()
         self._record = record_timeline
-        for a in s.actions[r]:
-            if forward_only:
-                for kind, c, m in a.parts():
-                    if kind == "F":
-                        self._exec(Action("F", c, m))
-            else:
-                self._exec(a)
+        plan = self._plans[forward_only]
+        acts = _plan_actions(s, r, forward_only)
+        for i, a in enumerate(acts):
+            t_wait = time.perf_counter() if self._record else 0.0
+            self._communicate(plan[i])
+            t_start = time.perf_counter() if self._record else 0.0
+            self._compute(a)
+            if self._record:
+                self._result.timeline.append((t_wait, t_start, time.perf_counter(), a))
+        self._communicate(plan[len(acts)])
         for works, _ in self._pending_sends:
             for w in works:
                 w.wait()
         self._pending_sends = []
-        if self._saved or self._wsaved:
-            raise AssertionError("internal: activations left after the schedule")
+        if self._saved or self._wsaved or self._local:
+            raise AssertionError("internal: activations or received tensors left after the schedule")
         return self._result
 
     # ------------------------------------------------------------------------------------------ actions
-    def _recv_items(self, a: Action) -> list[tuple[int, str, int, int]]:
-        recvs, _ = self.schedule.p2p(self.pp_rank, a)
-        return [(p.peer, p.what, p.chunk, p.microbatch) for p in recvs]
-
-    def _exec(self, a: Action) -> None:
-        t_wait = time.perf_counter() if self._record else 0.0
-        items = self._recv_items(a)
-        self._local.update(zip([(w, c, m) for _, w, c, m in items], self._recv(items)))
-        t_start = time.perf_counter() if self._record else 0.0
-        self._compute(a)
-        if self._record:
-            self._result.timeline.append((t_wait, t_start, time.perf_counter(), a))
-
     def _compute(self, a: Action) -> None:
         if a.kind == "F":
             self._forward(a.chunk, a.microbatch)
@@ -377,8 +394,9 @@ def sync_mirrored_grads(schedule: Schedule, modules: Mapping[int, torch.nn.Modul
     """Sum the gradients of the mirrored copies of each stage (DualPipe) so both copies hold the total.
 
     For every pair of chunks that run the same stage on two ranks, the ranks exchange their ``param.grad``
-    tensors (``batch_isend_irecv``) and each adds the other's; addition is commutative, so both copies end
-    up bitwise identical.  A no-op for schedules without mirrored copies.  Parameters with ``grad is None``
+    tensors (``batch_isend_irecv``, tag 0, posted in stage order on both sides so that NCCL's
+    posting-order matching pairs them right) and each adds the other's; addition is commutative, so both
+    copies end up bitwise identical.  A no-op for schedules without mirrored copies.  Parameters with ``grad is None``
     are treated as zero gradients.  ``grad_attr="main_grad"`` sums Megatron DDP's gradient buffers instead.
     """
     if grad_attr not in ("grad", "main_grad"):
@@ -387,7 +405,8 @@ def sync_mirrored_grads(schedule: Schedule, modules: Mapping[int, torch.nn.Modul
         pp_rank = dist.get_rank(group) if dist.is_initialized() else 0
     peer_of = (lambda q: dist.get_global_rank(group, q)) if group is not None else (lambda q: q)
     sends, recvs, adds = [], [], []
-    for c in schedule.chunks_of_rank(pp_rank):
+    # NCCL matches a pair's messages in posting order (tags ignored): both sides go by stage
+    for c in sorted(schedule.chunks_of_rank(pp_rank), key=lambda c: schedule.chunk_stage[c]):
         stage = schedule.chunk_stage[c]
         twins = [t for t in range(schedule.num_chunks) if t != c and schedule.chunk_stage[t] == stage]
         for t in twins:
@@ -401,9 +420,8 @@ def sync_mirrored_grads(schedule: Schedule, modules: Mapping[int, torch.nn.Modul
             grads = [getattr(p, grad_attr) for p in params]
             flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
             buf = torch.empty_like(flat)
-            tag = (1 << 30) + stage  # above every activation/gradient tag
-            sends.append(dist.P2POp(dist.isend, flat, peer_of(peer), group, tag))
-            recvs.append(dist.P2POp(dist.irecv, buf, peer_of(peer), group, tag))
+            sends.append(dist.P2POp(dist.isend, flat, peer_of(peer), group, 0))
+            recvs.append(dist.P2POp(dist.irecv, buf, peer_of(peer), group, 0))
             adds.append((grads, buf))
     if not sends:
         return

@@ -28,6 +28,12 @@ Schedules implemented (``P`` = number of pipeline ranks, ``M`` = number of micro
 - ``dualpipev`` ("cut-in-half" DualPipe, the V-shape): ``2P`` stages, rank ``r`` holds stages ``r`` and
   ``2P-1-r``; inputs, labels and loss live on rank 0.  Needs ``M >= 2P``.
 
+Tag-free communication: NCCL ignores point-to-point tags and matches the messages between a pair of ranks
+in posting order.  :func:`comm_plan` derives, for every ordered pair, the order in which the sender sends,
+and makes the receiver take that peer's messages in exactly that order (buffering the ones it needs
+later); :func:`validate_fifo` (run by :func:`validate_schedule`) simulates the resulting posting under
+FIFO matching and proves it matches every message right and cannot deadlock.
+
 For steps with too few micro-batches, ``build_schedule(..., fallback=True)`` returns
 :func:`gpipe_on_layout` (all forwards, then all backwards) on the same chunk layout.
 
@@ -39,6 +45,7 @@ backwards and trailing weight-gradient steps); they were derived here as action 
 from __future__ import annotations
 
 from collections import deque
+from functools import lru_cache
 from dataclasses import dataclass
 from typing import Optional
 
@@ -53,6 +60,8 @@ __all__ = [
     "dualpipe",
     "dualpipev",
     "validate_schedule",
+    "validate_fifo",
+    "comm_plan",
     "gpipe_on_layout",
     "SCHEDULE_NAMES",
 ]
@@ -477,7 +486,8 @@ def validate_schedule(schedule: Schedule) -> None:
     each micro-batch's route has exactly one F, one B and one W (and nothing off-route); and executing each
     rank's list in order with non-blocking sends and blocking receives terminates (no deadlock), with
     every dependency (F after the previous chunk's F, B after own F and the next chunk's B, W after own B)
-    satisfied.
+    satisfied; and (:func:`validate_fifo`) that the tag-free posting plan the interpreter uses matches
+    every message right and terminates when each pair of ranks matches messages in posting order.
 
     Raises:
         ScheduleError: naming the first violation found.
@@ -521,6 +531,7 @@ def validate_schedule(schedule: Schedule) -> None:
             stuck = {r: str(schedule.actions[r][pos[r]]) for r in range(schedule.num_ranks)
                      if pos[r] < len(schedule.actions[r])}
             raise ScheduleError(f"schedule {schedule.name} deadlocks: ranks wait at {stuck}")
+    validate_fifo(schedule)
 
 
 def action_deps(schedule: Schedule, action: Action) -> list[tuple[str, int, int]]:
@@ -545,3 +556,255 @@ def action_deps(schedule: Schedule, action: Action) -> list[tuple[str, int, int]
 
 def _ready(schedule: Schedule, action: Action, done: set) -> bool:
     return all(d in done for d in action_deps(schedule, action))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# FIFO (tag-free) communication plan and its check
+
+
+def _plan_actions(schedule: Schedule, rank: int, forward_only: bool) -> list[Action]:
+    """The actions ``rank`` executes: its list, or (``forward_only``) the F part of each in order."""
+    acts = schedule.actions[rank]
+    if not forward_only:
+        return list(acts)
+    return [Action("F", c, m) for a in acts for kind, c, m in a.parts() if kind == "F"]
+
+
+_Plan = tuple[tuple[tuple[tuple[tuple[P2P, ...], tuple[P2P, ...]], ...], ...], ...]
+
+
+def comm_plan(schedule: Schedule, *, forward_only: bool = False, blocking_sends: bool = False,
+              buffer_early: bool = True) -> _Plan:
+    """The tag-free point-to-point posting plan of every rank, correct when messages between a pair of
+    ranks are matched strictly in posting order (NCCL ignores tags: FIFO per ordered (src, dst) pair).
+
+    Rank ``r`` executing ``n`` actions posts ``n + 1`` *batches*: batch ``i`` (``i < n``) runs before action
+    ``i`` and holds the sends of action ``i-1`` and the receives action ``i`` needs; batch ``n`` holds the
+    sends of the last action.  The sends of one batch to one peer form a *segment*.  A receiver takes the
+    segments of each peer whole and in the order that peer sent them: when an action needs a message whose
+    segment is not in yet, it also receives every earlier unreceived segment of that peer and buffers the
+    messages it does not need yet.
+
+    A batch is a tuple of *rounds* ``(sends, recvs)``; round ``k`` of the receives takes the ``k``-th due
+    segment of each peer (peers ascending, messages in send order).  By default a batch's sends share
+    round 0 with its first receives.  The interpreter posts a round's sends as one asynchronous
+    ``batch_isend_irecv`` (all fixed-size headers -- dtype, shape, message id -- then all tensors, so each
+    pair sees ``h1 h2 .. t1 t2 ..``), then its receives as two blocking groups: the headers, then the
+    tensors.  Deterministic: every rank computes the same plan from the schedule alone.
+
+    With ``blocking_sends=True`` the plan is the one for the stricter model of :func:`validate_fifo`
+    (sends and receives of a round share the header group and the tensor group, as Megatron's
+    ``send_forward_recv_backward`` pairs them; where that deadlocks, a batch's sends get a round of their
+    own before its receives); the interpreter does not use it.  ``buffer_early=False`` gives the naive
+    plan (each action receives exactly what it needs, in its own order, as the tag-matched interpreter
+    did): only for showing what :func:`validate_fifo` rejects.
+
+    Returns:
+        ``plan[rank][batch]`` = tuple of rounds, each ``(sends, recvs)``: tuples of :class:`P2P` (nested
+        tuples, cached per schedule).
+
+    Raises:
+        ScheduleError: a needed message is never sent, or the plan mismatches or deadlocks (see
+            :func:`validate_fifo`).
+    """
+    return _fifo_plan(schedule, forward_only, blocking_sends, buffer_early)[0]
+
+
+@lru_cache(maxsize=64)
+def _fifo_plan(schedule: Schedule, forward_only: bool, blocking_sends: bool, buffer_early: bool = True):
+    """(plan, wire groups) of :func:`comm_plan`, checked by :func:`_simulate_fifo` (with blocking sends:
+    batches split until it finishes)."""
+    split: set[tuple[int, int]] = set()
+    mode = ("forward-only" if forward_only else "training") + (", blocking sends" if blocking_sends else "")
+    while True:
+        plan = _build_plan(schedule, forward_only, split, buffer_early)
+        groups = [_wire_groups(pr, blocking_sends) for pr in plan]
+        _check_pairs(schedule, groups, mode)
+        stuck = _simulate_fifo(groups, blocking_sends)
+        if stuck is None:
+            return plan, groups
+        new = set()
+        if blocking_sends:  # split the merged batches the stuck ranks wait in
+            new = {(r, groups[r][g][1]) for r, g in stuck.items()
+                   if groups[r][g][2] and (r, groups[r][g][1]) not in split}
+        if not new:
+            desc = {r: [f"{op} {it[0]}:{it[1]}{it[2]}.{it[3]} {'to' if op == 'send' else 'from'} {p}"
+                        for op, p, it in groups[r][g][0]] for r, g in stuck.items()}
+            raise ScheduleError(f"schedule {schedule.name} ({mode}) deadlocks under FIFO p2p without tags: "
+                                f"ranks wait in groups {desc}: reorder the ranks' actions")
+        split |= new
+
+
+def _build_plan(schedule: Schedule, forward_only: bool, split: set, buffer_early: bool = True):
+    """:func:`comm_plan` with the batches ``(rank, batch)`` in ``split`` posting their sends alone first."""
+    P = schedule.num_ranks
+    acts = [_plan_actions(schedule, r, forward_only) for r in range(P)]
+    sends = [[()] + [tuple(schedule.p2p(r, a)[1]) for a in acts[r]] for r in range(P)]
+    segs: dict[tuple[int, int], list[tuple[tuple[str, int, int], ...]]] = {}
+    where: dict[tuple[int, int, tuple[str, int, int]], int] = {}  # (src, dst, msg) -> segment index
+    for r in range(P):
+        for batch in sends[r]:
+            by_peer: dict[int, list] = {}
+            for x in batch:
+                by_peer.setdefault(x.peer, []).append((x.what, x.chunk, x.microbatch))
+            for q, msgs in by_peer.items():
+                lst = segs.setdefault((r, q), [])
+                for msg in msgs:
+                    where[(r, q, msg)] = len(lst)
+                lst.append(tuple(msgs))
+    plan = []
+    for r in range(P):
+        nxt: dict[int, int] = {}  # peer -> next segment index to receive from it
+        batches = []
+        for i in range(len(acts[r]) + 1):
+            upto: dict[int, int] = {}
+            if i < len(acts[r]):
+                for rv in schedule.p2p(r, acts[r][i])[0]:
+                    msg = (rv.what, rv.chunk, rv.microbatch)
+                    k = where.get((rv.peer, r, msg))
+                    if k is None:
+                        raise ScheduleError(f"rank {r}: action {acts[r][i]} needs {msg} from rank {rv.peer}, "
+                                            f"which never sends it")
+                    if k >= nxt.get(rv.peer, 0):
+                        upto[rv.peer] = max(upto.get(rv.peer, -1), k)
+            rounds = []
+            if not buffer_early:
+                need = tuple(schedule.p2p(r, acts[r][i])[0]) if i < len(acts[r]) else ()
+                batches.append(((sends[r][i], need),) if sends[r][i] or need else ())
+                continue
+            if (r, i) in split and sends[r][i]:
+                rounds.append((sends[r][i], ()))
+            k = 0
+            while any(nxt.get(p, 0) + k <= e for p, e in upto.items()):
+                recvs = []
+                for p in sorted(upto):
+                    j = nxt.get(p, 0) + k
+                    if j <= upto[p]:
+                        recvs += [P2P("recv", p, w, c, m) for w, c, m in segs[(p, r)][j]]
+                rounds.append(((), tuple(recvs)))
+                k += 1
+            if (r, i) not in split and sends[r][i]:
+                rounds[0:1] = [(sends[r][i], rounds[0][1] if rounds else ())]
+            for p, e in upto.items():
+                nxt[p] = e + 1
+            batches.append(tuple(rounds))
+        plan.append(tuple(batches))
+    return tuple(plan)
+
+
+def _wire_groups(plan_rank, blocking_sends: bool) -> list[tuple[list[tuple[str, int, tuple]], int, bool]]:
+    """The ``batch_isend_irecv`` groups one rank posts for its plan, in order.  Items ``(ops, batch index,
+    merged)``: ops are ``(op, peer, (part, what, chunk, microbatch))`` with part ``h`` (header) or ``t``
+    (tensor); ``merged`` says the group holds both sends and receives.  Per round: with asynchronous sends
+    (the interpreter) the sends' headers and tensors, then the receives' headers, then their tensors; with
+    ``blocking_sends``, headers of sends and receives, then tensors of both."""
+    groups = []
+    for b, batch in enumerate(plan_rank):
+        for sends, recvs in batch:
+            if blocking_sends:
+                parts = [(("h",), ("h",)), (("t",), ("t",))]
+            else:
+                parts = [(("h", "t"), ()), ((), ("h",)), ((), ("t",))]
+            for send_parts, recv_parts in parts:
+                g = [("send", x.peer, (part, x.what, x.chunk, x.microbatch)) for part in send_parts for x in sends]
+                g += [("recv", v.peer, (part, v.what, v.chunk, v.microbatch)) for part in recv_parts for v in recvs]
+                if g:
+                    groups.append((g, b, bool(send_parts) and bool(recv_parts) and bool(sends) and bool(recvs)))
+    return groups
+
+
+def _check_pairs(schedule: Schedule, groups, mode: str) -> None:
+    """Every ordered pair's send sequence equals its receive sequence (FIFO matching pairs them right)."""
+    seq: dict[tuple[str, int, int], list] = {}
+    for r, gs in enumerate(groups):
+        for g, _, _ in gs:
+            for op, peer, item in g:
+                seq.setdefault((op, r, peer) if op == "send" else (op, peer, r), []).append(item)
+    for (op, src, dst), items in seq.items():
+        other = seq.get(("recv" if op == "send" else "send", src, dst), [])
+        for k in range(max(len(items), len(other))):
+            a = items[k] if k < len(items) else None
+            b = other[k] if k < len(other) else None
+            if a != b:
+                raise ScheduleError(f"schedule {schedule.name} ({mode}): FIFO mismatch on pair {src}->{dst}: "
+                                    f"message #{k} is {a} on the {op} side but {b} on the other")
+
+
+def _simulate_fifo(groups, blocking_sends: bool) -> Optional[dict[int, int]]:
+    """Run the groups under FIFO p2p; None when every rank finishes, else {rank: stuck group}.
+
+    The ``k``-th send from ``src`` to ``dst`` meets the ``k``-th receive on ``dst`` from ``src``.  A rank's
+    current group finishes when each of its ops has met its partner.  With ``blocking_sends`` ops meet
+    only while both groups are current; otherwise a send is complete once posted and a receive meets a
+    send posted at any earlier time."""
+    P = len(groups)
+    index = []  # FIFO index of every op on its ordered pair
+    count: dict[tuple[str, int, int], int] = {}
+    for r in range(P):
+        idx_r = []
+        for g, _, _ in groups[r]:
+            idx_g = []
+            for op, peer, _ in g:
+                key = (op, r, peer) if op == "send" else (op, peer, r)
+                idx_g.append(count.get(key, 0))
+                count[key] = idx_g[-1] + 1
+            idx_r.append(idx_g)
+        index.append(idx_r)
+    pos = [0] * P
+    done = [[[False] * len(g) for g, _, _ in groups[r]] for r in range(P)]
+    posted: set[tuple[int, int, int]] = set()  # (src, dst, fifo index) of posted sends (async model)
+    while True:
+        current = {}  # (rank, op, peer, fifo index) -> slot in that rank's current group
+        for r in range(P):
+            if pos[r] < len(groups[r]):
+                for j, (op, peer, _) in enumerate(groups[r][pos[r]][0]):
+                    current[(r, op, peer, index[r][pos[r]][j])] = j
+        progressed = False
+        for r in range(P):
+            if pos[r] >= len(groups[r]):
+                continue
+            g, flags = groups[r][pos[r]][0], done[r][pos[r]]
+            for j, (op, peer, _) in enumerate(g):
+                if not blocking_sends:
+                    if op == "send":
+                        flags[j] = True
+                        posted.add((r, peer, index[r][pos[r]][j]))
+                    elif (peer, r, index[r][pos[r]][j]) in posted:
+                        flags[j] = True
+                    continue
+                if not flags[j]:
+                    jj = current.get((peer, "recv" if op == "send" else "send", r, index[r][pos[r]][j]))
+                    if jj is not None:
+                        flags[j] = True
+                        done[peer][pos[peer]][jj] = True
+        for r in range(P):
+            while pos[r] < len(groups[r]) and all(done[r][pos[r]]):
+                pos[r] += 1
+                progressed = True
+        if all(pos[r] == len(groups[r]) for r in range(P)):
+            return None
+        if not progressed:
+            return {r: pos[r] for r in range(P) if pos[r] < len(groups[r])}
+
+
+def validate_fifo(schedule: Schedule, *, blocking_sends: bool = False, buffer_early: bool = True) -> None:
+    """Prove that the schedule runs with tag-free point-to-point messages (:func:`comm_plan`), in training
+    and forward-only mode, by simulating the exact ``batch_isend_irecv`` groups every rank posts.
+
+    Model: the ``k``-th send from ``src`` to ``dst`` meets the ``k``-th receive posted on ``dst`` from
+    ``src`` (FIFO per ordered pair, tags ignored: NCCL's matching); every rank posts its groups in order and
+    waits for each receive group to finish.  By default sends are asynchronous (complete once posted: gloo,
+    and NCCL for messages that fit its buffers or on per-pair streams).  ``blocking_sends=True`` checks
+    NCCL's documented worst case instead: a group finishes only when every op in it met its partner while
+    both groups were current (a send blocks until its receive is posted); the real schedules do NOT all
+    pass that model with a header-then-tensor protocol (see :func:`comm_plan`).
+
+    Checks that each pair's send and receive sequences are identical (no message lands in a buffer meant
+    for another) and that every rank finishes (no deadlock).  ``buffer_early=False`` checks the naive
+    plan of :func:`comm_plan` instead.
+
+    Raises:
+        ScheduleError: the first mismatching message of a pair, or the ranks' waiting groups on deadlock.
+    """
+    for forward_only in (False, True):
+        _fifo_plan(schedule, forward_only, blocking_sends, buffer_early)
