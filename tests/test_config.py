@@ -66,7 +66,7 @@ EXPECTED_TINY = {
     },
     "sft": {
         "enabled": True, "lr": 1.0e-3, "global_batch_size": 128, "micro_batch_size": 128, "max_steps": 3000,
-        "eval_every": 50, "eval_prompts": 100, "target_accuracy": 0.3,
+        "eval_every": 25, "eval_prompts": 100, "target_accuracy": 0.3,
     },
     "eval": {"num_prompts": 300, "every_steps": 50},
     "log": {"tensorboard": True, "wandb_project": None, "log_every": 1},

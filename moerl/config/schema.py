@@ -344,7 +344,7 @@ class SFTConfig(_Section):
     global_batch_size: int = Field(128, ge=1)
     micro_batch_size: int = Field(128, ge=1)
     max_steps: int = Field(3000, ge=1)
-    eval_every: int = Field(50, ge=1)  # steps
+    eval_every: int = Field(25, ge=1)  # steps
     eval_prompts: int = Field(100, ge=1)
     target_accuracy: float = Field(0.3, gt=0, le=1)  # stop when greedy eval accuracy first reaches it
 
