@@ -186,7 +186,10 @@ def test_ctrl_c_shuts_the_cluster_down_then_raises_keyboardinterrupt(ckpt, tmp_p
     (Python's KeyboardInterrupt) runs; the owner reports its children's exit codes."""
     base, router = _free_ports(1)
     script = textwrap.dedent(f"""
-        import time
+        import signal, time
+        # an interactive program's SIGINT (a job started in the background by a non-interactive
+        # shell, as CI may do, inherits SIGINT ignored)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         from moerl.rollout.launcher import RolloutCluster
         c = RolloutCluster({ckpt!r}, num_servers=1, base_port={base}, router_port={router},
                            log_dir={str(tmp_path / 'logs')!r}).start()
@@ -235,3 +238,20 @@ def test_client_retries_then_names_the_dead_server():
     with pytest.raises(RolloutServerDiedError, match="server 0") as ei:
         client.generate_many([{"input_ids": [4, 5]}])
     assert ei.value.index == 0 and dead.calls == 2  # checked before the attempt and after its failure
+
+
+def test_an_ignored_signal_stays_ignored(tmp_path):
+    """A process that ignores SIGINT (background job of a non-interactive shell) keeps ignoring it:
+    the cluster does not hook it (so a stray SIGINT does not stop the servers), SIGTERM still is."""
+    c = RolloutCluster(str(tmp_path), num_servers=1, base_port=31000, router_port=30000)
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        c._install_signal_handlers()
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) == c._on_signal
+        c._restore_signal_handlers()
+        assert signal.getsignal(signal.SIGTERM) == before[signal.SIGTERM]
+    finally:
+        for sig, h in before.items():
+            signal.signal(sig, h)

@@ -754,6 +754,10 @@ class RolloutCluster:
             return  # signal.signal only works in the main thread; atexit + PDEATHSIG still apply
         for sig in (signal.SIGTERM, signal.SIGINT):
             prev = signal.getsignal(sig)
+            if prev == signal.SIG_IGN:
+                # the process ignores it (e.g. SIGINT in a job started in the background by a
+                # non-interactive shell): respect that; atexit and PDEATHSIG still clean up
+                continue
             self._prev_handlers[sig] = prev
             signal.signal(sig, self._on_signal)
 
