@@ -508,13 +508,13 @@ class RolloutCluster:
                     break
                 except Exception:
                     self.check_alive()
-                    died = self._wait_for_dead(urls) if self.failover else []
+                    died = self.wait_for_dead(urls) if self.failover else []
                     if not died or attempt == 1:
                         raise
             self.set_weight_restorer(weight_version, restore)
             return urls
 
-    def _wait_for_dead(self, urls: Sequence[str], timeout_s: float = 5.0) -> list[str]:
+    def wait_for_dead(self, urls: Sequence[str], timeout_s: float = 5.0) -> list[str]:
         """The servers among ``urls`` that are no longer live, waiting up to ``timeout_s`` for one to
         show up: a SIGKILLed server's sockets close (the client sees ConnectError / a reset) a moment
         before its process can be reaped, so an HTTP failure can precede ``proc.poll()``."""

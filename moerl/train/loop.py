@@ -128,22 +128,29 @@ class WeightSync:
         if self.cluster is not None:
             ro = self.ctx.cfg.rollout
             with self.cluster.weights_lock():  # a server restarting meanwhile gets these weights
-                urls = list(self.cluster.live_server_urls() if ro.failover else self.cluster.server_urls)
-                if ro.weight_sync == "distributed" and (self.updater is None or self.updater.server_urls != urls):
-                    if self.updater is not None:
-                        self.updater.close()
-                    self.updater = DistributedWeightUpdater(
-                        urls, master_address=ro.weight_sync_master_address or ro.host, backend=ro.weight_sync_backend)
-                try:
-                    sync_weights(ro.weight_sync, urls, hf_sd, version,
-                                 bucket_bytes=int(ro.weight_sync_bucket_mb * (1 << 20)), hf_config=self.ctx.hf_config,
-                                 out_root=self.ctx.run_dir / "weights", updater=self.updater)
-                except Exception:
-                    if self.updater is not None:  # the group may be out of step: rebuild it next time
-                        self.updater.close()
-                        self.updater = None
-                    self.cluster.check_alive()  # a dead server is named (RolloutServerDiedError)
-                    raise
+                for attempt in range(2):
+                    urls = list(self.cluster.live_server_urls() if ro.failover else self.cluster.server_urls)
+                    if ro.weight_sync == "distributed" and (self.updater is None or self.updater.server_urls != urls):
+                        if self.updater is not None:
+                            self.updater.close()
+                        self.updater = DistributedWeightUpdater(
+                            urls, master_address=ro.weight_sync_master_address or ro.host,
+                            backend=ro.weight_sync_backend)
+                    try:
+                        sync_weights(ro.weight_sync, urls, hf_sd, version,
+                                     bucket_bytes=int(ro.weight_sync_bucket_mb * (1 << 20)),
+                                     hf_config=self.ctx.hf_config, out_root=self.ctx.run_dir / "weights",
+                                     updater=self.updater)
+                        break
+                    except Exception:
+                        if self.updater is not None:  # the group may be out of step: rebuild it next time
+                            self.updater.close()
+                            self.updater = None
+                        self.cluster.check_alive()  # a dead server is named (RolloutServerDiedError)
+                        # failover: a server killed during the sync (its death can show a moment after
+                        # the HTTP error) is restarted and restored later; sync the survivors once more
+                        if not (ro.failover and attempt == 0 and self.cluster.wait_for_dead(urls)):
+                            raise
                 if ro.failover:  # what a restarted server receives before it serves again
                     self.cluster.set_weight_restorer(version, failover_restorer(
                         ro.weight_sync, hf_sd, version, self.ctx.run_dir / "weights",
