@@ -211,3 +211,72 @@ def test_weight_push_that_fails_as_a_server_dies_is_retried_on_the_survivor(tmp_
     with pytest.raises(ValueError, match="bad weights"):
         c.update_weights("8", broken)
     assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.parametrize("mode", ["disk", "distributed"])
+def test_trainer_weight_sync_goes_through_the_cluster_retry(tmp_path, monkeypatch, mode):
+    """moerl.train.loop.WeightSync pushes through RolloutCluster.update_weights: the same race as
+    above (server 1's sockets close before its process can be reaped) ends in one retry on the
+    survivor, a rebuilt distributed group, and the restorer of this version registered; without
+    failover every server gets the push and the dead one is named."""
+    from types import SimpleNamespace
+
+    import moerl.train.loop as loop
+    from moerl.config.schema import RolloutConfig
+    from moerl.rollout.errors import RolloutServerDiedError
+    from moerl.rollout.launcher import _Child
+
+    class Proc:
+        def __init__(self, dies_at):
+            self.dies_at, self.pid, self.returncode = dies_at, 1, None
+
+        def poll(self):
+            if self.dies_at is not None and time.monotonic() >= self.dies_at:
+                self.returncode = -9
+            return self.returncode
+
+    sd = {"w": torch.ones(2)}
+    pushes, restorers = [], []
+
+    def fake_sync(m, urls, hf_sd, version, *, updater=None, out_root=None, **kw):
+        pushes.append((list(urls), version, None if updater is None else list(updater.server_urls)))
+        if m == "disk":  # what sync_weights_from_disk leaves behind: the version directory
+            os.makedirs(os.path.join(out_root, f"weights_{version}"), exist_ok=True)
+        if len(pushes) == 1:
+            raise ConnectionError(f"{urls[-1]}: Connection refused")
+
+    def fake_restorer(weight_sync, hf_sd, version, out_root, bucket_bytes):
+        restorers.append((weight_sync, hf_sd is sd, version, os.path.isdir(os.path.join(out_root, f"weights_{version}"))))
+        return lambda url: restorers.append(("restore", url))
+
+    monkeypatch.setattr(loop, "sync_weights", fake_sync)
+    monkeypatch.setattr(loop, "failover_restorer", fake_restorer)
+    actor = SimpleNamespace(export_hf_state_dict=lambda dst: sd)
+
+    def weight_sync(failover, dies_at):
+        c = RolloutCluster(str(tmp_path), num_servers=2, base_port=31000, router_port=30000, failover=failover)
+        u0, u1 = c.server_urls
+        c._servers = [_Child("server 0", 0, u0, "", Proc(None), None), _Child("server 1", 1, u1, "", Proc(dies_at), None)]
+        real, c.calls = c.update_weights, []
+        c.update_weights = lambda *a, **kw: c.calls.append(a[0]) or real(*a, **kw)  # spy: the loop's way in
+        ro = RolloutConfig(weight_sync=mode, failover=failover)
+        ctx = SimpleNamespace(cfg=SimpleNamespace(rollout=ro), run_dir=tmp_path, hf_config=None)
+        return c, loop.WeightSync(ctx, c, version=2)
+
+    c, ws = weight_sync(True, time.monotonic() + 0.5)
+    u0, u1 = c.server_urls
+    assert ws(actor) == "3" and c.calls == ["3"]
+    group = [[u0, u1], [u0]] if mode == "distributed" else [None, None]
+    assert pushes == [([u0, u1], "3", group[0]), ([u0], "3", group[1])]
+    if mode == "distributed":
+        assert ws.updater.server_urls == [u0]  # the group of the failed push was dropped, a new one made
+    assert c.current_weight_version == "3" and not restorers  # the restorer is built when a server restarts
+    c._restorer(u1)
+    assert restorers == [(mode, True, "3", mode == "disk"), ("restore", u1)]
+
+    # failover off: the push goes to every server (the dead one too) and the dead one is named
+    pushes.clear()
+    c, ws = weight_sync(False, time.monotonic())
+    with pytest.raises(RolloutServerDiedError, match="server 1"):
+        ws(actor)
+    assert [p[0] for p in pushes] == [c.server_urls] and c.current_weight_version is None and c.calls == ["3"]

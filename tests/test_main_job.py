@@ -206,14 +206,15 @@ def test_killed_server_is_restarted_and_the_run_finishes(tmp_path):
         servers = [c for c in _children_of(proc.pid) if "moerl.rollout.server" in " ".join(c.cmdline())]
         assert len(servers) == 2
         servers[1].send_signal(signal.SIGKILL)
-        _wait_for(log, r"'rejoined'", proc)  # restarted, given the current weights, back in the router
+        _wait_for(log, r"rollout failover: server \d \(\S+\) back in the router", proc)  # restarted, given the current weights, back in the router
         rc = proc.wait(timeout=600)
     finally:
         if proc.poll() is None:
             proc.kill()
     text = log.read_text()
     assert rc == 0, text[-3000:]
-    for event in ("'died'", "'restarted'", "'restored'", "'rejoined'"):
+    for event in ("died (signal SIGKILL", "restarted as pid", "restored to weights version",
+                  "back in the router with weights version"):
         assert event in text, (event, text[-3000:])
     assert "step 200/200" in text and "EVAL after RL" in text
     time.sleep(1)

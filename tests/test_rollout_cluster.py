@@ -255,3 +255,232 @@ def test_an_ignored_signal_stays_ignored(tmp_path):
     finally:
         for sig, h in before.items():
             signal.signal(sig, h)
+
+
+# ----------------------------------------------------------------------------- wait_healthy
+
+
+class _Health:
+    """A /health endpoint in a thread (http.server) that answers ``statuses`` in turn, then 200."""
+
+    def __init__(self, statuses):
+        import http.server
+        import threading
+
+        self.statuses, self.gets = list(statuses), 0
+        outer = self
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server API
+                outer.gets += 1
+                code = outer.statuses.pop(0) if outer.statuses else 200
+                self.send_response(code if self.path == "/health" else 404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *a):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_wait_healthy_returns_at_the_first_200():
+    from moerl.rollout.launcher import wait_healthy
+
+    srv = _Health([503, 503])
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        try:
+            wait_healthy(srv.url + "/", proc, timeout_s=20, interval_s=0.02)
+        finally:
+            proc.kill()
+            proc.wait()
+        assert srv.gets == 3  # 503, 503, 200: returned at the first 200 and not before
+    finally:
+        srv.close()
+
+
+def test_wait_healthy_names_the_url_exit_code_and_log_tail_of_a_dead_process(tmp_path):
+    from moerl.rollout.errors import ServerExitedError
+    from moerl.rollout.launcher import wait_healthy
+
+    url = f"http://127.0.0.1:{_free_ports(0)[0]}"  # nothing listens there
+    code = "import sys; print('loading weights'); print('boom: no config.json', file=sys.stderr); sys.exit(3)"
+    log = tmp_path / "s.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=f, stderr=subprocess.STDOUT)
+    with pytest.raises(RuntimeError) as ei:
+        wait_healthy(url, proc, timeout_s=60, what="server 3", log_path=str(log))
+    msg = str(ei.value)
+    assert isinstance(ei.value, ServerExitedError) and ei.value.returncode == 3 and ei.value.url == url
+    assert f"server 3 ({url}, pid {proc.pid}) exited with exit code 3" in msg
+    assert "loading weights" in msg and "boom: no config.json" in msg and str(log) in msg
+    # no log file: the tail of the process's stderr pipe; killed by a signal: named
+    proc = subprocess.Popen([sys.executable, "-c", "import os, sys, signal; print('dying', file=sys.stderr, "
+                             "flush=True); os.kill(os.getpid(), signal.SIGKILL)"], stderr=subprocess.PIPE)
+    with pytest.raises(ServerExitedError, match=r"(?s)exited with signal SIGKILL.*dying"):
+        wait_healthy(url, proc, timeout_s=60)
+
+
+def test_wait_healthy_times_out_on_a_silent_external_url_with_progress_lines(capsys):
+    from moerl.rollout.errors import RolloutStartupError
+    from moerl.rollout.launcher import wait_healthy
+
+    url = f"http://127.0.0.1:{_free_ports(0)[0]}"
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError) as ei:
+        wait_healthy(url, None, timeout_s=1.0, what="external rollout server", interval_s=0.05,
+                     progress_every_s=0.3)
+    took = time.monotonic() - t0
+    assert 1.0 <= took < 10.0
+    assert isinstance(ei.value, RolloutStartupError) and ei.value.url == url and ei.value.timeout_s == 1.0
+    assert f"({url}) did not answer /health with HTTP 200 within 1 s (last: Connect" in str(ei.value)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if f"waiting for external rollout server {url}" in ln]
+    assert 1 <= len(lines) <= 4, lines  # every 0.3 s (at ~0.3, 0.6, 0.9 s; fewer on a loaded machine)
+    assert all("s of timeout 1 s" in ln for ln in lines)
+    # a child process has its own log: no progress lines for it; a 503 is reported as the last answer
+    srv = _Health([503] * 10_000)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        with pytest.raises(TimeoutError, match=r"within 0.5 s \(last: HTTP 503\)"):
+            wait_healthy(srv.url, proc, timeout_s=0.5, interval_s=0.05, progress_every_s=0.1)
+    finally:
+        proc.kill()
+        proc.wait()
+        srv.close()
+    assert "waiting for" not in capsys.readouterr().err
+
+
+def test_wait_healthy_check_ends_the_wait():
+    from moerl.rollout.launcher import wait_healthy
+
+    url = f"http://127.0.0.1:{_free_ports(0)[0]}"
+    calls = []
+
+    def check():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyError("stop")
+
+    with pytest.raises(KeyError, match="stop"):
+        wait_healthy(url, None, timeout_s=60, interval_s=0.01, check=check)
+    assert len(calls) == 3
+
+
+def test_startup_names_the_server_that_dies_while_another_is_still_starting(tmp_path):
+    """Server 0 never answers, server 1 exits: the cluster names server 1 at once (not a timeout of 0)."""
+    base, router = _free_ports(2)
+    argv = {0: [sys.executable, "-c", "import time; time.sleep(60)"],
+            1: [sys.executable, "-c", "import sys; print('server one failed'); sys.exit(5)"]}
+    cluster = RolloutCluster(str(tmp_path), num_servers=2, base_port=base, router_port=router, startup_timeout_s=60,
+                             log_dir=str(tmp_path / "logs"), server_command=lambda i, port: argv[i])
+    t0 = time.monotonic()
+    with pytest.raises(RolloutStartupError) as ei:
+        cluster.start()
+    msg = str(ei.value)
+    assert time.monotonic() - t0 < 30
+    assert "server 1" in msg and "exited during startup with exit code 5" in msg and "server one failed" in msg
+    # a server that never answers: named with the recipe key to raise
+    cluster = RolloutCluster(str(tmp_path), num_servers=1, base_port=base, router_port=router, startup_timeout_s=1,
+                             log_dir=str(tmp_path / "logs2"), server_command=lambda i, port: argv[0])
+    with pytest.raises(RolloutStartupError, match=r"server 0 .*did not answer /health within 1 s \(startup_timeout_s\)"):
+        cluster.start()
+
+
+def test_startup_names_an_external_url_that_never_answers(tmp_path):
+    base, router = _free_ports(1)
+    dead = f"http://127.0.0.1:{_free_ports(0)[0]}"
+    cluster = RolloutCluster(str(tmp_path), num_servers=0, base_port=base, router_port=router, startup_timeout_s=1,
+                             log_dir=str(tmp_path / "logs"), extra_worker_urls=[dead + "/"])
+    with pytest.raises(RolloutStartupError, match=rf"external rollout server \({dead}\) did not answer /health "
+                                                  r".*rollout.external_urls"):
+        cluster.start()
+    assert cluster._router is None  # the router is started only once every server answers
+
+
+def test_router_prometheus_port_is_free_and_below_the_ephemeral_range(tmp_path):
+    from moerl.rollout.launcher import free_port_below_ephemeral
+
+    lo, hi = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    base, router = _free_ports(2)
+    c = RolloutCluster(str(tmp_path), num_servers=2, base_port=base, router_port=router)
+    for _ in range(20):
+        argv = c._router_argv()
+        port = int(argv[argv.index("--prometheus-port") + 1])
+        assert port < min(lo, 32768) and port not in (base, base + 1, router) and port_is_free("127.0.0.1", port)
+    assert argv[argv.index("--prometheus-host") + 1] == "127.0.0.1"
+    # exclude is honoured even when it leaves a single candidate
+    lo2 = next(p for p in range(25000, 26000, 2) if port_is_free("127.0.0.1", p + 1))
+    assert all(free_port_below_ephemeral(exclude=[lo2], low=lo2, high=lo2 + 1) == lo2 + 1 for _ in range(10))
+    with pytest.raises(ValueError, match="low"):
+        free_port_below_ephemeral(low=30000, high=20000)
+
+
+def test_failover_events_print_as_one_readable_line():
+    from moerl.rollout.launcher import format_failover_event
+
+    u = "http://127.0.0.1:31001"
+    base = {"t": 0.0, "index": 1, "url": u}
+    cases = [
+        ({"event": "died", "pid": 123, "reason": "signal SIGKILL"},
+         f"server 1 ({u}) died (signal SIGKILL, pid 123); taking it out of the router"),
+        ({"event": "removed_from_router"}, f"server 1 ({u}) removed from the router; restarting it"),
+        ({"event": "restarted", "pid": 456, "restart": 1}, f"server 1 ({u}) restarted as pid 456 (restart 1 of 3); "
+                                                            f"waiting for /health"),
+        ({"event": "restored", "weight_version": "3"}, f"server 1 ({u}) restored to weights version 3"),
+        ({"event": "restored", "weight_version": None}, f"server 1 ({u}) has no weight update to restore "
+                                                         f"(initial weights)"),
+        ({"event": "rejoined", "weight_version": "3", "down_s": 2.125, "reason": "signal SIGKILL"},
+         f"server 1 ({u}) back in the router with weights version 3, 2.1 s after it died (signal SIGKILL)"),
+        ({"event": "gave_up", "error": "rollout server 1 died again after 3 restarts\nlog tail"},
+         f"server 1 ({u}) given up: rollout server 1 died again after 3 restarts"),
+    ]
+    for rec, want in cases:
+        line = format_failover_event({**base, **rec}, max_restarts=3)
+        assert line == "[moerl] rollout failover: " + want
+        assert "\n" not in line and "{" not in line
+
+
+def test_cluster_records_url_and_downtime_with_its_failover_events(tmp_path, capsys):
+    c = RolloutCluster(str(tmp_path), num_servers=2, base_port=31000, router_port=30000, failover=True)
+    c._event(1, "died", pid=7, reason="signal SIGKILL")
+    time.sleep(0.2)
+    c._event(1, "rejoined", weight_version="4")
+    died, rejoined = c.failover_events
+    assert died["url"] == c.server_urls[1] and died["event"] == "died" and died["pid"] == 7
+    assert rejoined["reason"] == "signal SIGKILL" and 0.2 <= rejoined["down_s"] < 5
+    assert abs(rejoined["down_s"] - (rejoined["t"] - died["t"])) < 1e-3
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"[moerl] rollout failover: server 1 ({c.server_urls[1]}) died (signal SIGKILL, pid 7); " \
+                     f"taking it out of the router"
+    assert err[1].startswith(f"[moerl] rollout failover: server 1 ({c.server_urls[1]}) back in the router with "
+                             f"weights version 4, ") and err[1].endswith(" s after it died (signal SIGKILL)")
+
+
+def test_update_weights_reaches_the_servers_it_did_not_start(tmp_path):
+    """Other nodes' servers and rollout.external_urls serve rollouts behind the router: every weight update
+    must reach them as well as this cluster's own servers (with and without failover)."""
+    base, router = _free_ports(1)
+    ext = ["http://10.0.0.2:30000/", "http://10.0.0.3:30000"]
+    for failover in (False, True):
+        c = RolloutCluster(str(tmp_path), num_servers=1, base_port=base, router_port=router, failover=failover,
+                           extra_worker_urls=ext)
+        pushed = []
+        got = c.update_weights("v1", pushed.append)
+        own = [] if failover else c.server_urls  # not started: no live server of its own with failover
+        assert pushed == [own + ["http://10.0.0.2:30000", "http://10.0.0.3:30000"]] and got == pushed[0]
+        assert c.current_weight_version == "v1"
+
+        def failing(urls):
+            raise ConnectionError("external server down")
+
+        with pytest.raises(ConnectionError):  # an external server failing is not mistaken for a dead own server
+            c.update_weights("v2", failing)
+        assert c.current_weight_version == "v1"

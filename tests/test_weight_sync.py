@@ -25,6 +25,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from moerl.config.schema import RolloutConfig  # noqa: E402
+from moerl.rollout.launcher import wait_healthy  # noqa: E402
 from moerl.rollout.server import ReferenceEngine, create_app, load_safetensors_dir  # noqa: E402
 from moerl.rollout.testing import make_tiny_moe_checkpoint  # noqa: E402
 from moerl.rollout.weight_sync import (  # noqa: E402
@@ -284,19 +285,6 @@ def test_uneven_layouts_gather_then_sync(ckpts, trainer_sd, tmp_path):
                 engine.close()
 
 
-def _wait_healthy(url: str, proc, timeout_s: float = 120.0) -> None:
-    t0 = time.time()
-    while time.time() - t0 < timeout_s:
-        assert proc.poll() is None, f"server {url} exited with {proc.returncode}"
-        try:
-            if httpx.get(url + "/health", timeout=2.0, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(url)
-
-
 def test_two_server_processes_all_three_modes(ckpts, trainer_sd, ref_b, tmp_path):
     """Two real uvicorn servers; the distributed group has world size 3 (trainer + 2 servers)."""
     ref_a = AutoModelForCausalLM.from_pretrained(ckpts[0], dtype=torch.float32).eval()
@@ -308,8 +296,8 @@ def test_two_server_processes_all_three_modes(ckpts, trainer_sd, ref_b, tmp_path
                                str(base + i), "--log-file", str(tmp_path / f"s{i}.log")], env=env) for i in range(2)]
     updater = None
     try:
-        for u, p in zip(urls, procs):
-            _wait_healthy(u, p)
+        for i, (u, p) in enumerate(zip(urls, procs)):
+            wait_healthy(u, p, timeout_s=120.0, what=f"server {i}", log_path=str(tmp_path / f"s{i}.log"))
         updater = DistributedWeightUpdater(urls, timeout_s=60)
         cfg = AutoConfig.from_pretrained(ckpts[1])
         plan = [("distributed", trainer_sd, ref_b), ("tensor", sd_a, ref_a), ("disk", trainer_sd, ref_b),

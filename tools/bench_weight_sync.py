@@ -37,7 +37,6 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import httpx  # noqa: E402
 import torch  # noqa: E402
 
 
@@ -55,20 +54,6 @@ def _free_ports(n: int) -> int:
     from _mp_helpers import free_port_block
 
     return free_port_block(n)
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600.0) -> None:
-    t0 = time.time()
-    while time.time() - t0 < timeout_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server {url} exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2.0, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"server {url} not healthy after {timeout_s} s")
 
 
 def bench_memcpy(sd: dict, runs: int) -> list[float]:
@@ -95,6 +80,7 @@ def main(argv=None) -> int:
     if args.runs < 1 or args.servers < 1 or args.bucket_mb <= 0:
         p.error("--runs and --servers must be >= 1 and --bucket-mb > 0")
 
+    from moerl.rollout.launcher import wait_healthy
     from moerl.rollout.server import load_safetensors_dir
     from moerl.rollout.testing import make_tiny_moe_checkpoint
     from moerl.rollout.weight_sync import DistributedWeightUpdater, sync_weights
@@ -125,8 +111,9 @@ def main(argv=None) -> int:
         results: dict[str, list[float]] = {"memcpy": bench_memcpy(sd, args.runs)}
         updater = None
         try:
-            for u, pr in zip(urls, procs):
-                _wait_healthy(u, pr)
+            for i, (u, pr) in enumerate(zip(urls, procs)):
+                wait_healthy(u, pr, timeout_s=600.0, what=f"server {i}", interval_s=0.5,
+                             log_path=os.path.join(tmp, f"server{i}.log"))
             version = 0
             for mode in args.modes:
                 if mode == "distributed":
@@ -152,7 +139,7 @@ def main(argv=None) -> int:
 
     mem_bps = nbytes / statistics.median(results["memcpy"])
     rows = []
-    print(f"\n| mode | median s | MB/s | ratio to memcpy |\n|---|---:|---:|---:|")
+    print("\n| mode | median s | MB/s | ratio to memcpy |\n|---|---:|---:|---:|")
     for mode, times in results.items():
         med = statistics.median(times)
         bps = nbytes / med

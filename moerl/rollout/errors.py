@@ -11,6 +11,31 @@ class RolloutStartupError(RolloutError):
     """A rollout server or the router did not come up (exited during startup or timed out)."""
 
 
+class ServerExitedError(RolloutStartupError):
+    """A process exited while :func:`moerl.rollout.launcher.wait_healthy` waited for it to answer.
+
+    Attributes:
+        url: the base URL that was polled.
+        returncode: the exit code (negative = killed by that signal number, subprocess convention).
+    """
+
+    def __init__(self, message: str, *, url: str, returncode: int):
+        super().__init__(message)
+        self.url = url
+        self.returncode = returncode
+
+
+class HealthTimeoutError(RolloutStartupError, TimeoutError):
+    """A server did not answer its health check in time (:func:`moerl.rollout.launcher.wait_healthy`).
+
+    Both a RolloutStartupError and a builtin TimeoutError. Attributes: ``url``, ``timeout_s``."""
+
+    def __init__(self, message: str, *, url: str, timeout_s: float):
+        super().__init__(message)
+        self.url = url
+        self.timeout_s = timeout_s
+
+
 class PortInUseError(RolloutStartupError):
     """A port the rollout cluster needs is already taken; nothing was started."""
 

@@ -8,7 +8,7 @@
 Children: server i runs ``python -m moerl.rollout.server --model-path M --host H --port base_port+i
 --num-threads T`` (or ``server_command(i, port)``), the router runs ``python -m
 sglang_router.launch_router --host H --port router_port --worker-urls URL... --policy P
---prometheus-host 127.0.0.1 --prometheus-port <free port>``. Each gets OMP_NUM_THREADS=T,
+--prometheus-host 127.0.0.1 --prometheus-port <a free port below 32768>``. Each gets OMP_NUM_THREADS=T,
 OMP_WAIT_POLICY=PASSIVE, TORCHDYNAMO_DISABLE=1, its stdout+stderr in ``log_dir/<name>.log``, its own
 session (terminal Ctrl-C reaches only the trainer, whose handler shuts the cluster down) and
 PR_SET_PDEATHSIG=SIGKILL on Linux, so a SIGKILLed trainer takes its children with it. (PDEATHSIG fires
@@ -37,6 +37,7 @@ import ctypes
 import errno
 import os
 import queue
+import random
 import signal
 import socket
 import subprocess
@@ -49,8 +50,8 @@ from typing import Callable, Optional, Sequence
 
 import httpx
 
-from moerl.rollout.errors import (PortInUseError, RolloutError, RolloutServerDiedError, RolloutStartupError,
-                                  WeightSyncError)
+from moerl.rollout.errors import (HealthTimeoutError, PortInUseError, RolloutError, RolloutServerDiedError,
+                                  RolloutStartupError, ServerExitedError, WeightSyncError)
 
 _PR_SET_PDEATHSIG = 1
 ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
@@ -87,6 +88,113 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def free_port_below_ephemeral(host: str = "127.0.0.1", exclude: Sequence[int] = (), low: int = 20000,
+                              high: int = 32767) -> int:
+    """A port in ``low..high`` (default 20000..32767, below Linux's ephemeral range 32768-60999) that
+    is free right now, chosen at random and not in ``exclude``. Below the ephemeral range, the
+    client sockets of other processes cannot take it between this check and the listener's bind.
+
+    Raises:
+        ValueError: ``low``/``high`` outside 1..65535 or low > high.
+        RuntimeError: no free port found after 500 random tries.
+    """
+    if not (0 < low <= high < 65536):
+        raise ValueError(f"need 0 < low <= high < 65536, got low={low}, high={high}")
+    rng = random.Random()
+    skip = set(exclude)
+    for _ in range(500):
+        port = rng.randint(low, high)
+        if port not in skip and port_is_free(host, port):
+            return port
+    raise RuntimeError(f"no free port in {low}..{high} on {host} (500 random tries)")
+
+
+def wait_healthy(url: str, proc: Optional[subprocess.Popen] = None, timeout_s: float = 120.0,
+                 what: str = "rollout server", *, path: str = "/health", log_path: Optional[str] = None,
+                 interval_s: float = 0.2, progress_every_s: Optional[float] = 10.0,
+                 check: Optional[Callable[[], None]] = None) -> None:
+    """Block until ``GET url+path`` answers HTTP 200 (the SGLang / moerl.rollout.server health check).
+
+    Each round, every ``interval_s`` seconds: ``check()`` if given (whatever it raises ends the
+    wait, e.g. another child died or the caller shut down), then ``proc.poll()`` if a process is
+    given, then one GET with a 2 s timeout (connection errors and other statuses mean "not yet").
+    It polls at least once, even with ``timeout_s`` <= 0.
+
+    Args:
+        url: base URL of the server, e.g. ``http://127.0.0.1:31000`` (a trailing / is ignored).
+        proc: the server's process, if this process started it; None for an external server.
+        timeout_s: seconds to wait in all.
+        what: how the server is named in messages (e.g. "server 0").
+        path: the health endpoint.
+        log_path: the server's log file; its last lines go into the error when the process exits.
+            Without it, the process's stderr is read if it is a pipe.
+        interval_s: seconds between rounds.
+        progress_every_s: for an external server (``proc`` None), print a line to stderr every
+            this many seconds while it does not answer ("waiting for URL: N s of timeout T s");
+            None: never. A child process has its own log, so none is printed for one.
+        check: called at the start of every round; raise from it to stop waiting.
+
+    Raises:
+        ServerExitedError (a RolloutStartupError, so a RuntimeError): ``proc`` exited first; the
+            message names the URL, the exit code or signal and the last lines of its log / stderr.
+        HealthTimeoutError (a RolloutStartupError and a TimeoutError): no HTTP 200 within
+            ``timeout_s``; the message names the URL, the timeout and the last answer or error.
+        whatever ``check`` raises.
+    """
+    if interval_s <= 0:
+        raise ValueError(f"interval_s must be > 0, got {interval_s}")
+    base = url.rstrip("/")
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    next_progress = t0 + progress_every_s if progress_every_s else None
+    last = "no answer yet"
+    with httpx.Client(timeout=2.0, trust_env=False) as client:
+        while True:
+            if check is not None:
+                check()
+            if proc is not None:
+                rc = proc.poll()
+                if rc is not None:
+                    tail = _exit_tail(proc, log_path)
+                    where = f"; log {log_path}" if log_path else ""
+                    raise ServerExitedError(
+                        f"{what} ({base}, pid {proc.pid}) exited with {describe_returncode(rc)} before "
+                        f"answering {path}{where}" + (f", last lines:\n{tail}" if tail else ""),
+                        url=base, returncode=rc)
+            try:
+                r = client.get(base + path)
+                if r.status_code == 200:
+                    return
+                last = f"HTTP {r.status_code}"
+            except httpx.TransportError as e:
+                last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            now = time.monotonic()
+            if now > deadline:
+                where = f"; log {log_path}" if log_path else ""
+                raise HealthTimeoutError(f"{what} ({base}) did not answer {path} with HTTP 200 within "
+                                         f"{timeout_s:g} s (last: {last}){where}", url=base, timeout_s=timeout_s)
+            if proc is None and next_progress is not None and now >= next_progress:
+                print(f"[moerl rollout] waiting for {what} {base}{path}: {now - t0:.0f} s of timeout "
+                      f"{timeout_s:.0f} s (last: {last})", file=sys.stderr, flush=True)
+                next_progress = now + progress_every_s
+            time.sleep(min(interval_s, max(0.0, deadline - now) + 0.01))
+
+
+def _exit_tail(proc: subprocess.Popen, log_path: Optional[str], n: int = 30) -> str:
+    """Last lines of an exited process's log file, or of its stderr when that is a pipe."""
+    if log_path:
+        return tail_file(log_path, n)
+    if proc.stderr is None:
+        return ""
+    try:
+        _, err = proc.communicate(timeout=1.0)
+    except (subprocess.TimeoutExpired, ValueError, OSError):
+        return ""
+    if isinstance(err, bytes):
+        err = err.decode("utf-8", "replace")
+    return "\n".join((err or "").splitlines()[-n:])
 
 
 def describe_returncode(rc: int) -> str:
@@ -161,6 +269,42 @@ def failover_restorer(weight_sync: str, hf_state_dict, weight_version: str, out_
         if os.path.isdir(path):
             return disk_restorer(path, weight_version)
     return tensor_restorer(hf_state_dict, weight_version, bucket_bytes)
+
+
+class _ShutDown(Exception):
+    """Raised by a wait_healthy check when the cluster shuts down while a restart waits."""
+
+
+def format_failover_event(rec: dict, max_restarts: Optional[int] = None) -> str:
+    """One readable line for a failover event of :class:`RolloutCluster` (a dict of
+    ``failover_events``: t, index, url, event, plus pid / reason / restart / weight_version /
+    down_s / error by event), e.g. ``[moerl] rollout failover: server 1 (http://127.0.0.1:31001)
+    back in the router with weights version 3, 2.1 s after it died (signal SIGKILL)``."""
+    i, url = rec.get("index"), rec.get("url")
+    who = f"server {i}" + (f" ({url})" if url else "")
+    ev = rec.get("event")
+    wv = rec.get("weight_version")
+    weights = f"weights version {wv}" if wv is not None else "its initial weights (no update yet)"
+    if ev == "died":
+        what = f"died ({rec.get('reason', 'unknown reason')}, pid {rec.get('pid')}); taking it out of the router"
+    elif ev == "removed_from_router":
+        what = "removed from the router; restarting it"
+    elif ev == "restarted":
+        of = f" of {max_restarts}" if max_restarts is not None else ""
+        what = f"restarted as pid {rec.get('pid')} (restart {rec.get('restart')}{of}); waiting for /health"
+    elif ev == "restored":
+        what = f"restored to {weights}" if wv is not None else "has no weight update to restore (initial weights)"
+    elif ev == "rejoined":
+        what = f"back in the router with {weights}"
+        if rec.get("down_s") is not None:
+            what += f", {rec['down_s']:.1f} s after it died ({rec.get('reason') or 'unknown reason'})"
+    elif ev == "gave_up":
+        err = str(rec.get("error", "")).splitlines()
+        what = f"given up: {err[0] if err else 'unknown error'}"
+    else:
+        extra = ", ".join(f"{k}={v}" for k, v in rec.items() if k not in ("t", "index", "url", "event"))
+        what = f"{ev}" + (f" ({extra})" if extra else "")
+    return f"[moerl] rollout failover: {who} {what}"
 
 
 @dataclass
@@ -269,7 +413,8 @@ class RolloutCluster:
         self.health_check_timeout_s = health_check_timeout_s
         self.health_failure_threshold = health_failure_threshold
         self.request_log = request_log
-        self.failover_events: list[dict] = []  # one dict per death / restart / rejoin (see _failover)
+        self.failover_events: list[dict] = []  # one dict per death / restart / rejoin (see _event)
+        self._died_at: dict[int, tuple[float, Optional[str]]] = {}  # index -> (time.time(), reason)
         self.restarts = [0] * num_servers
         self._down: set[int] = set()  # server indices out of the router (dead or restarting)
         self._fatal: Optional[RolloutError] = None
@@ -348,9 +493,16 @@ class RolloutCluster:
         return [sys.executable, "-m", "sglang_router.launch_router", "--host", self.host,
                 "--port", str(self.router_port), "--worker-urls", *self.server_urls, *self.extra_worker_urls,
                 "--policy", self.router_policy, "--prometheus-host", "127.0.0.1",
-                "--prometheus-port", str(free_port()), "--log-level", "warn",
+                "--prometheus-port", str(self._prometheus_port()), "--log-level", "warn",
                 "--worker-startup-timeout-secs", str(max(1, int(self.startup_timeout_s))),
                 "--worker-startup-check-interval", "1"]
+
+    def _prometheus_port(self) -> int:
+        """The router's Prometheus port (sglang-router 0.3.2 cannot turn the exporter off; its
+        default 29000 would clash between clusters): free, below the ephemeral range, and none of
+        this cluster's server / router ports."""
+        return free_port_below_ephemeral(
+            "127.0.0.1", exclude=[self.router_port, *range(self.base_port, self.base_port + max(1, self.num_servers))])
 
     def start(self) -> "RolloutCluster":
         """Check ports, start the servers, wait for /health, start the router, wait for /readiness."""
@@ -370,6 +522,7 @@ class RolloutCluster:
                 self._servers.append(self._spawn(f"server {i}", i, url,
                                                  self._server_argv(i, self.base_port + i)))
             self._wait_ready(self._servers, "/health", deadline)
+            self._wait_external(deadline)
             self._router = self._spawn("router", None, self.router_url, self._router_argv())
             self._wait_router(deadline)
             if self.failover:
@@ -390,23 +543,46 @@ class RolloutCluster:
             f"{tail_file(child.log_path)}")
 
     def _wait_ready(self, children: list[_Child], path: str, deadline: float) -> None:
-        pending = list(children)
-        with httpx.Client(timeout=2.0, trust_env=False) as client:
-            while pending:
-                for child in list(pending):
-                    rc = child.proc.poll()
+        """:func:`wait_healthy` for each child in turn (until ``deadline``, time.monotonic()), while
+        watching the children not yet ready: the first that exits or times out is named."""
+        children = list(children)
+        for k, child in enumerate(children):
+            rest = children[k + 1:]
+
+            def others_alive(rest=rest) -> None:
+                for c in rest:
+                    rc = c.proc.poll()
                     if rc is not None:
-                        raise self._startup_error(child, f"exited during startup with {describe_returncode(rc)}")
-                    try:
-                        if client.get(child.url + path).status_code == 200:
-                            pending.remove(child)
-                    except httpx.TransportError:
-                        pass
-                if pending:
-                    if time.monotonic() > deadline:
-                        raise self._startup_error(pending[0], f"did not answer {path} within "
-                                                  f"{self.startup_timeout_s:.0f} s (startup_timeout_s)")
-                    time.sleep(0.2)
+                        raise self._startup_error(c, f"exited during startup with {describe_returncode(rc)}")
+
+            try:
+                wait_healthy(child.url, child.proc, timeout_s=deadline - time.monotonic(), what=child.name,
+                             path=path, log_path=child.log_path, check=others_alive)
+            except ServerExitedError as e:
+                raise self._startup_error(child, f"exited during startup with "
+                                                 f"{describe_returncode(e.returncode)}") from None
+            except HealthTimeoutError:
+                raise self._startup_error(child, f"did not answer {path} within "
+                                          f"{self.startup_timeout_s:.0f} s (startup_timeout_s)") from None
+
+    def _wait_external(self, deadline: float) -> None:
+        """:func:`wait_healthy` for each of ``extra_worker_urls`` (no process to poll: a progress line
+        every 10 s) until ``deadline``, while the servers started here must stay alive."""
+
+        def servers_alive() -> None:
+            for c in self._servers:
+                rc = c.proc.poll()
+                if rc is not None:
+                    raise self._startup_error(c, f"exited while waiting for the external servers with "
+                                                 f"{describe_returncode(rc)}")
+
+        for url in self.extra_worker_urls:
+            try:
+                wait_healthy(url, None, timeout_s=deadline - time.monotonic(), what="external rollout server",
+                             check=servers_alive)
+            except HealthTimeoutError as e:
+                raise RolloutStartupError(f"{e} (startup_timeout_s={self.startup_timeout_s:.0f}); check "
+                                          f"rollout.external_urls / the other nodes' servers") from None
 
     def _wait_router(self, deadline: float) -> None:
         """Router up and all workers registered healthy (GET /readiness reports healthy_workers)."""
@@ -485,31 +661,37 @@ class RolloutCluster:
 
     def update_weights(self, weight_version: str, push: Callable[[list[str]], None],
                        restore: Optional[Callable[[str], None]] = None) -> list[str]:
-        """Push new weights to the live servers, safe against a concurrent server restart.
+        """Push new weights to the servers, safe against a concurrent server restart.
 
-        Runs ``push(live_server_urls)`` under the weights lock (a restarting server is restored
-        either before, with the old weights and then again, or after, with these). If push fails
-        because a server died meanwhile (failover on), it is retried once on the servers still
-        alive; the dead one gets ``restore`` when it restarts. Then records ``weight_version`` and
-        ``restore`` (see :meth:`set_weight_restorer`). Returns the URLs that were updated.
+        Runs ``push(urls)`` under the weights lock (a restarting server is restored either before,
+        with the old weights and then again, or after, with these); ``urls`` are
+        :meth:`live_server_urls` with failover (possibly [] while every server restarts: push still
+        runs, e.g. disk mode writes the version directory the restorer loads) and all
+        ``server_urls`` without (a dead server then fails the push and is named), followed by every
+        ``extra_worker_urls`` (other nodes' servers, external URLs: they serve rollouts behind the
+        router, so they must get the weights too). If push fails
+        because a server died meanwhile (failover on; its death can show a moment after the HTTP
+        error, see :meth:`wait_for_dead`), it is retried once on the servers still alive; the dead
+        one gets ``restore`` when it restarts. Then records ``weight_version`` and ``restore`` (see
+        :meth:`set_weight_restorer`). Returns the URLs that were updated. The trainer's weight sync
+        (moerl.train.loop.WeightSync) goes through here.
 
         Raises:
-            the push's exception when no server died (or failover is off); RolloutServerDiedError
-            when failover gave up on a server.
+            the push's exception when no server died (or failover is off, or the retry failed too);
+            RolloutServerDiedError naming the server when one is dead and failover is off or gave up.
         """
         with self._weights_lock:
             for attempt in range(2):
-                urls = self.live_server_urls()
-                if not urls:
-                    self.check_alive()
-                    raise WeightSyncError("no rollout server is live to receive the weights")
+                managed = self.live_server_urls() if self.failover else list(self.server_urls)
+                # servers behind the router that this cluster did not start (other nodes, external URLs)
+                # serve rollouts too: they get every update (no failover for them: a failure raises)
+                urls = managed + [u for u in self.extra_worker_urls if u not in managed]
                 try:
                     push(urls)
                     break
                 except Exception:
-                    self.check_alive()
-                    died = self.wait_for_dead(urls) if self.failover else []
-                    if not died or attempt == 1:
+                    self.check_alive()  # a dead server is named (failover off / given up)
+                    if attempt == 1 or not self.failover or not self.wait_for_dead(managed):
                         raise
             self.set_weight_restorer(weight_version, restore)
             return urls
@@ -544,10 +726,19 @@ class RolloutCluster:
             time.sleep(0.1)
 
     def _event(self, index: Optional[int], event: str, **kw) -> None:
+        """Record one failover event in ``failover_events`` (a dict: t, index, url, event, and the
+        event's fields) and print it as one readable line (:func:`format_failover_event`)."""
         rec = {"t": time.time(), "index": index, "event": event, **kw}
+        if index is not None and index < len(self.server_urls):
+            rec["url"] = self.server_urls[index]
         with self._lock:
+            if event == "died":
+                self._died_at[index] = (rec["t"], kw.get("reason"))
+            elif event == "rejoined" and index in self._died_at:
+                t_died, reason = self._died_at.pop(index)
+                rec.update(down_s=round(rec["t"] - t_died, 3), reason=reason)
             self.failover_events.append(rec)
-        print(f"[moerl rollout failover] {rec}", file=sys.stderr, flush=True)
+        print(format_failover_event(rec, self.max_restarts), file=sys.stderr, flush=True)
 
     def _monitor_loop(self) -> None:
         """Failover monitor: process poll + GET /health of every live server each interval."""
@@ -652,26 +843,26 @@ class RolloutCluster:
                 fut.set_exception(e)
 
     def _wait_healthy(self, child: _Child) -> bool:
-        """True when the restarted server answers /health; False if it exited first.
+        """True when the restarted server answers /health; False if it exited first or the cluster
+        was shut down meanwhile.
 
         Raises:
             RolloutStartupError: not healthy within startup_timeout_s.
         """
-        deadline = time.monotonic() + self.startup_timeout_s
-        with httpx.Client(timeout=2.0, trust_env=False) as client:
-            while not self._closed:
-                if child.proc.poll() is not None:
-                    return False
-                try:
-                    if client.get(child.url + "/health").status_code == 200:
-                        return True
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise self._startup_error(child, f"did not answer /health within "
-                                              f"{self.startup_timeout_s:.0f} s after a restart")
-                time.sleep(0.2)
-        return False
+
+        def not_closed() -> None:
+            if self._closed:
+                raise _ShutDown
+
+        try:
+            wait_healthy(child.url, child.proc, timeout_s=self.startup_timeout_s, what=child.name,
+                         log_path=child.log_path, check=not_closed)
+        except (_ShutDown, ServerExitedError):
+            return False
+        except HealthTimeoutError:
+            raise self._startup_error(child, f"did not answer /health within "
+                                      f"{self.startup_timeout_s:.0f} s after a restart") from None
+        return True
 
     def router_workers(self) -> list[dict]:
         """sglang-router's worker list (GET /workers: dicts with id, url, is_healthy, ...)."""

@@ -127,34 +127,32 @@ class WeightSync:
         self.placement.before_weight_sync()
         if self.cluster is not None:
             ro = self.ctx.cfg.rollout
-            with self.cluster.weights_lock():  # a server restarting meanwhile gets these weights
-                for attempt in range(2):
-                    urls = list(self.cluster.live_server_urls() if ro.failover else self.cluster.server_urls)
-                    if ro.weight_sync == "distributed" and (self.updater is None or self.updater.server_urls != urls):
-                        if self.updater is not None:
-                            self.updater.close()
-                        self.updater = DistributedWeightUpdater(
-                            urls, master_address=ro.weight_sync_master_address or ro.host,
-                            backend=ro.weight_sync_backend)
-                    try:
-                        sync_weights(ro.weight_sync, urls, hf_sd, version,
-                                     bucket_bytes=int(ro.weight_sync_bucket_mb * (1 << 20)),
-                                     hf_config=self.ctx.hf_config, out_root=self.ctx.run_dir / "weights",
-                                     updater=self.updater)
-                        break
-                    except Exception:
-                        if self.updater is not None:  # the group may be out of step: rebuild it next time
-                            self.updater.close()
-                            self.updater = None
-                        self.cluster.check_alive()  # a dead server is named (RolloutServerDiedError)
-                        # failover: a server killed during the sync (its death can show a moment after
-                        # the HTTP error) is restarted and restored later; sync the survivors once more
-                        if not (ro.failover and attempt == 0 and self.cluster.wait_for_dead(urls)):
-                            raise
-                if ro.failover:  # what a restarted server receives before it serves again
-                    self.cluster.set_weight_restorer(version, failover_restorer(
-                        ro.weight_sync, hf_sd, version, self.ctx.run_dir / "weights",
-                        bucket_bytes=int(ro.weight_sync_bucket_mb * (1 << 20))))
+            bucket_bytes = int(ro.weight_sync_bucket_mb * (1 << 20))
+            out_root = self.ctx.run_dir / "weights"
+
+            def push(urls: list[str]) -> None:
+                if ro.weight_sync == "distributed" and (self.updater is None or self.updater.server_urls != urls):
+                    if self.updater is not None:
+                        self.updater.close()
+                    self.updater = DistributedWeightUpdater(
+                        urls, master_address=ro.weight_sync_master_address or ro.host,
+                        backend=ro.weight_sync_backend)
+                try:
+                    sync_weights(ro.weight_sync, urls, hf_sd, version, bucket_bytes=bucket_bytes,
+                                 hf_config=self.ctx.hf_config, out_root=out_root, updater=self.updater)
+                except Exception:
+                    if self.updater is not None:  # the group may be out of step: rebuild it next time
+                        self.updater.close()
+                        self.updater = None
+                    raise
+
+            def restore(url: str) -> None:  # what a restarted server receives before it serves again;
+                # built when called, so disk mode finds (and reloads) the version directory push wrote
+                failover_restorer(ro.weight_sync, hf_sd, version, out_root, bucket_bytes=bucket_bytes)(url)
+
+            # A server that dies during the push (failover on) is restarted and restored later; the
+            # cluster retries the push once on the survivors (RolloutCluster.update_weights).
+            self.cluster.update_weights(version, push, restore=restore if ro.failover else None)
         self.placement.before_rollout()
         return version
 
@@ -526,6 +524,7 @@ def _train(ctx: RunContext, t_start: float) -> dict:
     pkw = actor_parallel_kwargs(cfg.parallel)
     pkw["config_overrides"] = {**pkw.get("config_overrides", {}), **mk["config_overrides"]}
     pkw["pipeline_schedule"] = cfg.train.pipeline_schedule  # 1f1b | dualpipe | dualpipev (moerl.pipeline)
+    pkw["pipeline_overlap"] = cfg.train.pipeline_overlap  # F&B on two CUDA streams (moerl.pipeline.overlap)
     actor = MegatronActor(
         ctx.hf_config, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, adam_beta1=cfg.train.adam_beta1,
         adam_beta2=cfg.train.adam_beta2, clip_grad=cfg.train.clip_grad,
