@@ -63,6 +63,7 @@ EXPECTED_TINY = {
         "adam_beta1": 0.9, "adam_beta2": 0.999, "clip_grad": 1.0, "num_threads": 2, "save_every": 0,
         "save_every_minutes": 0.0, "keep_checkpoints": 3, "pack": True,
         "max_tokens_per_micro_batch": 2048, "pack_balance": "tokens", "pipeline_schedule": "1f1b",
+        "pipeline_overlap": False,
     },
     "sft": {
         "enabled": True, "lr": 1.0e-3, "global_batch_size": 128, "micro_batch_size": 128, "max_steps": 3000,

@@ -59,9 +59,9 @@ def make_data(M: int):
     return inputs, labels
 
 
-def _force_tag0(tags: list) -> None:
+def _force_tag0(tags: list, ops: list | None = None) -> None:
     """Test-only switch emulating NCCL's tag-blind matching on gloo: every P2POp created from now on in
-    this process gets tag 0; the tag asked for is appended to ``tags``."""
+    this process gets tag 0; the tag asked for is appended to ``tags`` (and ``(op, group, peer)`` to ``ops``)."""
     import torch.distributed as dist
 
     base = dist.P2POp
@@ -72,6 +72,8 @@ def _force_tag0(tags: list) -> None:
 
         def __init__(self, op, tensor, peer=None, group=None, tag=0, *args, **kwargs):
             tags.append(tag)
+            if ops is not None:
+                ops.append((op, group, peer))
             super().__init__(op, tensor, peer, group, 0, *args, **kwargs)
 
     dist.P2POp = TagZeroP2POp
@@ -138,11 +140,17 @@ def run_case(name, P, M, tmp_path, split="retrace", sched=None):
         sched = build_schedule(name, P, M, fallback=True)
     mp.start_processes(_worker, args=(P, port, sched, M, str(tmp_path), split), nprocs=P, join=True,
                        start_method="spawn")
+    check_against_reference(name, sched, [torch.load(tmp_path / f"rank{r}.pt") for r in range(P)])
+
+
+def check_against_reference(name, sched, per_rank):
+    """Compare one pipeline's per-rank results (losses, outputs, fwd, grads, stages, tags) with the
+    unpipelined reference."""
+    M = sched.num_microbatches
     ref_losses, ref_outputs, ref_grads = reference(sched.num_stages, M)
     got_losses, got_out, got_fwd = {}, {}, {}
     seen_stages = {}
-    for r in range(P):
-        d = torch.load(tmp_path / f"rank{r}.pt")
+    for r, d in enumerate(per_rank):
         for m, v in d["losses"].items():
             assert m not in got_losses
             got_losses[m] = v
@@ -268,3 +276,146 @@ def test_interpreter_argument_errors():
         interp.run(None, None)
     with pytest.raises(ValueError, match="labels"):
         interp.run(make_data(4)[0], None)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Directed p2p channels (one 2-rank process group per direction of each communicating pair)
+
+
+def test_channel_pairs_hand_worked():
+    """channel_pairs: both directions of consecutive-chunk ranks and of mirrored-copy ranks (worked by hand
+    from the layouts: 1F1B/DualPipeV chain 0-1-2-3; DualPipe adds the twins 0-3 and 1-2)."""
+    from moerl.pipeline.interpreter import channel_pairs
+
+    chain = [(0, 1), (1, 0), (1, 2), (2, 1), (2, 3), (3, 2)]
+    assert channel_pairs(build_schedule("1f1b", 4, 8)) == chain
+    assert channel_pairs(build_schedule("zb1p", 4, 8)) == chain
+    assert channel_pairs(build_schedule("dualpipev", 4, 8)) == chain
+    assert channel_pairs(build_schedule("dualpipe", 4, 8)) == sorted(chain + [(0, 3), (3, 0)])
+    assert channel_pairs(build_schedule("1f1b", 1, 2)) == []
+
+
+def test_p2p_argument_errors():
+    from moerl.pipeline.interpreter import Channel, P2PChannels
+
+    sched = build_schedule("1f1b", 2, 4)
+    mods = {0: Stage(0, 2)}
+    with pytest.raises(ValueError, match="p2p must be"):
+        PipelineInterpreter(sched, mods, criterion, pp_rank=0, p2p="nccl")
+    with pytest.raises(TypeError, match="p2p must be"):
+        PipelineInterpreter(sched, mods, criterion, pp_rank=0, p2p=3)
+    with pytest.raises(ValueError, match="torch.distributed initialised"):
+        PipelineInterpreter(sched, mods, criterion, pp_rank=0, p2p="directed")
+    full = {(0, 1): Channel(None, 1, 1), (1, 0): Channel(None, 1, 1)}
+    with pytest.raises(ValueError, match="channels of pp rank 1"):
+        PipelineInterpreter(sched, mods, criterion, pp_rank=0, p2p=P2PChannels(1, (0, 1), full))
+    with pytest.raises(ValueError, match=r"no channel 1 -> 0"):  # the gradients come back on (1, 0)
+        PipelineInterpreter(sched, mods, criterion, pp_rank=0, p2p=P2PChannels(0, (0, 1), {(0, 1): full[(0, 1)]}))
+    interp = PipelineInterpreter(sched, mods, criterion, pp_rank=0, p2p=P2PChannels(0, (0, 1), full))
+    assert interp.channels.get(0, 1) is full[(0, 1)]
+    assert PipelineInterpreter(sched, mods, criterion, pp_rank=0).channels is None  # default off dist: shared
+
+
+def _directed_worker(rank, world, port, cases, out_dir, pp_groups, with_shared):
+    """For each (name, M): run the schedule (``with_shared``: over the shared pipeline group, then) over
+    directed channels, on fresh identical modules; assert bitwise-equal losses/outputs/gradients of the two
+    runs in here, check that every p2p op of the directed run went on the channel of its direction, and save
+    the directed results."""
+    import torch.distributed as dist
+
+    from moerl.pipeline.interpreter import make_p2p_channels
+
+    torch.set_num_threads(1)
+    tags: list = []
+    ops: list = []
+    _force_tag0(tags, ops)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        group = None
+        if pp_groups is not None:  # every rank creates every pipeline group, in the same order
+            for ranks in pp_groups:
+                g = dist.new_group(ranks)
+                if rank in ranks:
+                    group, my_ranks = g, ranks
+        else:
+            my_ranks = list(range(world))
+        pp_rank = my_ranks.index(rank)
+        P = len(my_ranks)
+        for name, M in cases:
+            sched = build_schedule(name, P, M)
+            inputs, labels = make_data(M)
+            got = {}
+            for mode in ("shared", "directed") if with_shared else ("directed",):
+                modules = {c: Stage(sched.chunk_stage[c], sched.num_stages) for c in sched.chunks_of_rank(pp_rank)}
+                if mode == "directed":
+                    ch = make_p2p_channels(sched, group)
+                    # the map: exactly this rank's directions of the layout, each a 2-rank group of its own
+                    from moerl.pipeline.interpreter import channel_pairs
+
+                    assert ch.pp_rank == pp_rank and list(ch.global_ranks) == my_ranks
+                    assert sorted(ch.channels) == [d for d in channel_pairs(sched) if pp_rank in d]
+                    for (a, b), c in ch.channels.items():
+                        other = my_ranks[b if a == pp_rank else a]
+                        assert c.peer == other and dist.get_process_group_ranks(c.group) == sorted([rank, other])
+                        assert c.group_peer == dist.get_group_rank(c.group, other)
+                        assert c.group is not ch.channels[(b, a)].group
+                    direction = {id(c.group): d for d, c in ch.channels.items()}
+                    ops.clear()
+                interp = PipelineInterpreter(sched, modules, criterion, group=group,
+                                             p2p=ch if mode == "directed" else mode)
+                res = interp.run(inputs, labels, return_outputs=True)
+                sync_mirrored_grads(sched, modules, group=group, channels=interp.channels)
+                fwd = interp.run(inputs, None, forward_only=True)
+                got[mode] = {"losses": res.losses, "outputs": res.outputs, "fwd": fwd.outputs,
+                             "grads": {c: {n: p.grad.clone() for n, p in m.named_parameters()}
+                                       for c, m in modules.items()},
+                             "stages": {c: sched.chunk_stage[c] for c in modules}, "tags": list(tags)}
+                if mode == "directed":
+                    assert ops
+                    for op, g, peer in ops:  # a channel carries one direction only
+                        a, b = direction[id(g)]
+                        if op is dist.isend:
+                            assert a == pp_rank and peer == my_ranks[b], (op, a, b, peer)
+                        else:
+                            assert op is dist.irecv and b == pp_rank and peer == my_ranks[a], (op, a, b, peer)
+                    assert {direction[id(g)] for _, g, _ in ops} == set(ch.channels)  # every channel used
+            di = got["directed"]
+            torch.save(di, os.path.join(out_dir, f"{name}_{M}_rank{rank}.pt"))
+            if not with_shared:
+                continue
+            sh = got["shared"]
+            for key in ("losses", "outputs", "fwd"):
+                assert sh[key].keys() == di[key].keys()
+                assert all(torch.equal(sh[key][m], di[key][m]) for m in sh[key]), (name, key)
+            for c in sh["grads"]:
+                assert all(torch.equal(sh["grads"][c][n], di["grads"][c][n]) for n in sh["grads"][c]), (name, c)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_directed(P, cases, tmp_path, pp_groups=None, with_shared=True):
+    """Run ``cases`` on gloo through directed channels (see ``_directed_worker``) and compare every pipeline's
+    results with the unpipelined reference."""
+    world = P if pp_groups is None else sum(len(g) for g in pp_groups)
+    mp.start_processes(_directed_worker, args=(world, free_port_block(1), cases, str(tmp_path), pp_groups,
+                                               with_shared),
+                       nprocs=world, join=True, start_method="spawn")
+    for name, M in cases:
+        sched = build_schedule(name, P, M)
+        for ranks in pp_groups or [list(range(P))]:
+            check_against_reference(name, sched, [torch.load(tmp_path / f"{name}_{M}_rank{r}.pt") for r in ranks])
+
+
+def test_pp2_directed_channels_all_schedules(tmp_path):
+    run_directed(2, [("1f1b", 8), ("zb1p", 9), ("dualpipe", 8), ("dualpipev", 10)], tmp_path)
+
+
+def test_pp4_directed_channels_all_schedules(tmp_path):
+    # directed only (the shared runs of these schedules are the slow-marked pp4 tests above)
+    run_directed(4, [("1f1b", 8), ("zb1p", 8), ("dualpipe", 8), ("dualpipev", 8)], tmp_path, with_shared=False)
+
+
+def test_directed_channels_pipeline_subgroups(tmp_path):
+    """World 4 = two pipelines of pp 2 (pipeline groups {0, 2} and {1, 3}, as with dp = 2): every rank takes
+    part in creating both pipelines' channels, each rank gets only its own pipeline's, both pipelines run."""
+    run_directed(2, [("dualpipe", 8), ("zb1p", 8)], tmp_path, pp_groups=[[0, 2], [1, 3]], with_shared=False)

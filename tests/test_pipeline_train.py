@@ -69,7 +69,6 @@ def test_default_is_1f1b_and_valid_dualpipev_recipe_loads():
         ([*PP2, "parallel.pp_size=3", "model.hf_config.num_hidden_layers=6", "train.pipeline_schedule=dualpipe",
           "model.hf_config.tie_word_embeddings=false"], ["even parallel.pp_size"]),
         ([*PP2, "train.pipeline_schedule=dualpipe"], ["model.hf_config.tie_word_embeddings"]),  # tied, dualpipe
-        ([*PP2, "train.pipeline_schedule=dualpipev", "parallel.ep_size=2"], ["parallel.ep_size"]),
         ([*PP2, "train.pipeline_schedule=dualpipev", "moe.routing_replay=r3"], ["moe.routing_replay"]),
         ([*PP2, "train.pipeline_schedule=dualpipe", "model.hf_config.tie_word_embeddings=false",
           "moe.expert_bias=true", "moe.score_function=sigmoid"], ["moe.expert_bias"]),
@@ -82,6 +81,32 @@ def test_schedule_rules_name_the_keys(overrides, keys):
     msg = _err(overrides)
     for key in keys:
         assert key in msg, msg
+
+
+@pytest.mark.parametrize("schedule", ["dualpipev", "dualpipe"])
+def test_tp_and_ep_inside_the_stages_are_accepted(schedule):
+    tie = [] if schedule == "dualpipev" else ["model.hf_config.tie_word_embeddings=false"]
+    # pp 2 x ep 2 on 4 ranks: dp 2 (the EP ranks), expert dp 1; 32 / (4 * 2) = 4 = 2 * pp micro-batches
+    cfg = load_config(RECIPE, [*PP2, f"train.pipeline_schedule={schedule}", "parallel.ep_size=2",
+                               "train.micro_batch_size=4", "sft.micro_batch_size=16", *tie])
+    assert cfg.parallel.ep_size == 2
+    assert cfg.check_world_size(4) == 2
+    cfg = load_config(RECIPE, [*PP2, f"train.pipeline_schedule={schedule}", "parallel.tp_size=2", *tie])
+    assert cfg.check_world_size(4) == 1
+
+
+def test_pipeline_overlap_rules_name_the_keys():
+    """train.pipeline_overlap (F&B through Megatron's schedule plans) needs a DualPipe schedule and EP >= 2; a
+    valid recipe loads (the CUDA check happens when the actor is built: moerl.pipeline.overlap)."""
+    dual = [*PP2, "train.pipeline_schedule=dualpipev", "train.pipeline_overlap=true"]
+    cfg = load_config(RECIPE, [*dual, "parallel.ep_size=2", "train.micro_batch_size=4", "sft.micro_batch_size=16"])
+    assert cfg.train.pipeline_overlap and load_config(RECIPE, PP2).train.pipeline_overlap is False
+    with pytest.raises(ConfigError, match=r"train.pipeline_overlap.*pipeline_schedule=dualpipe or dualpipev"):
+        load_config(RECIPE, [*PP2, "train.pipeline_overlap=true", "parallel.ep_size=2"])
+    with pytest.raises(ConfigError, match=r"parallel.ep_size >= 2 \(got 1\)"):
+        load_config(RECIPE, dual)
+    with pytest.raises(ConfigError, match=r"moe.token_dispatcher alltoall or flex \(got allgather\)"):
+        load_config(RECIPE, [*dual, "parallel.ep_size=2", "moe.token_dispatcher=allgather"])
 
 
 def test_too_few_micro_batches_per_dp_rank_is_rejected_at_launch():
@@ -117,10 +142,10 @@ def _env() -> dict:
     return env
 
 
-def _train(run_dir: Path, schedule: str, *overrides: str) -> str:
-    """`moerl train` on 2 ranks (pp 2); returns stdout after checking the exit code."""
+def _train(run_dir: Path, schedule: str, *overrides: str, nproc: int = 2) -> str:
+    """`moerl train` on ``nproc`` ranks (pp 2); returns stdout after checking the exit code."""
     base = free_port_block(3)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master_addr", "127.0.0.1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master_addr", "127.0.0.1",
            "--master_port", str(free_port_block(1)), "-m", "moerl.cli", "train", RECIPE, f"output_dir={run_dir}",
            "rollout.num_servers=2", f"rollout.base_port={base}", f"rollout.router_port={base + 2}", *SHORT,
            f"train.pipeline_schedule={schedule}", *overrides]
@@ -202,6 +227,35 @@ def test_moerl_train_dualpipev_matches_1f1b(tmp_path):
         vd, vc = _scalars(d, tag), _scalars(c, tag)
         assert len(vd[2]) == 1 and len(vc[2]) == 1, (tag, vd, vc)  # step 2 ran once in each
         assert math.isclose(vd[2][0], vc[2][0], rel_tol=1e-6, abs_tol=1e-12), (tag, vd[2], vc[2])
+
+
+@pytest.mark.slow
+def test_moerl_train_dualpipev_ep2_matches_1f1b(tmp_path):
+    """pp 2 x ep 2 on 4 ranks (dp 2 = the EP ranks; 32 / (4 * 2) = 4 micro-batches per rank): the first RL
+    step of DualPipeV equals Megatron 1F1B's at the same layout, from the same warm start (identical
+    rollouts). Both schedules run the same EP all-to-alls on the same micro-batches; only sums across
+    stage boundaries are reordered, so rel 1e-6 as above."""
+    import torch
+
+    ep = ["parallel.ep_size=2", "train.micro_batch_size=4", "sft.micro_batch_size=4", "sft.max_steps=1",
+          "train.num_steps=1"]
+    a = tmp_path / "a_1f1b_ep2"
+    _train(a, "1f1b", *ep, nproc=4)
+    c = tmp_path / "c_dualpipev_ep2"
+    _train(c, "dualpipev", *ep, f"model.init_from={a / 'hf_warm_start'}", "sft.enabled=false", nproc=4)
+    ma, mc = _summary(a)["first_step_metrics"], _summary(c)["first_step_metrics"]
+    for k in ("reward_mean", "response_length", "accuracy", "groups_with_signal"):
+        assert ma[k] == mc[k], (k, ma[k], mc[k])  # identical rollouts
+    assert ma["groups_with_signal"] > 0 and ma["train/grad_norm"] > 0, "no reward signal: comparison trivial"
+    keys = [k for k in ma if k.startswith(("train/", "moe/layer"))]
+    assert {"train/loss", "train/grad_norm", "train/aux_loss"} <= set(keys), keys
+    assert set(keys) <= set(mc), sorted(set(keys) - set(mc))
+    for k in keys:
+        assert math.isclose(ma[k], mc[k], rel_tol=1e-6, abs_tol=1e-12), (k, ma[k], mc[k])
+    ea, ec = _export(a), _export(c)
+    assert sorted(ea) == sorted(ec)
+    for k in ea:  # every expert of both EP ranks, after one Adam step from identical gradients
+        torch.testing.assert_close(ec[k], ea[k], rtol=1e-5, atol=1e-7, msg=k)
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints

@@ -80,7 +80,7 @@ def _worker(rank, world, port, args, out_path):
             chunks = build_chunk_modules(sched, rank, cfg)
             crit = PolicyCriterion(_loss_fn(args.microbatches, args.batch, args.seq))
             interp = PipelineInterpreter(sched, chunks, crit, stage_fn=megatron_stage_fn(mbs),
-                                         split_backward=args.split_backward)
+                                         split_backward=args.split_backward, p2p=args.p2p)
             runs = []
             for i in range(args.runs + 1):
                 for m in chunks.values():
@@ -89,7 +89,7 @@ def _worker(rank, world, port, args, out_path):
                 t0 = time.perf_counter()
                 res = interp.run(mbs, mbs, record_timeline=True)
                 t1 = time.perf_counter()
-                sync_mirrored_grads(sched, chunks)
+                sync_mirrored_grads(sched, chunks, channels=interp.channels)
                 if i == 0:
                     continue  # warm-up
                 tl = [(s - t0, e - t0, a.kind, a.chunk, a.chunk_b) for _, s, e, a in res.timeline]
@@ -155,6 +155,8 @@ def main(argv=None):
     ap.add_argument("--schedules", default="1f1b,dualpipe,dualpipev")
     ap.add_argument("--split-backward", default="torch", choices=["torch", "retrace"],
                     help="how split B/W steps compute weight grads (PipelineInterpreter.split_backward)")
+    ap.add_argument("--p2p", default=None, choices=["directed", "shared"],
+                    help="p2p transport (PipelineInterpreter.p2p; default: its default, shared on gloo)")
     ap.add_argument("--json", default=None, help="also write the figures to this file")
     args = ap.parse_args(argv)
     if args.layers % (2 * args.pp):
@@ -178,7 +180,8 @@ def main(argv=None):
     names = args.schedules.split(",")
     rows = {n: _analyse(n, per_rank, args.pp, args.microbatches) for n in names}
     print(f"PP={args.pp} M={args.microbatches} layers={args.layers} micro-batch {args.batch}x{args.seq}, "
-          f"{args.runs} runs (medians), {os.cpu_count()} cores, split_backward={args.split_backward}")
+          f"{args.runs} runs (medians), {os.cpu_count()} cores, split_backward={args.split_backward}"
+          + (f", p2p={args.p2p}" if args.p2p else ""))
     print(f"{'schedule':10s} {'step s':>8s} {'pred s':>8s} {'meas/pred':>9s}  {'idle meas (per rank)':28s} "
           f"{'idle pred':28s} F/B/W/Bi ms")
     for n in names:

@@ -325,6 +325,10 @@ class TrainConfig(_Section):
     # pipeline schedule at parallel.pp_size > 1 (moerl.pipeline): Megatron's 1F1B, or moerl's interpreter
     # running DeepSeek's DualPipe (2 mirrored model copies, even pp) / DualPipeV (2*pp stages in a V)
     pipeline_schedule: Literal["1f1b", "dualpipe", "dualpipev"] = "1f1b"
+    # DualPipe(V)'s F&B steps overlapped on two CUDA streams through Megatron-Core's schedule plans (MoE
+    # all-to-all of one micro-batch hidden behind the other's compute; moerl.pipeline.overlap): GPU only,
+    # parallel.ep_size >= 2
+    pipeline_overlap: bool = False
 
     @model_validator(mode="after")
     def _cross_fields(self) -> "TrainConfig":
@@ -438,8 +442,20 @@ class RecipeConfig(_Section):
     @model_validator(mode="after")
     def _pipeline_schedule_rules(self) -> "RecipeConfig":
         """train.pipeline_schedule rules that involve other sections (world-size independent; the
-        micro-batch count rule needs dp_size and is in ``check_world_size``)."""
+        micro-batch count rule needs dp_size and is in ``check_world_size``).  TP (with sequence
+        parallelism) and EP inside the stages are allowed: each TP/EP/DP position runs its own copy of
+        the schedule over its pipeline group (moerl.pipeline.megatron_stages)."""
         sched, p, hf = self.train.pipeline_schedule, self.parallel, self.model.hf_config
+        if self.train.pipeline_overlap:
+            if sched == "1f1b":
+                raise ValueError("train.pipeline_overlap=true overlaps DualPipe's F&B steps: set "
+                                 "train.pipeline_schedule=dualpipe or dualpipev (or pipeline_overlap=false)")
+            if p.ep_size < 2:
+                raise ValueError(f"train.pipeline_overlap=true hides the MoE all-to-all and needs parallel.ep_size >= 2 "
+                                 f"(got {p.ep_size}); set train.pipeline_overlap=false")
+            if self.moe.token_dispatcher not in ("alltoall", "flex"):
+                raise ValueError(f"train.pipeline_overlap=true needs moe.token_dispatcher alltoall or flex (got "
+                                 f"{self.moe.token_dispatcher})")
         if sched == "1f1b":
             return self
         key = f"train.pipeline_schedule={sched}"
@@ -450,9 +466,6 @@ class RecipeConfig(_Section):
             raise ValueError(f"{key} needs an even parallel.pp_size (got {p.pp_size}); use dualpipev or an even pp_size")
         if self.train.pack:
             raise ValueError(f"{key} needs train.pack=false (padded micro-batches between pipeline stages)")
-        if p.tp_size != 1 or p.ep_size != 1:
-            raise ValueError(f"{key} supports parallel.tp_size=1 and parallel.ep_size=1 only (got tp_size={p.tp_size}, "
-                             f"ep_size={p.ep_size}); use train.pipeline_schedule=1f1b for TP/EP")
         if p.num_layers_in_first_pipeline_stage is not None or p.num_layers_in_last_pipeline_stage is not None:
             raise ValueError(f"{key} splits the layers evenly: unset parallel.num_layers_in_first_pipeline_stage / "
                              "num_layers_in_last_pipeline_stage")

@@ -11,6 +11,22 @@ checked by :func:`~moerl.pipeline.schedules.validate_fifo` (FIFO matching, async
 header carries the message id, so a mismatch raises instead of corrupting data.  Tested on gloo only
 (where tag-0 messages of a pair match in posting order too).
 
+Transport (``p2p=``): NCCL runs all p2p ops of one communicator in stream order and a send may block until
+its receive is posted (rendezvous), so over ONE shared communicator the ranks follow the stricter model of
+``validate_fifo(blocking_sends=True)``, in which zb1p, dualpipe and dualpipev deadlock.  ``p2p="directed"``
+(the default on NCCL) gives each *direction* of each communicating rank pair its own 2-rank process group
+(:func:`make_p2p_channels`; on NCCL its own communicator and stream): messages ``a -> b`` travel only on
+channel ``(a, b)``, whose sender posts per round one header group then one tensor group, exactly the groups
+the receiver posts for that channel.  A blocked send then only delays later sends of the same direction,
+which the receiver takes in the same FIFO order; the host waits only on receives (and on all sends at the
+end of :meth:`PipelineInterpreter.run`).  A receive group of a channel completes as soon as its sender
+posted the matching send group (the channel's earlier groups are posted by both sides already), which is
+the asynchronous-send model that ``validate_fifo(blocking_sends=False)`` proves deadlock-free for every
+schedule.  Caveat (NCCL's documentation on concurrent communicators): the channels' kernels must be able to
+run concurrently on the GPU (a few p2p kernels per rank; the channels' communicators are created eagerly so
+no lazy init blocks the host mid-step).  ``p2p="shared"`` (the default on gloo, whose sends never block)
+keeps everything on the pipeline group.
+
 Backward is split as in zero-bubble pipelining (Qi et al. 2023):
 
 - ``B``: ``torch.autograd.grad(out, [inp], grad_out, retain_graph=True)`` -- only the input gradient, sent
@@ -24,8 +40,12 @@ full backward; ``split_backward="torch"`` uses torch.distributed.pipelining's gr
 the gradients at the weight-side nodes, W starts from them).  A layer-level split that stores the
 weight-grad GEMM inputs (as DualPipe's WeightGradStore does) would be cheaper still.
 
-``FB`` actions call ``overlap(run_forward, run_backward)``; the default runs them one after the other
-(correct on CPU).  A GPU stage can pass an ``overlap`` that runs them on two CUDA streams.
+``FB`` actions run the forward, then the backward (correct on CPU).  With an ``executor``
+(:class:`ChunkExecutor`, e.g. :class:`moerl.pipeline.overlap.MegatronOverlapExecutor`) every training F, B and
+FB goes through it instead; an FB then overlaps one chunk's forward with the other chunk's backward (on GPU:
+Megatron-Core's fine-grained schedule plans, MoE all-to-all of one on a communication CUDA stream while the
+other computes).  An executor that cannot split the backward runs the whole backward in ``B`` (``W`` is
+then empty).
 
 The tensors exchanged between chunks must be a single floating tensor (a chunk's output); the first chunk's
 input (``inputs[m]``) and the criterion's labels can be anything the user's callables accept.
@@ -35,19 +55,133 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from moerl.pipeline.schedules import P2P, Action, Schedule, _plan_actions, comm_plan, validate_schedule
 
-__all__ = ["PipelineInterpreter", "PipelineResult", "sync_mirrored_grads"]
+__all__ = ["Channel", "ChunkExecutor", "P2PChannels", "PipelineInterpreter", "PipelineResult", "make_p2p_channels",
+           "sync_mirrored_grads"]
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 _MAXDIM = 8
 _HDR = 5 + _MAXDIM  # header: dtype code, ndim, what (0 act, 1 grad), chunk, micro-batch, up to 8 dims
 _WHAT = ("act", "grad")
+
+
+class Channel(NamedTuple):
+    """This rank's end of one directed p2p channel: a 2-rank process group used for ONE direction only.
+
+    Attributes:
+        group: the process group (members: the two ranks; on NCCL its own communicator and stream).
+        group_peer: the other rank's rank in ``group`` (0 or 1).
+        peer: the other rank's global rank (what ``torch.distributed.P2POp(peer=...)`` takes).
+    """
+
+    group: Any
+    group_peer: int
+    peer: int
+
+
+@dataclass(frozen=True)
+class P2PChannels:
+    """The directed channels of one rank of a pipeline (built by :func:`make_p2p_channels`).
+
+    Attributes:
+        pp_rank: this rank's index in the pipeline group.
+        global_ranks: global rank of every pp rank of this pipeline (index = pp rank).
+        channels: ``(src pp rank, dst pp rank) -> Channel`` for every direction of the schedule's layout
+            that involves this rank (``src == pp_rank``: sends; ``dst == pp_rank``: receives).  The channels
+            ``(a, b)`` and ``(b, a)`` are different groups.
+    """
+
+    pp_rank: int
+    global_ranks: tuple[int, ...]
+    channels: Mapping[tuple[int, int], Channel]
+
+    def get(self, src: int, dst: int) -> Channel:
+        """The channel carrying messages from pp rank ``src`` to pp rank ``dst``.
+
+        Raises:
+            ValueError: no such channel (the schedule's layout never sends ``src -> dst``, or this rank is
+                neither end): build the channels from the schedule that runs."""
+        ch = self.channels.get((src, dst))
+        if ch is None:
+            raise ValueError(f"p2p channels of pp rank {self.pp_rank}: no channel {src} -> {dst} (have "
+                             f"{sorted(self.channels)}); build them with make_p2p_channels(schedule) of the "
+                             f"schedule that runs")
+        return ch
+
+
+def channel_pairs(schedule: Schedule) -> list[tuple[int, int]]:
+    """The directed pp-rank pairs ``(src, dst)`` that need a channel for ``schedule``: both directions of
+    every pair of ranks holding consecutive chunks of a route (activations one way, gradients the other)
+    or mirrored copies of one stage (:func:`sync_mirrored_grads`).  Depends on the chunk layout only (not on
+    the action order), so every micro-batch count of a schedule name with the same layout shares them."""
+    pairs = set()
+    for route in schedule.routes:
+        for a, b in zip(route, route[1:]):
+            pairs.add((schedule.chunk_rank[a], schedule.chunk_rank[b]))
+    for a in range(schedule.num_chunks):
+        for b in range(schedule.num_chunks):
+            if a != b and schedule.chunk_stage[a] == schedule.chunk_stage[b]:
+                pairs.add((schedule.chunk_rank[a], schedule.chunk_rank[b]))
+    return sorted({p for a, b in pairs if a != b for p in ((a, b), (b, a))})
+
+
+def make_p2p_channels(schedule: Schedule, group: Optional[dist.ProcessGroup] = None) -> P2PChannels:
+    """Create the directed p2p channels (one 2-rank process group per direction of each communicating pair
+    of :func:`channel_pairs`) of every pipeline of the world and return this rank's.
+
+    COLLECTIVE over the whole world: every rank must call it at the same point (``torch.distributed.new_group``
+    must be called by all ranks in the same order, members or not), each with its own pipeline ``group``
+    (the pipeline group may be a subgroup of a larger world with tp/ep/dp).  The ranks exchange their
+    pipelines' directed pairs in global ranks (``all_gather_object``), then create the union, sorted, with the
+    world's backend.  On NCCL each member then runs a 1-element ``all_reduce`` on each of its channels in the
+    same global order, so the communicators exist before the pipeline runs (no host-blocking lazy init at a
+    first send; the pairwise order cannot deadlock).
+
+    Args:
+        schedule: any schedule with the chunk layout that will run (``num_ranks`` = pp size).
+        group: this rank's pipeline group (default: the world).
+
+    Returns:
+        :class:`P2PChannels` of this rank.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+        ValueError: the pipeline group's size is not ``schedule.num_ranks``.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("make_p2p_channels: torch.distributed is not initialised (init_process_group first)")
+    size = dist.get_world_size(group)
+    if size != schedule.num_ranks:
+        raise ValueError(f"make_p2p_channels: schedule has {schedule.num_ranks} ranks but the pipeline group has "
+                         f"{size} processes: build it with num_ranks = pp size")
+    mine = tuple(dist.get_global_rank(group, i) if group is not None else i for i in range(size))
+    wanted = sorted((mine[a], mine[b]) for a, b in channel_pairs(schedule))
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, wanted)
+    every = sorted({tuple(p) for lst in gathered for p in lst})
+    backend = dist.get_backend()
+    me = dist.get_rank()
+    created = []
+    for src, dst in every:  # the same order on every rank
+        g = dist.new_group([src, dst], backend=backend)
+        if (src, dst) in wanted and me in (src, dst):
+            created.append((src, dst, g))
+    channels = {}
+    for src, dst, g in created:
+        other = dst if me == src else src
+        channels[(mine.index(src), mine.index(dst))] = Channel(g, dist.get_group_rank(g, other), other)
+    if "nccl" in str(dist.get_backend(group)).lower() and torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device())
+        for _, _, g in created:
+            dist.all_reduce(torch.zeros(1, device=dev), group=g)
+        torch.cuda.synchronize(dev)
+    return P2PChannels(mine.index(me), mine, channels)
 
 
 @dataclass
@@ -84,15 +218,24 @@ class PipelineInterpreter:
         group: the pipeline process group (default: the world).
         stage_fn: ``stage_fn(chunk, module, x, microbatch) -> output`` (default ``module(x)``); lets a
             stage read per-micro-batch side inputs (masks, positions).
-        overlap: ``overlap(run_forward, run_backward)`` for ``FB`` actions (default: forward, then backward).
+        executor: a :class:`ChunkExecutor` that runs the training forward / backward of every chunk and
+            overlaps the two halves of ``FB`` actions (default None: ``stage_fn`` and ``torch.autograd.grad``,
+            FB sequential).  Forward-only runs always use ``stage_fn``.
         split_backward: how a split ``B``/``W`` pair computes the weight gradients: ``"retrace"`` (W runs
             ``autograd.grad`` w.r.t. the parameters over the retained graph: always correct, W costs about
             a full backward) or ``"torch"`` (``torch.distributed.pipelining._backward``'s
             ``stage_backward_input``/``stage_backward_weight``: B keeps the gradients at the nodes that
             lead to weights and W starts from them, so B + W costs about one backward; a private torch API).
+        p2p: the transport of the plan's messages (module docstring): ``"directed"`` (one 2-rank process
+            group per direction of each communicating pair, created here by :func:`make_p2p_channels` --
+            COLLECTIVE over the whole world), ``"shared"`` (everything on ``group``), or prebuilt
+            :class:`P2PChannels` (reuse them across interpreters: group creation is collective and slow).
+            Default None: directed on NCCL (a shared communicator can deadlock zb1p/dualpipe/dualpipev),
+            shared otherwise (gloo sends never block).
 
     Raises:
-        ValueError: a held chunk has no module, or a module is given for a chunk of another rank.
+        ValueError: a held chunk has no module, or a module is given for a chunk of another rank; ``p2p`` is
+            not one of the above, or its channels belong to another pp rank or lack a direction of the plan.
     """
 
     def __init__(
@@ -104,8 +247,9 @@ class PipelineInterpreter:
         pp_rank: Optional[int] = None,
         group: Optional[dist.ProcessGroup] = None,
         stage_fn: Optional[Callable[[int, torch.nn.Module, Any, int], torch.Tensor]] = None,
-        overlap: Optional[Callable[[Callable[[], None], Callable[[], None]], None]] = None,
+        executor: Optional["ChunkExecutor"] = None,
         split_backward: str = "retrace",
+        p2p: Union[str, "P2PChannels", None] = None,
     ):
         validate_schedule(schedule)
         if split_backward not in ("retrace", "torch"):
@@ -128,32 +272,78 @@ class PipelineInterpreter:
         self.modules = dict(modules)
         self.criterion = criterion
         self.stage_fn = stage_fn or (lambda chunk, module, x, mb: module(x))
-        self.overlap = overlap or (lambda f, b: (f(), b()))
+        self.executor = executor
         self._M = schedule.num_microbatches
         self._C = schedule.num_chunks
         # NCCL moves CUDA tensors only: headers and receive buffers live on the current CUDA device there
         nccl = dist.is_initialized() and dist.get_backend(group) == "nccl"
         self._device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self._plans = {fo: comm_plan(schedule, forward_only=fo)[pp_rank] for fo in (False, True)}
+        self.channels = self._make_channels(p2p, nccl)
 
     # ------------------------------------------------------------------------------------------ p2p
+    def _make_channels(self, p2p, nccl: bool) -> Optional[P2PChannels]:
+        """The directed channels of ``p2p`` (None: shared group), checked against the plans."""
+        if p2p is None:
+            p2p = "directed" if nccl else "shared"
+        if isinstance(p2p, str):
+            if p2p not in ("directed", "shared"):
+                raise ValueError(f"p2p must be 'directed', 'shared' or P2PChannels, got {p2p!r}")
+            if p2p == "shared" or not dist.is_initialized():
+                if p2p == "directed":
+                    raise ValueError("p2p='directed' needs torch.distributed initialised; use p2p='shared'")
+                return None
+            p2p = make_p2p_channels(self.schedule, self.group)
+        if not isinstance(p2p, P2PChannels):
+            raise TypeError(f"p2p must be 'directed', 'shared' or P2PChannels, got {type(p2p).__name__}")
+        if p2p.pp_rank != self.pp_rank or len(p2p.global_ranks) != self.schedule.num_ranks:
+            raise ValueError(f"p2p: channels of pp rank {p2p.pp_rank} of a {len(p2p.global_ranks)}-rank pipeline "
+                             f"given to pp rank {self.pp_rank} of {self.schedule.num_ranks}")
+        for plan in self._plans.values():
+            for batch in plan:
+                for sends, recvs in batch:
+                    for x in sends:
+                        p2p.get(self.pp_rank, x.peer)
+                    for x in recvs:
+                        p2p.get(x.peer, self.pp_rank)
+        return p2p
+
+    def _post(self, items: list[tuple[Callable, torch.Tensor, int, int]]) -> list:
+        """Post ``(op, tensor, src pp rank, dst pp rank)`` items (tag 0) and return their works.  Shared:
+        one ``batch_isend_irecv`` over the pipeline group, items in the given order; directed: one per
+        channel, each channel's items in the given order (``batch_isend_irecv`` needs one group per call)."""
+        if not items:
+            return []
+        if self.channels is None:
+            return dist.batch_isend_irecv([dist.P2POp(op, t, self._peer(dst if src == self.pp_rank else src),
+                                                      self.group, 0) for op, t, src, dst in items])
+        by_dir: dict[tuple[int, int], list] = {}
+        for op, t, src, dst in items:
+            ch = self.channels.get(src, dst)
+            by_dir.setdefault((src, dst), []).append(dist.P2POp(op, t, ch.peer, ch.group, 0))
+        return [w for ops in by_dir.values() for w in dist.batch_isend_irecv(ops)]
+
     def _peer(self, pp_rank: int) -> int:
         return dist.get_global_rank(self.group, pp_rank) if self.group is not None else pp_rank
 
     def _post_sends(self, sends: tuple[P2P, ...]) -> None:
         """Post the sends of one plan round asynchronously (tag 0): all headers, then all tensors, so that
-        every pair sees them in the order the receiver's header group and tensor group expect."""
+        every pair sees them in the order the receiver's header group and tensor group expect.  Shared: one
+        ``batch_isend_irecv``; directed: per channel one header group, then one tensor group -- the very
+        groups the receiver posts for that channel.  The host never waits on them (until the end of run)."""
         hdrs, ops_t, keep = [], [], []
+        me = self.pp_rank
         for x in sends:
             t = self._outbox.pop((x.what, x.chunk, x.microbatch))
             h = torch.zeros(_HDR, dtype=torch.int64)
             ids = [_DTYPES.index(t.dtype), t.dim(), _WHAT.index(x.what), x.chunk, x.microbatch, *t.shape]
             h[:len(ids)] = torch.tensor(ids, dtype=torch.int64)
             h = h.to(self._device)
-            hdrs.append(dist.P2POp(dist.isend, h, self._peer(x.peer), self.group, 0))
-            ops_t.append(dist.P2POp(dist.isend, t, self._peer(x.peer), self.group, 0))
+            hdrs.append((dist.isend, h, me, x.peer))
+            ops_t.append((dist.isend, t, me, x.peer))
             keep += [h, t]
-        self._pending_sends.append((dist.batch_isend_irecv(hdrs + ops_t), keep))
+        works = self._post(hdrs + ops_t) if self.channels is None else self._post(hdrs) + self._post(ops_t)
+        self._pending_sends.append((works, keep))
         # drop finished sends so their buffers can be freed
         self._pending_sends = [(ws, k) for ws, k in self._pending_sends if not all(w.is_completed() for w in ws)]
 
@@ -163,9 +353,9 @@ class PipelineInterpreter:
 
         Raises:
             RuntimeError: a header names another message than the plan expects (FIFO order broken)."""
+        me = self.pp_rank
         hdrs = [torch.zeros(_HDR, dtype=torch.int64, device=self._device) for _ in recvs]
-        ops = [dist.P2POp(dist.irecv, h, self._peer(x.peer), self.group, 0) for h, x in zip(hdrs, recvs)]
-        for work in dist.batch_isend_irecv(ops):
+        for work in self._post([(dist.irecv, h, x.peer, me) for h, x in zip(hdrs, recvs)]):
             work.wait()
         bufs = []
         for h, x in zip(hdrs, recvs):
@@ -176,8 +366,7 @@ class PipelineInterpreter:
                                    f"micro-batch {x.microbatch}) from pp rank {x.peer} but got {got}: the ranks "
                                    f"run different schedules or plans")
             bufs.append(torch.empty(h[5:5 + h[1]], dtype=_DTYPES[h[0]], device=self._device))
-        ops = [dist.P2POp(dist.irecv, b, self._peer(x.peer), self.group, 0) for b, x in zip(bufs, recvs)]
-        for work in dist.batch_isend_irecv(ops):
+        for work in self._post([(dist.irecv, b, x.peer, me) for b, x in zip(bufs, recvs)]):
             work.wait()
         for b, x in zip(bufs, recvs):
             self._local[(x.what, x.chunk, x.microbatch)] = b
@@ -278,11 +467,15 @@ class PipelineInterpreter:
             self._weights(a.chunk, a.microbatch)
         elif a.kind == "BW":
             self._backward(a.chunk, a.microbatch, weights=True)
+        elif self.executor is not None:
+            self._exec_forward_backward(a.chunk, a.microbatch, a.chunk_b, a.microbatch_b)
         else:
-            self.overlap(lambda: self._forward(a.chunk, a.microbatch),
-                         lambda: self._backward(a.chunk_b, a.microbatch_b, weights=True))
+            self._forward(a.chunk, a.microbatch)
+            self._backward(a.chunk_b, a.microbatch_b, weights=True)
 
     def _forward(self, c: int, m: int) -> None:
+        if self.executor is not None and not self._forward_only:
+            return self._exec_forward_backward(c, m, None, None)
         s = self.schedule
         if s.is_first(c, m):
             x = self._inputs[m]
@@ -341,6 +534,8 @@ class PipelineInterpreter:
             self._send([(s.chunk_rank[p], "grad", p, m, dx)])
 
     def _backward(self, c: int, m: int, weights: bool) -> None:
+        if self.executor is not None:
+            return self._exec_forward_backward(None, None, c, m)
         x, y = self._saved.pop((c, m))
         g = self._grad_out(c, m)
         has_input = not self.schedule.is_first(c, m)
@@ -369,6 +564,10 @@ class PipelineInterpreter:
         self._wsaved[(c, m)] = ("retrace", y, g)
 
     def _weights(self, c: int, m: int) -> None:
+        if self.executor is not None:
+            if self.executor.splits_backward:
+                raise NotImplementedError("executors that split B and W are not supported yet")
+            return  # the executor's B computed the weight gradients already
         how, a, b = self._wsaved.pop((c, m))
         params = self._params(c)
         if how == "retrace":
@@ -387,10 +586,87 @@ class PipelineInterpreter:
             p.grad = old
         self._accumulate(params, grads)
 
+    def _exec_forward_backward(self, fc: Optional[int], fm: Optional[int], bc: Optional[int],
+                               bm: Optional[int]) -> None:
+        """Training forward of (fc, fm) and/or full backward of (bc, bm) through the executor, overlapped
+        when both are given (an ``FB`` action).  The last chunk's criterion runs here, on a detached copy of
+        the executor's output, so the executor's backward starts from the gradient w.r.t. that output."""
+        s, ex = self.schedule, self.executor
+        b_state = g = None
+        if bc is not None:
+            b_state, leaf, loss = self._saved.pop((bc, bm))
+            if s.is_last(bc, bm):
+                (g,) = torch.autograd.grad(loss, [leaf])
+            else:
+                g = self._local.pop(("grad", bc, bm))
+        x = None
+        if fc is not None:
+            if not s.is_first(fc, fm):
+                x = self._local.pop(("act", s.prev_chunk(fc, fm), fm)).detach().requires_grad_(True)
+            else:
+                x = self._inputs[fm]
+        if fc is not None and bc is not None:
+            y, f_state, dx = ex.forward_backward(fc, self.modules[fc], x, fm, bc, b_state, g)
+        elif fc is not None:
+            (y, f_state), dx = ex.forward(fc, self.modules[fc], x, fm), None
+        else:
+            y = f_state = None
+            dx = ex.backward(bc, b_state, g)
+        if bc is not None:
+            self._send_input_grad(bc, bm, dx)
+        if fc is None:
+            return
+        leaf = loss = None
+        if s.is_last(fc, fm):
+            if self._return_outputs:
+                self._result.outputs[fm] = y.detach()
+            leaf = y.detach().requires_grad_(True)
+            loss = self.criterion(leaf, self._labels[fm])
+            self._result.losses[fm] = loss.detach()
+        else:
+            n = s.next_chunk(fc, fm)
+            if s.chunk_rank[n] == self.pp_rank:
+                self._local[("act", fc, fm)] = y.detach()
+            else:
+                self._send([(s.chunk_rank[n], "act", fc, fm, y)])
+        self._saved[(fc, fm)] = (f_state, leaf, loss)
+
+
+class ChunkExecutor:
+    """How :class:`PipelineInterpreter` runs a chunk's training forward and backward when given
+    ``executor=``: the interface (subclass it or duck-type it).
+
+    ``splits_backward = False``: ``backward`` computes input AND weight gradients (the schedule's ``W`` is
+    then empty).  Weight gradients are accumulated by ``torch.autograd.backward`` into ``param.grad`` (or by
+    Megatron DDP's hooks into ``param.main_grad``).
+
+    Methods (``x``: the chunk's input -- the user's input on a first chunk, else a leaf float tensor with
+    ``requires_grad``; ``m``: micro-batch index; ``state``: whatever ``forward`` returned for the backward):
+
+    - ``forward(chunk, module, x, m) -> (y, state)``: ``y`` the chunk output (hidden states, or the last
+      chunk's output that the criterion takes);
+    - ``backward(chunk, state, grad_y) -> dx``: ``dx`` = gradient w.r.t. ``x`` (None on a first chunk);
+    - ``forward_backward(f_chunk, f_module, x, f_m, b_chunk, b_state, b_grad_y) -> (y, f_state, dx)``: both,
+      overlapped.
+    """
+
+    splits_backward = False
+
+    def forward(self, chunk: int, module: torch.nn.Module, x: Any, m: int):
+        raise NotImplementedError
+
+    def backward(self, chunk: int, state: Any, grad_y: torch.Tensor) -> Optional[torch.Tensor]:
+        raise NotImplementedError
+
+    def forward_backward(self, f_chunk: int, f_module: torch.nn.Module, x: Any, f_m: int, b_chunk: int,
+                         b_state: Any, b_grad_y: torch.Tensor):
+        y, f_state = self.forward(f_chunk, f_module, x, f_m)
+        return y, f_state, self.backward(b_chunk, b_state, b_grad_y)
+
 
 def sync_mirrored_grads(schedule: Schedule, modules: Mapping[int, torch.nn.Module], *,
                         pp_rank: Optional[int] = None, group: Optional[dist.ProcessGroup] = None,
-                        grad_attr: str = "grad") -> None:
+                        grad_attr: str = "grad", channels: Optional[P2PChannels] = None) -> None:
     """Sum the gradients of the mirrored copies of each stage (DualPipe) so both copies hold the total.
 
     For every pair of chunks that run the same stage on two ranks, the ranks exchange their ``param.grad``
@@ -398,11 +674,22 @@ def sync_mirrored_grads(schedule: Schedule, modules: Mapping[int, torch.nn.Modul
     posting-order matching pairs them right) and each adds the other's; addition is commutative, so both
     copies end up bitwise identical.  A no-op for schedules without mirrored copies.  Parameters with ``grad is None``
     are treated as zero gradients.  ``grad_attr="main_grad"`` sums Megatron DDP's gradient buffers instead.
+
+    Transport: without ``channels`` all sends and receives go in ONE ``batch_isend_irecv`` on ``group`` --
+    safe on NCCL's shared communicator too, since each side's send and receive of a pair sit in one NCCL
+    group (fused, progressed together).  With ``channels`` (:func:`make_p2p_channels`, e.g. the
+    interpreter's ``.channels``) each send goes on its ``(me, peer)`` channel and each receive on
+    ``(peer, me)``, one ``batch_isend_irecv`` per channel; the host waits on all of them at the end.
+
+    Raises:
+        ValueError: bad ``grad_attr``; two copies of a stage on one rank; ``channels`` of another pp rank.
     """
     if grad_attr not in ("grad", "main_grad"):
         raise ValueError(f"grad_attr must be 'grad' or 'main_grad', got {grad_attr!r}")
     if pp_rank is None:
-        pp_rank = dist.get_rank(group) if dist.is_initialized() else 0
+        pp_rank = channels.pp_rank if channels is not None else dist.get_rank(group) if dist.is_initialized() else 0
+    if channels is not None and channels.pp_rank != pp_rank:
+        raise ValueError(f"sync_mirrored_grads: channels of pp rank {channels.pp_rank} given to pp rank {pp_rank}")
     peer_of = (lambda q: dist.get_global_rank(group, q)) if group is not None else (lambda q: q)
     sends, recvs, adds = [], [], []
     # NCCL matches a pair's messages in posting order (tags ignored): both sides go by stage
@@ -420,12 +707,21 @@ def sync_mirrored_grads(schedule: Schedule, modules: Mapping[int, torch.nn.Modul
             grads = [getattr(p, grad_attr) for p in params]
             flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
             buf = torch.empty_like(flat)
-            sends.append(dist.P2POp(dist.isend, flat, peer_of(peer), group, 0))
-            recvs.append(dist.P2POp(dist.irecv, buf, peer_of(peer), group, 0))
+            if channels is None:
+                sends.append(dist.P2POp(dist.isend, flat, peer_of(peer), group, 0))
+                recvs.append(dist.P2POp(dist.irecv, buf, peer_of(peer), group, 0))
+            else:
+                out, inc = channels.get(pp_rank, peer), channels.get(peer, pp_rank)
+                sends.append([dist.P2POp(dist.isend, flat, out.peer, out.group, 0)])
+                recvs.append([dist.P2POp(dist.irecv, buf, inc.peer, inc.group, 0)])
             adds.append((grads, buf))
     if not sends:
         return
-    for w in dist.batch_isend_irecv(sends + recvs):
+    if channels is None:
+        works = dist.batch_isend_irecv(sends + recvs)
+    else:  # one batch per message, in stage order on both sides (FIFO per channel)
+        works = [w for ops in sends + recvs for w in dist.batch_isend_irecv(ops)]
+    for w in works:
         w.wait()
     for grads, buf in adds:
         off = 0

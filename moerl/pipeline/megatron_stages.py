@@ -7,13 +7,23 @@ norm and the output layer; the RL policy loss is the criterion (:class:`PolicyCr
 ``pipeline_model_parallel_size=1`` whatever parallel_state's pp size): the pipelining is done by moerl's
 interpreter, so one process can
 hold two non-adjacent stages (DualPipe: ``r`` and ``PP-1-r``; DualPipeV: ``r`` and ``2PP-1-r``), which
-Megatron's virtual-pipeline layout (stage ``v*PP + r``) cannot express.  Tested with tp = ep = 1 (TP/EP
-inside a stage would use the parallel_state groups as ``build_gpt_model`` does, untested here); tied
-embeddings only where the first and last stage share a rank (:func:`build_chunk_modules`).
+Megatron's virtual-pipeline layout (stage ``v*PP + r``) cannot express.  Tied embeddings only where the
+first and last stage share a rank (:func:`build_chunk_modules`).
+
+Expert and tensor parallelism inside a stage: the stage's MoE layers and TP linears take their groups
+from parallel_state, as ``build_gpt_model`` does for 1F1B.  The interpreter's group is Megatron's pipeline
+group (ranks that differ only in pp rank), so every (tp, ep, dp) position runs its own copy of the
+schedule; the ranks of one pp rank execute identical action lists, so their TP collectives and MoE
+all-to-alls (forward, B and W) are issued in the same order.  DualPipe's mirrored-gradient sum pairs
+ranks of the same tp/ep rank (same shards).  With TP the activations sent between stages are the
+sequence-parallel shards ``[S/tp, B, H]`` and the last stage's logits are vocabulary-parallel
+``[B, S, V/tp]``.  Tested on gloo with pp=2 x ep=2 and pp=2 x tp=2 (sequence parallel) against a single
+process (tests/test_pipeline_ep.py).
 
 Weights: :func:`load_hf_into_stages` cuts a full HF state dict into the stages with the converter of
-``moerl.checkpoint.hf_convert`` (a stage = one pipeline rank of an even ``num_stages``-way split);
-:func:`export_hf_from_stages` gathers the stages back into the full HF state dict.
+``moerl.checkpoint.hf_convert`` (a stage = one pipeline rank of an even ``num_stages``-way split, with this
+rank's TP slices and local experts); :func:`export_hf_from_stages` gathers the stages (and their TP/EP
+shards) back into the full HF state dict.
 """
 
 from __future__ import annotations
@@ -38,6 +48,9 @@ __all__ = [
     "export_hf_from_stages",
     "megatron_stage_fn",
     "make_forward_backward_func",
+    "model_copy_group",
+    "sequence_parallel_kwargs",
+    "vocab_parallel_log_probs_reentrant",
 ]
 
 
@@ -70,7 +83,26 @@ class MegatronStage(torch.nn.Module):
         if self.is_first:
             return self.model(*args, **kwargs)
         self.model.set_input_tensor(x)
-        return self.model(None, None, args[2], **kwargs)
+        return self.model(None, None, args[2], **sequence_parallel_kwargs(self.model.config, kwargs))
+
+
+def sequence_parallel_kwargs(config, kwargs: dict) -> dict:
+    """GPTModel keyword arguments for a stage WITHOUT the embedding under sequence parallelism: GPTModel
+    scatters ``padding_mask`` [B, S] along the sequence only where it embeds (pre_process), so a later
+    stage must get this TP rank's slice ``[:, r*S/tp:(r+1)*S/tp]``.  ``kwargs`` unchanged otherwise."""
+    from megatron.core import parallel_state as ps
+
+    pad = kwargs.get("padding_mask")
+    if pad is None or not getattr(config, "sequence_parallel", False):
+        return kwargs
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return kwargs
+    if pad.shape[1] % tp:
+        raise ValueError(f"sequence parallelism needs the sequence length ({pad.shape[1]}) divisible by "
+                         f"tp_size ({tp}): pad the micro-batches")
+    n, r = pad.shape[1] // tp, ps.get_tensor_model_parallel_rank()
+    return dict(kwargs, padding_mask=pad[:, r * n:(r + 1) * n].contiguous())
 
 
 def _stage_config(hf_config, stage: int, num_stages: int, **config_kw):
@@ -166,10 +198,30 @@ def _layout(stage: MegatronStage) -> ShardLayout:
                        ep_size=base.ep_size, ep_rank=base.ep_rank, etp_size=base.etp_size, etp_rank=base.etp_rank)
 
 
+def model_copy_group() -> Optional[dist.ProcessGroup]:
+    """The process group whose ranks together hold one copy of the model under parallel_state: every
+    pp, ep and tp (etp) rank of one expert-data-parallel position (Megatron's
+    ``get_expert_tensor_model_pipeline_parallel_group``: etp x ep x pp ranks) when etp_size = tp_size, else
+    ``None`` (the world).  What :func:`export_hf_from_stages` must gather over when the stages are also
+    cut by TP/EP; plain DP replicas stay out of it."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return None
+    if ps.get_expert_tensor_parallel_world_size() != ps.get_tensor_model_parallel_world_size():
+        return None
+    return ps.get_expert_tensor_model_pipeline_parallel_group()
+
+
 def load_hf_into_stages(stages: Sequence[MegatronStage] | Mapping[Any, MegatronStage],
                         hf_state_dict: Mapping[str, torch.Tensor], hf_config) -> None:
-    """Load each stage's part of a full HF state dict strictly (hf_convert naming; TP/EP slices from
-    parallel_state)."""
+    """Load each stage's part of a full HF state dict strictly (hf_convert naming): the stage's layers,
+    this rank's TP slices (expert-TP slices for experts) and its local experts
+    ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)`` (renumbered from 0), all from parallel_state.
+
+    Raises:
+        ValueError: the model does not divide into the layout (heads / vocabulary by tp, experts by ep),
+            or a key is missing (``hf_to_megatron`` / ``load_megatron_state_dict``)."""
     for st in (stages.values() if isinstance(stages, Mapping) else stages):
         load_megatron_state_dict(st.model, hf_to_megatron(hf_state_dict, hf_config, _layout(st)))
 
@@ -177,11 +229,18 @@ def load_hf_into_stages(stages: Sequence[MegatronStage] | Mapping[Any, MegatronS
 def export_hf_from_stages(stages: Sequence[MegatronStage] | Mapping[Any, MegatronStage], hf_config, *,
                           group: Optional[dist.ProcessGroup] = None,
                           tensors: str = "weights") -> dict[str, torch.Tensor]:
-    """Full HF state dict from the stages spread over the pipeline group (collective over ``group`` when
-    torch.distributed is initialised; TP/EP > 1 are not gathered here).
+    """Full HF state dict from the stages spread over ``group`` (an ``all_gather_object`` collective over
+    ``group`` when torch.distributed is initialised: every rank of it must call).
+
+    Each rank contributes its stages keyed by their :class:`ShardLayout` (stage, tp/ep/etp rank); shards
+    with equal layouts (DualPipe's mirrored copies, DP replicas) are taken once, TP slices are merged
+    and experts of every EP rank put back at their global index (``merge_megatron_shards``).
 
     Args:
         stages: this rank's stages; mirrored copies (DualPipe) are taken once.
+        group: ranks that together hold every stage and every TP/EP shard; None = the world.  With
+            parallel_state pp = PP (the actor) pass :func:`model_copy_group` (or the pipeline group when
+            tp = ep = 1).
         tensors: ``"weights"`` or ``"grads"`` (``param.main_grad`` under Megatron DDP, else ``param.grad``,
             zeros where None) -- the latter maps gradients to HF names, for checks.
 
@@ -303,11 +362,63 @@ def megatron_stage_fn(micro_batches: Sequence[Any]) -> Callable:
     return stage_fn
 
 
+def vocab_parallel_log_probs_reentrant(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``log_softmax(logits / T)[label]`` for vocabulary-parallel logits, with a backward that may run
+    more than once over a retained graph.
+
+    Same values as ``moerl.train.vocab_parallel.vocab_parallel_log_probs`` (up to float32 rounding), but
+    built from differentiable ops: ``x_label - max - log(sum exp(x - max))`` with the sum and the label
+    logit all-reduced over the TP group by Megatron's ``reduce_from_tensor_model_parallel_region``
+    (backward = identity: every TP rank holds the same loss and back-propagates into its own slice).
+    Megatron's ``vocab_parallel_cross_entropy`` overwrites its saved softmax in its backward, so the
+    interpreter's split backward (B, then W re-traversing the graph, ``split_backward="retrace"``)
+    cannot go through it twice.
+
+    Args:
+        logits: float [B, S, V/tp], this TP rank's vocabulary slice (rank r holds ids
+            ``[r*V/tp, (r+1)*V/tp)``; the maths runs in float32).
+        labels: long [B, S], global token ids in [0, V).
+        temperature: sampling temperature (> 0).
+
+    Returns:
+        float32 [B, S], identical on every TP rank.
+
+    Raises:
+        ValueError: labels / logits shapes differ, or a bad temperature.
+    """
+    import math
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    t = float(temperature)
+    if not (math.isfinite(t) and t > 0):
+        raise ValueError(f"temperature must be a finite float > 0 (the sampling temperature), got {temperature}")
+    if logits.dim() < 2 or tuple(labels.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"labels {tuple(labels.shape)} must match logits {tuple(logits.shape)} without the vocab dim")
+    group = ps.get_tensor_model_parallel_group()
+    x = logits.float() / t
+    with torch.no_grad():
+        m = x.max(dim=-1).values
+        if group.size() > 1:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    n = x.shape[-1]
+    local = labels.long() - ps.get_tensor_model_parallel_rank() * n
+    inside = (local >= 0) & (local < n)
+    picked = x.gather(-1, local.clamp(0, n - 1).unsqueeze(-1)).squeeze(-1) * inside
+    sum_exp = torch.exp(x - m.unsqueeze(-1)).sum(-1)
+    picked = reduce_from_tensor_model_parallel_region(picked.contiguous())
+    sum_exp = reduce_from_tensor_model_parallel_region(sum_exp.contiguous())
+    return picked - m - torch.log(sum_exp)
+
+
 class PolicyCriterion:
     """Criterion of the last stage: the actor's ``loss_fn(log_probs, entropy, mb) -> (loss, metrics)``
     (``moerl.train.losses.policy_loss`` / ``sft_loss``) applied to ``token_log_probs_from_logits(logits
     [B,S,V], labels, temperature)``; the loss is multiplied by ``loss_scale``.  Metrics of each micro-batch
-    are appended to ``self.metrics``.  TP > 1 (vocab-parallel logits) is not handled here."""
+    are appended to ``self.metrics``.  With tp_size > 1 (parallel_state) the logits are this TP rank's
+    vocabulary slice ``[B, S, V/tp]`` and the log-probs / entropies are reduced over the TP group
+    (:func:`vocab_parallel_log_probs_reentrant`, ``moerl.train.vocab_parallel.vocab_parallel_entropy``)."""
 
     def __init__(self, loss_fn, temperature: float = 1.0, loss_scale: float = 1.0):
         self.loss_fn, self.temperature, self.loss_scale = loss_fn, float(temperature), float(loss_scale)
@@ -317,9 +428,17 @@ class PolicyCriterion:
         from moerl.algorithms.logprobs import entropy_from_logits, token_log_probs_from_logits
         from moerl.train.batching import model_labels, to_label_layout
 
-        log_probs = token_log_probs_from_logits(logits, model_labels(mb), self.temperature)
-        with torch.no_grad():
-            entropy = entropy_from_logits(logits.detach(), self.temperature)
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() > 1:
+            from moerl.train.vocab_parallel import vocab_parallel_entropy
+
+            log_probs = vocab_parallel_log_probs_reentrant(logits, model_labels(mb), self.temperature)
+            entropy = vocab_parallel_entropy(logits.detach(), self.temperature)
+        else:
+            log_probs = token_log_probs_from_logits(logits, model_labels(mb), self.temperature)
+            with torch.no_grad():
+                entropy = entropy_from_logits(logits.detach(), self.temperature)
         log_probs, entropy = to_label_layout(mb, log_probs), to_label_layout(mb, entropy)
         loss, metrics = self.loss_fn(log_probs, entropy, mb)
         self.metrics.append(dict(metrics))
@@ -327,7 +446,8 @@ class PolicyCriterion:
 
 
 def make_forward_backward_func(schedule: Schedule | str, *, group: Optional[dist.ProcessGroup] = None,
-                               split_backward: str = "retrace") -> Callable:
+                               split_backward: str = "retrace", p2p: Any = None, overlap: bool = False,
+                               overlap_require_cuda: bool = True) -> Callable:
     """A drop-in for Megatron-Core's ``get_forward_backward_func()`` that runs ``schedule`` with the
     interpreter (what ``MegatronActor._run_schedule`` calls).
 
@@ -352,13 +472,40 @@ def make_forward_backward_func(schedule: Schedule | str, *, group: Optional[dist
     After a training step it sums DualPipe's mirrored gradients and calls ``config.finalize_model_grads_func``
     (when set) on the model list, as Megatron's schedules do.  Returns the ``reduced`` values in
     micro-batch order on the ranks that computed losses, ``[]`` elsewhere.
+
+    ``p2p`` is :class:`~moerl.pipeline.interpreter.PipelineInterpreter`'s transport: ``"directed"`` (default on
+    NCCL), ``"shared"`` (default otherwise) or prebuilt ``P2PChannels``.  Directed channels are created HERE,
+    once, by :func:`~moerl.pipeline.interpreter.make_p2p_channels` on the schedule's chunk layout: with
+    ``p2p="directed"`` (or NCCL) this call is collective over the whole world (every rank, same point).
+
+    ``overlap=True`` runs every training step through :class:`moerl.pipeline.overlap.MegatronOverlapExecutor`
+    (DualPipe's F&B overlapped on two CUDA streams by Megatron's schedule plans): ``forward_step_func`` is then
+    also called as ``forward_step_func(data_iterator, model, return_schedule_plan=True) -> (plan, loss_func)``,
+    Megatron's own convention for ``combined_1f1b`` (return ``model.build_schedule_plan(...)`` with the
+    forward's arguments).  ``overlap_require_cuda=False`` only for CPU dry checks inside
+    :func:`moerl.pipeline.overlap.cpu_dry_run`.
+
+    Raises:
+        ValueError: ``p2p`` is not ``None``, ``"directed"``, ``"shared"`` or ``P2PChannels``; with ``overlap``,
+            a model Megatron's plans cannot overlap (see :func:`moerl.pipeline.overlap.check_overlap_supported`).
+        RuntimeError: ``overlap`` without CUDA.
     """
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
-    from moerl.pipeline.interpreter import PipelineInterpreter, sync_mirrored_grads
+    from moerl.pipeline.interpreter import P2PChannels, PipelineInterpreter, make_p2p_channels, sync_mirrored_grads
+    from moerl.pipeline.overlap import MegatronOverlapExecutor, check_overlap_supported
 
     from moerl.pipeline.schedules import build_schedule
+
+    if not (p2p is None or p2p in ("directed", "shared") or isinstance(p2p, P2PChannels)):
+        raise ValueError(f"p2p must be None, 'directed', 'shared' or P2PChannels, got {p2p!r}")
+    if p2p is None:
+        p2p = "directed" if dist.is_initialized() and dist.get_backend(group) == "nccl" else "shared"
+    if p2p == "directed" and dist.is_initialized():  # the channels depend on the chunk layout only
+        layout = (build_schedule(schedule, dist.get_world_size(group), 2, fallback=True)
+                  if isinstance(schedule, str) else schedule)
+        p2p = make_p2p_channels(layout, group)
 
     def forward_backward(*, forward_step_func, data_iterator, model, num_microbatches: int,
                          forward_only: bool = False, **_ignored):
@@ -390,6 +537,20 @@ def make_forward_backward_func(schedule: Schedule | str, *, group: Optional[dist
                 loss_funcs[m] = loss_func
             return out
 
+        executor = None
+        if overlap and not forward_only:
+            check_overlap_supported(config, require_cuda=overlap_require_cuda)
+
+            def build_plan(c, module, x, m):
+                if not sched.is_first(c, m):
+                    get_attr_wrapped_model(module, "set_input_tensor")(x)
+                plan, loss_func = forward_step_func(iter([mbs[m]]), module, return_schedule_plan=True)
+                if sched.is_last(c, m):
+                    loss_funcs[m] = loss_func
+                return plan
+
+            executor = MegatronOverlapExecutor(build_plan, require_cuda=overlap_require_cuda)
+
         def criterion(out, m):
             res = loss_funcs.pop(m)(out)
             if len(res) == 3:
@@ -406,13 +567,13 @@ def make_forward_backward_func(schedule: Schedule | str, *, group: Optional[dist
             scale = (config.grad_scale_func(torch.ones(1)) if config.grad_scale_func is not None else torch.ones(1))
             MoEAuxLossAutoScaler.set_loss_scale(scale if config.calculate_per_token_loss else scale / num_microbatches)
         interp = PipelineInterpreter(sched, by_chunk, criterion, pp_rank=pp_rank, group=group, stage_fn=stage_fn,
-                                     split_backward=split_backward)
+                                     split_backward=split_backward, p2p=p2p, executor=executor)
         idx = list(range(num_microbatches))
         interp.run(idx, idx, forward_only=forward_only)
         if not forward_only:
             uses_main_grad = any(getattr(p, "main_grad", None) is not None for m in models for p in m.parameters())
             sync_mirrored_grads(sched, by_chunk, pp_rank=pp_rank, group=group,
-                                grad_attr="main_grad" if uses_main_grad else "grad")
+                                grad_attr="main_grad" if uses_main_grad else "grad", channels=interp.channels)
             if config.finalize_model_grads_func is not None:
                 config.finalize_model_grads_func(models)
         return [reduced[m] for m in sorted(reduced)]

@@ -592,6 +592,10 @@ def comm_plan(schedule: Schedule, *, forward_only: bool = False, blocking_sends:
     pair sees ``h1 h2 .. t1 t2 ..``), then its receives as two blocking groups: the headers, then the
     tensors.  Deterministic: every rank computes the same plan from the schedule alone.
 
+    With directed channels (the interpreter's ``p2p="directed"``, NCCL's default: one process group per
+    direction of a pair) a round's sends to one peer go as one header group then one tensor group on that
+    direction's channel, the same groups its receiver posts there; the plan is the same.
+
     With ``blocking_sends=True`` the plan is the one for the stricter model of :func:`validate_fifo`
     (sends and receives of a round share the header group and the tensor group, as Megatron's
     ``send_forward_recv_backward`` pairs them; where that deadlocks, a batch's sends get a round of their
@@ -793,11 +797,21 @@ def validate_fifo(schedule: Schedule, *, blocking_sends: bool = False, buffer_ea
 
     Model: the ``k``-th send from ``src`` to ``dst`` meets the ``k``-th receive posted on ``dst`` from
     ``src`` (FIFO per ordered pair, tags ignored: NCCL's matching); every rank posts its groups in order and
-    waits for each receive group to finish.  By default sends are asynchronous (complete once posted: gloo,
-    and NCCL for messages that fit its buffers or on per-pair streams).  ``blocking_sends=True`` checks
-    NCCL's documented worst case instead: a group finishes only when every op in it met its partner while
-    both groups were current (a send blocks until its receive is posted); the real schedules do NOT all
-    pass that model with a header-then-tensor protocol (see :func:`comm_plan`).
+    waits for each receive group to finish.  By default sends are asynchronous (complete once posted).
+    ``blocking_sends=True`` checks NCCL's documented worst case over one communicator instead: a group
+    finishes only when every op in it met its partner while both groups were current (a send blocks until
+    its receive is posted); the real schedules do NOT all pass that model with a header-then-tensor protocol
+    (1F1B does; zb1p, dualpipe and dualpipev deadlock).
+
+    Which model applies to which transport of :class:`~moerl.pipeline.interpreter.PipelineInterpreter`:
+
+    - gloo (``p2p="shared"`` or ``"directed"``): sends never block -- asynchronous model;
+    - NCCL with directed channels (``p2p="directed"``, the default on NCCL: one communicator and stream per
+      direction of each pair): a blocked send only delays later sends of its own direction, whose receiver
+      posts the same groups in the same FIFO order, and the host never waits on a send until the end of a
+      step, so a receive group completes once its sender posted the matching group -- asynchronous model;
+    - NCCL over one shared communicator (``p2p="shared"``): all p2p ops of a rank run in one stream in
+      posting order -- ``blocking_sends=True`` (deadlocks all schedules but 1F1B).
 
     Checks that each pair's send and receive sequences are identical (no message lands in a buffer meant
     for another) and that every rank finishes (no deadlock).  ``buffer_early=False`` checks the naive

@@ -17,14 +17,20 @@ Parallel layouts (whatever moerl.runtime.distributed.init_distributed set up):
 * EP: experts are local to each EP rank (Megatron's alltoall dispatcher); every DP rank must run
   the same number of micro-batches (checked).
 * DP: each DP rank gets its own micro-batches; Megatron DDP reduces the gradients.
-* Pipeline schedule ``pipeline_schedule="dualpipe" | "dualpipev"`` (pp_size > 1, tp = ep = 1): the
-  model is cut into stage chunks (moerl.pipeline.megatron_stages.build_chunk_modules: DualPipeV
-  2*PP stages, rank r holding stages r and 2PP-1-r; DualPipe two mirrored copies of PP stages),
-  held by one container module (StageChunks) under ONE Megatron DDP and one optimizer, and run by
-  moerl's interpreter (make_forward_backward_func). Micro-batch results (losses, log-probs) come out
-  on whichever ranks end a micro-batch's route (DualPipeV: pp rank 0) and are gathered over the
-  pipeline group in micro-batch order. Steps with fewer than 2*PP micro-batches run GPipe order on
-  the same chunks (build_schedule(..., fallback=True)).
+* Pipeline schedule ``pipeline_schedule="dualpipe" | "dualpipev"`` (pp_size > 1): the model is cut
+  into stage chunks (moerl.pipeline.megatron_stages.build_chunk_modules: DualPipeV 2*PP stages, rank
+  r holding stages r and 2PP-1-r; DualPipe two mirrored copies of PP stages), held by one container
+  module (StageChunks) under ONE Megatron DDP and one optimizer, and run by moerl's interpreter
+  (make_forward_backward_func) over the pipeline group. TP (with sequence parallelism) and EP work
+  inside the stages: every (tp, ep, dp) position runs its own copy of the schedule and the ranks of
+  one pp rank issue their TP collectives / MoE all-to-alls in the same action order; gradients are
+  reduced as for 1F1B (dense over DP, experts over expert-DP, sequence-parallel and QK layer-norm
+  gradients over TP; DualPipe's mirrored copies summed between ranks of the same tp/ep rank). With TP
+  the log-probs use a vocab-parallel form whose backward can run twice (the interpreter's split
+  B/W backward). Micro-batch results (losses, log-probs) come out on whichever ranks end a
+  micro-batch's route (DualPipeV: pp rank 0) and are gathered over the pipeline group in
+  micro-batch order. Steps with fewer than 2*PP micro-batches run GPipe order on the same chunks
+  (build_schedule(..., fallback=True)).
 
 Padding is right padding with a zero loss mask: with a causal mask it leaves every real token's
 logits unchanged, and the padding mask (moerl.train.batching.padding_mask) keeps padded tokens out
@@ -169,10 +175,13 @@ class MegatronActor:
             for MoE with TP when training; ignored at tp_size == 1).
         config_overrides: extra TransformerConfig fields (e.g. num_layers_in_first_pipeline_stage).
         pipeline_schedule: "1f1b" (Megatron's schedules) | "dualpipe" | "dualpipev" (moerl.pipeline;
-            needs pp_size > 1, tp_size = ep_size = 1, an even layer split over the stages).
+            needs pp_size > 1 and an even layer split over the stages; any tp_size / ep_size).
+        pipeline_overlap: DualPipe(V)'s F&B steps through Megatron's schedule plans on two CUDA streams
+            (moerl.pipeline.overlap; needs CUDA, ep_size >= 2 and the alltoall/flex dispatcher).
 
     Raises:
         ValueError: an unknown pipeline_schedule or a layout it does not support.
+        RuntimeError: pipeline_overlap without CUDA.
 
     Requires moerl.runtime.distributed.init_distributed() to have run (the layout comes from
     Megatron's parallel_state).
@@ -196,6 +205,7 @@ class MegatronActor:
         sequence_parallel: bool = True,
         config_overrides: Optional[Mapping[str, Any]] = None,
         pipeline_schedule: str = "1f1b",
+        pipeline_overlap: bool = False,
     ):
         self.hf_config = hf_config
         overrides = recompute_config(recompute)
@@ -207,9 +217,13 @@ class MegatronActor:
             raise ValueError(f"pipeline_schedule must be 1f1b, dualpipe or dualpipev, got {pipeline_schedule!r}")
         self.pipeline_schedule = pipeline_schedule
         self.dual = pipeline_schedule != "1f1b"
+        if pipeline_overlap and not self.dual:
+            raise ValueError("pipeline_overlap=True overlaps DualPipe's F&B steps: it needs pipeline_schedule "
+                             "dualpipe or dualpipev")
+        self.pipeline_overlap = bool(pipeline_overlap)
         self._stages = None
         if self.dual:
-            self._build_chunks(hf_config, overrides, moe_aux_loss_coeff, moe_load_balancing_type)
+            self._build_chunks(hf_config, overrides, moe_aux_loss_coeff, moe_load_balancing_type, sequence_parallel)
         else:
             self.tf_config = transformer_config_from_hf(
                 hf_config,
@@ -234,8 +248,11 @@ class MegatronActor:
             if self.dual:
                 # Megatron's finalize_model_grads without its pipeline embedding all-reduce (a tied
                 # embedding is one parameter of one rank here; that all-reduce would hang): the DP
-                # gradient sync, the aux-loss-free expert-bias update and the MoE temporaries' reset
+                # gradient sync (dense over DP, experts over expert-DP), the TP all-reduce of the
+                # sequence-parallel / QK layer-norm gradients, the aux-loss-free expert-bias update and
+                # the MoE temporaries' reset
                 from megatron.core.distributed.finalize_model_grads import (
+                    _allreduce_non_tensor_model_parallel_grads,
                     _update_router_expert_bias,
                     reset_model_temporary_tensors,
                 )
@@ -245,6 +262,8 @@ class MegatronActor:
                 def finalize(models, *_args, **_kwargs):
                     ddp.finish_grad_sync()
                     cfg = models[0].config
+                    _allreduce_non_tensor_model_parallel_grads(
+                        [ddp], cfg, parallel_state.get_tensor_model_parallel_group())
                     if cfg.moe_router_enable_expert_bias:
                         _update_router_expert_bias(models, cfg)
                     reset_model_temporary_tensors(cfg, models)
@@ -265,17 +284,17 @@ class MegatronActor:
             for p in self.model.parameters():
                 p.requires_grad_(False)
 
-    def _build_chunks(self, hf_config, overrides: dict, moe_aux_loss_coeff: float, moe_load_balancing_type: str):
-        """DualPipe(V): this pp rank's stage chunks (moerl.pipeline.megatron_stages) in one StageChunks."""
+    def _build_chunks(self, hf_config, overrides: dict, moe_aux_loss_coeff: float, moe_load_balancing_type: str,
+                      sequence_parallel: bool = True):
+        """DualPipe(V): this pp rank's stage chunks (moerl.pipeline.megatron_stages) in one StageChunks.
+        TP / EP inside the stages come from parallel_state (each (tp, ep, dp) position runs its own copy of
+        the schedule over its pipeline group)."""
         from moerl.pipeline.megatron_stages import StageChunks, build_chunk_modules, make_forward_backward_func
         from moerl.pipeline.schedules import build_schedule
 
         name = self.pipeline_schedule
         if self.pp_size < 2:
             raise ValueError(f"pipeline_schedule={name} needs pp_size > 1 (got {self.pp_size}); use 1f1b")
-        ep = parallel_state.get_expert_model_parallel_world_size()
-        if self.tp_size != 1 or ep != 1:
-            raise ValueError(f"pipeline_schedule={name} supports tp_size = ep_size = 1 only (got {self.tp_size}, {ep})")
         for key in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
             if overrides.get(key) is not None:
                 raise ValueError(f"pipeline_schedule={name} splits layers evenly: {key} is not supported")
@@ -285,11 +304,16 @@ class MegatronActor:
         self.schedule_layout = build_schedule(name, self.pp_size, 2 * self.pp_size)
         self._stages = build_chunk_modules(
             self.schedule_layout, self.pp_rank, hf_config, moe_aux_loss_coeff=moe_aux_loss_coeff,
-            moe_router_load_balancing_type=moe_load_balancing_type, overrides=overrides)
+            moe_router_load_balancing_type=moe_load_balancing_type, sequence_parallel=sequence_parallel,
+            overrides=overrides)
         self.model = StageChunks(self._stages, self.schedule_layout, hf_config.num_hidden_layers)
         self.tf_config = self.model.config
         self.layout = None
-        self._fwd_bwd = make_forward_backward_func(name, group=group)
+        if self.pipeline_overlap:  # CUDA, ep_size >= 2, alltoall/flex dispatcher: checked before any work
+            from moerl.pipeline.overlap import check_overlap_supported
+
+            check_overlap_supported(self.tf_config)
+        self._fwd_bwd = make_forward_backward_func(name, group=group, overlap=self.pipeline_overlap)
         if name == "dualpipe":  # the two copies of a stage were initialised on different ranks: make them equal
             self.load_hf_state_dict(self.export_hf_state_dict())
 
@@ -331,10 +355,9 @@ class MegatronActor:
         on every rank, ``dst=r`` only on global rank r (an empty dict elsewhere).
         """
         if self.dual:
-            from moerl.pipeline.megatron_stages import export_hf_from_stages
+            from moerl.pipeline.megatron_stages import export_hf_from_stages, model_copy_group
 
-            full = export_hf_from_stages(self._stages, self.hf_config,
-                                         group=parallel_state.get_pipeline_model_parallel_group())
+            full = export_hf_from_stages(self._stages, self.hf_config, group=model_copy_group())
             return full if dst is None or dist.get_rank() == dst else {}
         return gather_megatron_to_hf(self.model.state_dict(), self.hf_config, self.layout, dst=dst)
 
@@ -376,7 +399,14 @@ class MegatronActor:
 
     # ----------------------------------------------------------------- compute
     def _token_log_probs(self, logits: torch.Tensor, labels: torch.Tensor, temperature: float):
-        if self.tp_size > 1:
+        if self.tp_size > 1 and self.dual:
+            # the interpreter's split backward traverses the loss twice: Megatron's vocab-parallel
+            # cross entropy overwrites its saved softmax in backward, this one does not
+            from moerl.pipeline.megatron_stages import vocab_parallel_log_probs_reentrant
+
+            log_probs = vocab_parallel_log_probs_reentrant(logits, labels, temperature)
+            entropy = vocab_parallel_entropy(logits.detach(), temperature)
+        elif self.tp_size > 1:
             log_probs = vocab_parallel_log_probs(logits, labels, temperature)
             entropy = vocab_parallel_entropy(logits.detach(), temperature)
         else:
@@ -396,7 +426,7 @@ class MegatronActor:
         # moe.routing_replay is r2/r3): force mb.routed_experts, or record (r2 first pass)
         replay = getattr(self, "routing_replay", None)
 
-        def forward_step(data_iterator, model):
+        def forward_step(data_iterator, model, return_schedule_plan: bool = False):
             mb: MicroBatch = next(data_iterator)
             # padded [B,S] with a causal mask, or one packed THD row with cu_seqlens
             args, kwargs = model_forward_args(mb)
@@ -411,11 +441,16 @@ class MegatronActor:
                     chunk = pad.shape[1] // self.tp_size
                     r = parallel_state.get_tensor_model_parallel_rank()
                     kwargs = dict(kwargs, padding_mask=pad[:, r * chunk:(r + 1) * chunk].contiguous())
-            if replay is not None:
-                replay.before_forward(mb)
-            output = model(*args, **kwargs)
-            if replay is not None:
-                replay.after_forward(mb)
+            if return_schedule_plan:  # train.pipeline_overlap: Megatron's plan, run later by the executor
+                if replay is not None:
+                    raise ValueError("moe.routing_replay does not support train.pipeline_overlap")
+                output = get_attr_wrapped_model(model, "build_schedule_plan")(*args, **kwargs)
+            else:
+                if replay is not None:
+                    replay.before_forward(mb)
+                output = model(*args, **kwargs)
+                if replay is not None:
+                    replay.after_forward(mb)
 
             def loss_func(logits):  # runs on the last stage only
                 log_probs, entropy = self._token_log_probs(logits, model_labels(mb), temperature)
@@ -580,10 +615,13 @@ class MegatronActor:
         return self._from_last_stage(total)
 
     def _aux_loss_chunks(self, num_microbatches: int) -> float:
-        """``_aux_loss`` for the dual schedules. Megatron's tracker indexes a layer by the router's
-        stage-local layer number, so several chunks' layers share an entry: the per-name sum over this
-        rank's entries is summed over the pipeline group, averaged over DP and divided by
-        num_microbatches * (MoE layers of the whole model)."""
+        """``_aux_loss`` for the dual schedules. The stage routers carry GLOBAL layer numbers and the
+        whole model's num_layers (megatron_stages._global_router_numbers), so the tracker has one entry
+        per model layer as under 1F1B; DualPipe's two copies of a stage each add their micro-batches.
+        Reduced with Megatron's reduce_aux_losses_tracker_across_ranks (sum over the pipeline group,
+        then the entry's reduce group -- TP x CP for aux_loss, whose per-rank values are partial under
+        sequence parallelism -- and the DP average), then divided by num_microbatches * (MoE layers of
+        the whole model)."""
         from moerl.models.qwen3_moe import hf_moe_layer_pattern
 
         tracker = get_moe_layer_wise_logging_tracker()
@@ -592,15 +630,14 @@ class MegatronActor:
         all_names = sorted({x for ns in names for x in ns})
         if not all_names:
             return 0.0
-        sums = torch.tensor([float(tracker[k]["values"].sum()) if k in tracker else 0.0 for k in all_names],
-                            dtype=torch.float64, device=self.device)
-        dist.all_reduce(sums, group=parallel_state.get_pipeline_model_parallel_group())
-        if self.dp_size > 1:
-            dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
-            sums /= self.dp_size
+        for name in all_names:  # a rank whose stages hold no MoE layer reduces zeros
+            if name not in tracker:
+                tracker[name] = {"values": torch.zeros(self.hf_config.num_hidden_layers, device=self.device)}
+        reduce_aux_losses_tracker_across_ranks(track_names=all_names)  # same order on every rank
+        total = sum(float(tracker[k]["values"].sum()) for k in all_names)
         n_moe = max(1, sum(bool(x) for x in hf_moe_layer_pattern(self.hf_config)))
         clear_aux_losses_tracker()
-        return float(sums.sum()) / (num_microbatches * n_moe)
+        return total / (num_microbatches * n_moe)
 
     def _from_last_stage(self, obj):
         """``obj`` as the last pipeline stage holds it, on every stage (identity at pp_size 1)."""
