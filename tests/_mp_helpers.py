@@ -36,6 +36,31 @@ TINY_FIELDS = dict(
 )
 
 
+def gspo_micro_batches(n: int, vocab: int, *, batch: int = 2, seq: int = 10, prompt: int = 4, seed: int = 3,
+                       unique_ids: bool = False) -> list:
+    """n padded GSPO micro-batches [batch, seq] for the pipeline tests: random tokens, labels = tokens shifted
+    by one, loss mask 0 on the first ``prompt`` positions, random advantages [batch] and old log-probs
+    (``extras["old_log_probs"]``, [batch, seq], in (-5, 0]).  Sample indices 0..batch-1 per micro-batch,
+    or numbered across micro-batches with ``unique_ids``."""
+    import torch
+
+    from moerl.train.batching import MicroBatch
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        tokens = torch.randint(0, vocab, (batch, seq), generator=g)
+        labels = torch.roll(tokens, -1, dims=1)
+        mask = torch.zeros(batch, seq)
+        mask[:, prompt:] = 1.0
+        old = -torch.rand(batch, seq, generator=g) * 5
+        adv = torch.randn(batch, generator=g)
+        ids = [i * batch + j for j in range(batch)] if unique_ids else list(range(batch))
+        out.append(MicroBatch(tokens, labels, mask, adv, ids, [prompt] * batch, [seq - prompt] * batch,
+                              extras={"old_log_probs": old}))
+    return out
+
+
 def free_port_block(n: int = 3) -> int:
     """A base port with n consecutive free ports below Linux's ephemeral range (32768+), so that
     client sockets of other processes cannot take them between this check and the servers' bind."""

@@ -172,6 +172,18 @@ def test_failover_gives_up_after_max_restarts_and_names_the_server(tmp_path):
         assert len(out) == 4 and all(o["meta_info"]["weight_version"] == "default" for o in out)
 
 
+class _DyingProc:
+    """A child process stand-in whose poll() reports SIGKILL from monotonic time ``dies_at`` on (None: never)."""
+
+    def __init__(self, dies_at):
+        self.dies_at, self.pid, self.returncode = dies_at, 1, None
+
+    def poll(self):
+        if self.dies_at is not None and time.monotonic() >= self.dies_at:
+            self.returncode = -9
+        return self.returncode
+
+
 def test_weight_push_that_fails_as_a_server_dies_is_retried_on_the_survivor(tmp_path):
     """kill -9 closes a server's sockets a moment before its process can be reaped: the push sees
     ConnectError while proc.poll() still says alive. update_weights waits for the death to show
@@ -180,18 +192,9 @@ def test_weight_push_that_fails_as_a_server_dies_is_retried_on_the_survivor(tmp_
 
     c = RolloutCluster(str(tmp_path), num_servers=2, base_port=31000, router_port=30000, failover=True)
 
-    class Proc:
-        def __init__(self, dies_at):
-            self.dies_at, self.pid, self.returncode = dies_at, 1, None
-
-        def poll(self):
-            if self.dies_at is not None and time.monotonic() >= self.dies_at:
-                self.returncode = -9
-            return self.returncode
-
     u0, u1 = c.server_urls
-    c._servers = [_Child("server 0", 0, u0, "", Proc(None), None),
-                  _Child("server 1", 1, u1, "", Proc(time.monotonic() + 0.5), None)]
+    c._servers = [_Child("server 0", 0, u0, "", _DyingProc(None), None),
+                  _Child("server 1", 1, u1, "", _DyingProc(time.monotonic() + 0.5), None)]
     calls = []
 
     def push(urls):
@@ -202,7 +205,7 @@ def test_weight_push_that_fails_as_a_server_dies_is_retried_on_the_survivor(tmp_
     assert c.update_weights("7", push) == [u0]
     assert calls == [[u0, u1], [u0]] and c.current_weight_version == "7"
     # no death: the push error is the caller's (nothing to fail over to)
-    c._servers[1] = _Child("server 1", 1, u1, "", Proc(None), None)
+    c._servers[1] = _Child("server 1", 1, u1, "", _DyingProc(None), None)
 
     def broken(urls):
         raise ValueError("bad weights")
@@ -211,6 +214,27 @@ def test_weight_push_that_fails_as_a_server_dies_is_retried_on_the_survivor(tmp_
     with pytest.raises(ValueError, match="bad weights"):
         c.update_weights("8", broken)
     assert time.monotonic() - t0 < 30
+
+
+def test_weight_push_that_fails_as_a_server_dies_names_it_without_failover(tmp_path):
+    """rollout.failover=false: the push fails (connection refused) a moment before the killed server can be
+    reaped; update_weights waits for the death to show and raises RolloutServerDiedError naming that server
+    (not the bare connection error)."""
+    from moerl.rollout.errors import RolloutServerDiedError
+    from moerl.rollout.launcher import _Child
+
+    c = RolloutCluster(str(tmp_path), num_servers=2, base_port=31000, router_port=30000, failover=False)
+    u0, u1 = c.server_urls
+    c._servers = [_Child("server 0", 0, u0, "", _DyingProc(None), None),
+                  _Child("server 1", 1, u1, "", _DyingProc(time.monotonic() + 0.5), None)]
+
+    def push(urls):
+        assert urls == [u0, u1]
+        raise ConnectionError(f"{u1}: Connection refused")
+
+    with pytest.raises(RolloutServerDiedError, match=rf"server 1 \({u1}"):
+        c.update_weights("3", push)
+    assert c.current_weight_version is None
 
 
 @pytest.mark.parametrize("mode", ["disk", "distributed"])
@@ -225,15 +249,6 @@ def test_trainer_weight_sync_goes_through_the_cluster_retry(tmp_path, monkeypatc
     from moerl.config.schema import RolloutConfig
     from moerl.rollout.errors import RolloutServerDiedError
     from moerl.rollout.launcher import _Child
-
-    class Proc:
-        def __init__(self, dies_at):
-            self.dies_at, self.pid, self.returncode = dies_at, 1, None
-
-        def poll(self):
-            if self.dies_at is not None and time.monotonic() >= self.dies_at:
-                self.returncode = -9
-            return self.returncode
 
     sd = {"w": torch.ones(2)}
     pushes, restorers = [], []
@@ -256,7 +271,8 @@ def test_trainer_weight_sync_goes_through_the_cluster_retry(tmp_path, monkeypatc
     def weight_sync(failover, dies_at):
         c = RolloutCluster(str(tmp_path), num_servers=2, base_port=31000, router_port=30000, failover=failover)
         u0, u1 = c.server_urls
-        c._servers = [_Child("server 0", 0, u0, "", Proc(None), None), _Child("server 1", 1, u1, "", Proc(dies_at), None)]
+        c._servers = [_Child("server 0", 0, u0, "", _DyingProc(None), None),
+                      _Child("server 1", 1, u1, "", _DyingProc(dies_at), None)]
         real, c.calls = c.update_weights, []
         c.update_weights = lambda *a, **kw: c.calls.append(a[0]) or real(*a, **kw)  # spy: the loop's way in
         ro = RolloutConfig(weight_sync=mode, failover=failover)

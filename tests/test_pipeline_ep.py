@@ -34,7 +34,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _mp_helpers import TINY_FIELDS, free_port_block  # noqa: E402
+from _mp_helpers import TINY_FIELDS, free_port_block, gspo_micro_batches  # noqa: E402
 
 SEQ, BATCH, M, LAYERS = 10, 2, 8, 4  # DualPipeV at pp 2: 4 stages of 1 layer; 8 micro-batches per DP rank
 AUX = 1e-2
@@ -50,20 +50,7 @@ def hf_config():
 
 def micro_batches(n: int, vocab: int):
     """n padded GSPO micro-batches [BATCH, SEQ] (prompt of 4 tokens, random old log-probs and advantages)."""
-    from moerl.train.batching import MicroBatch
-
-    g = torch.Generator().manual_seed(3)
-    out = []
-    for i in range(n):
-        tokens = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
-        labels = torch.roll(tokens, -1, dims=1)
-        mask = torch.zeros(BATCH, SEQ)
-        mask[:, 4:] = 1.0
-        old = -torch.rand(BATCH, SEQ, generator=g) * 5
-        adv = torch.randn(BATCH, generator=g)
-        out.append(MicroBatch(tokens, labels, mask, adv, [i * BATCH + j for j in range(BATCH)], [4] * BATCH,
-                              [SEQ - 4] * BATCH, extras={"old_log_probs": old}))
-    return out
+    return gspo_micro_batches(n, vocab, batch=BATCH, seq=SEQ, unique_ids=True)
 
 
 def loss_fn(total_mbs: int):

@@ -17,7 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _mp_helpers import TINY_FIELDS, free_port_block  # noqa: E402
+from _mp_helpers import TINY_FIELDS, free_port_block, gspo_micro_batches  # noqa: E402
 
 SEQ, BATCH = 10, 2
 ALGO = types.SimpleNamespace(policy_loss="gspo", eps_clip_low=0.2, eps_clip_high=0.28,
@@ -31,20 +31,7 @@ def hf_config(num_layers: int, tie: bool = False):
 
 
 def micro_batches(M: int, vocab: int):
-    from moerl.train.batching import MicroBatch
-
-    g = torch.Generator().manual_seed(3)
-    out = []
-    for _ in range(M):
-        tokens = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
-        labels = torch.roll(tokens, -1, dims=1)
-        mask = torch.zeros(BATCH, SEQ)
-        mask[:, 4:] = 1.0
-        old = -torch.rand(BATCH, SEQ, generator=g) * 5
-        adv = torch.randn(BATCH, generator=g)
-        out.append(MicroBatch(tokens, labels, mask, adv, list(range(BATCH)), [4] * BATCH, [SEQ - 4] * BATCH,
-                              extras={"old_log_probs": old}))
-    return out
+    return gspo_micro_batches(M, vocab, batch=BATCH, seq=SEQ)
 
 
 def loss_fn(M: int):

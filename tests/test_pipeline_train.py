@@ -5,7 +5,9 @@ Fast tests: the recipe rules of train.pipeline_schedule (each broken rule is rej
 Slow test of MegatronActor checkpoints (2 gloo ranks): an actor (DualPipe / DualPipeV chunks) saved after one
 step and loaded into a freshly (differently) initialised actor continues exactly as the saved actor does
 (reference: the uninterrupted actor; same float32 operations, so bitwise); its first step equals Megatron
-1F1B's from the same weights to rel 1e-6 (float32 sum orders differ across stage boundaries).
+1F1B's from the same weights to rel 1e-6 (float32 sum orders differ across stage boundaries).  Its checkpoint
+loads (model weights) into Megatron's 1F1B on the same 2 ranks, 1F1B's into it, and DualPipe's into DualPipeV:
+the HF exports equal the saved weights exactly (checkpoints hold one global format whatever the schedule).
 
 Slow test (2 gloo ranks under torchrun): the main-job recipe (SFT warm start, RL, evals, checkpoints, HF
 export) runs end to end with DualPipeV, and computes what 1F1B computes. Reference: the same recipe with
@@ -302,12 +304,31 @@ def _ckpt_case(schedule: str, out_dir: Path) -> dict:
         m1_ref = ref.train_step(mbs, loss, 1.0)
 
         def maxdiff(x, y):
+            assert sorted(x) == sorted(y)
             return max(float((x[k] - y[k]).abs().max()) for k in x)
+
+        # a schedule change reshards like a layout change (model weights; moerl.train.loop then skips the
+        # optimizer): this schedule's checkpoint into Megatron's 1F1B on the same 2 ranks (other layers per
+        # rank), 1F1B's checkpoint into this schedule, and DualPipe's into DualPipeV
+        x = MegatronActor(hf, **dict(kw, pipeline_schedule="1f1b"))
+        load_dist_checkpoint(x.model, None, out_dir / "ck")
+        to_1f1b = maxdiff(x.export_hf_state_dict(), saved)
+        save_dist_checkpoint(ref.model, ref.optimizer, out_dir / "ck_1f1b", extra={"step": 1})
+        ref_w = ref.export_hf_state_dict()
+        y = MegatronActor(hf, **kw)
+        load_dist_checkpoint(y.model, None, out_dir / "ck_1f1b")
+        from_1f1b = maxdiff(y.export_hf_state_dict(), ref_w)
+        to_v = None
+        if schedule == "dualpipe":
+            z = MegatronActor(hf, **dict(kw, pipeline_schedule="dualpipev"))
+            load_dist_checkpoint(z.model, None, out_dir / "ck")
+            to_v = maxdiff(z.export_hf_state_dict(), saved)
 
         return {"rank": info.rank, "extra": extra, "fresh_vs_saved": maxdiff(fresh, saved),
                 "loaded_vs_saved": maxdiff(loaded, saved), "after_b_vs_after_a": maxdiff(after_b, after_a),
                 "step_changed": maxdiff(after_a, saved), "keys_equal": sorted(saved) == sorted(loaded),
-                "metrics_a": ma, "metrics_b": mb, "first": m1, "first_1f1b": m1_ref}
+                "metrics_a": ma, "metrics_b": mb, "first": m1, "first_1f1b": m1_ref, "to_1f1b": to_1f1b,
+                "from_1f1b": from_1f1b, "step_1f1b_changed": maxdiff(ref_w, init), "to_dualpipev": to_v}
     finally:
         destroy_distributed()
 
@@ -326,6 +347,8 @@ def test_actor_checkpoint_resumes_exactly(tmp_path, schedule):
     assert r["step_changed"] > 1e-4  # the continued step really changes the weights
     assert r["loaded_vs_saved"] == 0.0
     assert r["after_b_vs_after_a"] == 0.0  # model and Adam state restored: the same update, bitwise
+    assert r["to_1f1b"] == 0.0 and r["from_1f1b"] == 0.0 and r["step_1f1b_changed"] > 1e-4
+    assert r["to_dualpipev"] == (0.0 if schedule == "dualpipe" else None)
     for k in ("sft_loss", "grad_norm", "aux_loss"):
         assert r["metrics_a"][k] == r["metrics_b"][k], (k, r["metrics_a"][k], r["metrics_b"][k])
         # the first step equals Megatron 1F1B's from the same weights (float32 sum orders: rel 1e-6)

@@ -292,15 +292,29 @@ class StageChunks(torch.nn.Module):
         schedule: the schedule the chunks were built for (any micro-batch count: only its chunk layout is
             used).
         num_layers: decoder layers of the whole model (``hf_config.num_hidden_layers``).
+        non_homogeneous_layers: the whole model mixes dense and MoE layers (Megatron then checkpoints layers
+            under per-layer keys); default: any held stage does (pass it from the HF config: a stage can be
+            all-MoE in a mixed model).
     """
 
-    def __init__(self, stages: Mapping[int, MegatronStage], schedule: Schedule, num_layers: int):
+    def __init__(self, stages: Mapping[int, MegatronStage], schedule: Schedule, num_layers: int,
+                 non_homogeneous_layers: Optional[bool] = None):
         super().__init__()
         self.chunk_ids = sorted(stages)
         self.chunks = torch.nn.ModuleDict({str(c): stages[c].model for c in self.chunk_ids})
         self.stages = {c: stages[c] for c in self.chunk_ids}  # plain dict: not registered twice
         self.config = stages[self.chunk_ids[0]].model.config
         self.num_layers = int(num_layers)
+        if non_homogeneous_layers is None:
+            freqs = [st.model.config.moe_layer_freq for st in self.stages.values()]
+            non_homogeneous_layers = any(isinstance(f, list) or f > 1 for f in freqs)
+        self.non_homogeneous_layers = bool(non_homogeneous_layers)
+        # tied embeddings held here: the last stage's output_layer.weight IS the first stage's embedding
+        emb = {id(st.model.embedding.word_embeddings.weight): c for c, st in self.stages.items() if st.is_first}
+        self._tied_aliases = {
+            f"chunks.{c}.output_layer.weight": f"chunks.{emb[id(st.model.output_layer.weight)]}.embedding.word_embeddings.weight"
+            for c, st in self.stages.items()
+            if st.is_last and id(getattr(st.model.output_layer, "weight", None)) in emb}
         # DualPipe's copy-1 chunk runs a stage whose copy-0 chunk is saved by another rank
         self.mirrors = {c for c in self.chunk_ids
                         if any(schedule.chunk_stage[t] == schedule.chunk_stage[c] for t in range(c))}
@@ -311,6 +325,15 @@ class StageChunks(torch.nn.Module):
             for p in self.chunks[str(c)].parameters():
                 p.shared = True
 
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``; a tied output layer's entry (not checkpointed, see
+        :meth:`sharded_state_dict`) is taken from the embedding's."""
+        state_dict = dict(state_dict)
+        for out_key, emb_key in self._tied_aliases.items():
+            if out_key not in state_dict and emb_key in state_dict:
+                state_dict[out_key] = state_dict[emb_key]
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
     def models(self) -> list[torch.nn.Module]:
         """The chunk GPTModels in chunk-id order (``schedule.chunks_of_rank`` order)."""
         return [self.chunks[str(c)] for c in self.chunk_ids]
@@ -319,36 +342,50 @@ class StageChunks(torch.nn.Module):
         raise RuntimeError("StageChunks is a container: run its chunks (models()) through the pipeline schedule")
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
-        """Megatron dist-checkpointing state of every chunk with GLOBAL decoder-layer keys.
+        """Megatron dist-checkpointing state of every chunk, in exactly the form a 1F1B ``GPTModel`` of the
+        whole model saves: checkpoints move between schedules (1F1B, DualPipe, DualPipeV) and pipeline
+        sizes like between TP/PP/EP layouts (model weights reshard; moerl.train.loop loads the optimizer
+        only when the layout and schedule are unchanged).
 
-        Each chunk is a GPTModel whose layers are numbered from 1 inside the stage; its state is taken
-        in Megatron's per-layer (``non_homogeneous_layers``) form, ``decoder.layers.<i>.`` keyed, and
-        ``i`` is shifted by the stage's first global layer, so every layer has one key whatever rank
-        holds it.  The chunks of DualPipe's second model copy are marked as non-main replicas (the
-        first copy saves them).  Checkpoints resume in the same schedule layout (the key format differs
-        from 1F1B's stacked-layer format).
+        Sharded keys carry no chunk id: ``embedding.*``, ``output_layer.*``, ``decoder.final_layernorm.*``
+        and the decoder layers in Megatron's own layer format -- homogeneous layers stacked along a
+        prepended layer axis of size ``num_layers`` at the layer's GLOBAL index, or (models mixing dense
+        and MoE layers, where Megatron switches to it) ``decoder.layers.<global index>.`` keys.  Each layer
+        is passed through Megatron's ``TransformerLayer.sharded_state_dict`` with that global offset, as
+        ``TransformerBlock.sharded_state_dict`` does for a pipeline rank.  The chunks of DualPipe's second
+        model copy are non-main replicas (the first copy saves them); a last stage whose output layer IS
+        the first stage's embedding (tied, DualPipeV rank 0) saves only the embedding, as a tied 1F1B model
+        does (:meth:`load_state_dict` fills the output layer's entry from it).  State-dict (local) keys are ``chunks.<id>.<GPTModel key>``.
         """
-        import re
-
         from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 
         if sharded_offsets:
             raise ValueError("StageChunks.sharded_state_dict: unexpected sharded_offsets")
         md = dict(metadata or {})
-        md["non_homogeneous_layers"] = True
-        pat = re.compile(r"^decoder\.layers\.(\d+)\.")
         out = {}
         for c in self.chunk_ids:
             st = self.stages[c]
             off = pipeline_layer_range(self.num_layers, st.num_stages, st.stage).start
-            sd = st.model.sharded_state_dict(prefix="", metadata=md)
-            for v in nested_values(sd):
-                key = getattr(v, "key", None)
-                if isinstance(key, str):
-                    v.key = pat.sub(lambda m: f"decoder.layers.{int(m.group(1)) + off}.", key)
-                if c in self.mirrors and hasattr(v, "replica_id"):
-                    rid = v.replica_id
-                    v.replica_id = (1, *rid) if isinstance(rid, tuple) else (1, rid)
+            sd = {k: v for k, v in st.model.sharded_state_dict(prefix="", metadata=md).items()
+                  if not k.startswith("decoder.layers.")}
+            if f"chunks.{c}.output_layer.weight" in self._tied_aliases:
+                sd.pop("output_layer.weight")  # tied: the embedding entry saves and loads it
+            for layer in st.model.decoder.layers:
+                local = layer.layer_number - 1  # stage-local numbers (see _global_router_numbers)
+                local_prefix = f"decoder.layers.{local}."
+                if self.non_homogeneous_layers:
+                    sharded_prefix, offsets = f"decoder.layers.{off + local}.", []
+                else:
+                    sharded_prefix, offsets = "decoder.layers.", [(0, off + local, self.num_layers)]
+                lsd = layer.sharded_state_dict(local_prefix, offsets, md)
+                replace_prefix_for_sharding(lsd, local_prefix, sharded_prefix)
+                sd.update(lsd)
+            if c in self.mirrors:
+                for v in nested_values(sd):
+                    if hasattr(v, "replica_id"):
+                        rid = v.replica_id
+                        v.replica_id = (1, *rid) if isinstance(rid, tuple) else (1, rid)
             out.update({f"{prefix}chunks.{c}.{k}": v for k, v in sd.items()})
         return out
 

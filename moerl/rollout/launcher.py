@@ -690,8 +690,11 @@ class RolloutCluster:
                     push(urls)
                     break
                 except Exception:
+                    # a SIGKILLed server's sockets close a moment before it can be reaped: give its death
+                    # (if that is what failed the push) time to show before deciding
+                    died = self.wait_for_dead(managed)
                     self.check_alive()  # a dead server is named (failover off / given up)
-                    if attempt == 1 or not self.failover or not self.wait_for_dead(managed):
+                    if attempt == 1 or not self.failover or not died:
                         raise
             self.set_weight_restorer(weight_version, restore)
             return urls

@@ -67,7 +67,7 @@ from megatron.core.transformer.moe.moe_utils import (
 
 from moerl.algorithms.logprobs import entropy_from_logits, token_log_probs_from_logits
 from moerl.checkpoint.hf_convert import ShardLayout, gather_megatron_to_hf, hf_to_megatron, load_megatron_state_dict
-from moerl.models.qwen3_moe import build_gpt_model, transformer_config_from_hf
+from moerl.models.qwen3_moe import build_gpt_model, hf_moe_layer_pattern, transformer_config_from_hf
 from moerl.train.batching import MicroBatch, PackedMicroBatch, model_forward_args, model_labels, to_label_layout
 from moerl.train.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
 
@@ -306,7 +306,8 @@ class MegatronActor:
             self.schedule_layout, self.pp_rank, hf_config, moe_aux_loss_coeff=moe_aux_loss_coeff,
             moe_router_load_balancing_type=moe_load_balancing_type, sequence_parallel=sequence_parallel,
             overrides=overrides)
-        self.model = StageChunks(self._stages, self.schedule_layout, hf_config.num_hidden_layers)
+        self.model = StageChunks(self._stages, self.schedule_layout, hf_config.num_hidden_layers,
+                                 non_homogeneous_layers=not all(hf_moe_layer_pattern(hf_config)))
         self.tf_config = self.model.config
         self.layout = None
         if self.pipeline_overlap:  # CUDA, ep_size >= 2, alltoall/flex dispatcher: checked before any work
@@ -622,7 +623,6 @@ class MegatronActor:
         then the entry's reduce group -- TP x CP for aux_loss, whose per-rank values are partial under
         sequence parallelism -- and the DP average), then divided by num_microbatches * (MoE layers of
         the whole model)."""
-        from moerl.models.qwen3_moe import hf_moe_layer_pattern
 
         tracker = get_moe_layer_wise_logging_tracker()
         names: list = [None] * dist.get_world_size()

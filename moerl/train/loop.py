@@ -320,8 +320,9 @@ def _set_rng_state(st: dict) -> None:
 
 def _layout(cfg) -> dict:
     p = cfg.parallel
+    # the pipeline schedule places stages differently (DualPipe(V) chunks): a change reshards like TP/PP/EP
     return {"world_size": _world(), "tp_size": p.tp_size, "pp_size": p.pp_size, "ep_size": p.ep_size,
-            "etp_size": p.expert_tp_size}
+            "etp_size": p.expert_tp_size, "pipeline_schedule": cfg.train.pipeline_schedule}
 
 
 def checkpoint_dir(run_dir: Path, state: TrainState) -> Path:
@@ -410,18 +411,19 @@ def save_checkpoint(ctx: RunContext, actor: MegatronActor, state: TrainState, sa
 
 def load_checkpoint(ctx: RunContext, actor: MegatronActor, path: Path) -> TrainState:
     """Collective: restore model, optimizer (rebuilt for the checkpoint's phase first), TrainState
-    and, when the layout is unchanged, every rank's RNG states. After a TP/PP/EP/world-size change
+    and, when the layout is unchanged, every rank's RNG states. After a TP/PP/EP/world-size or
+    pipeline-schedule change
     the model weights reshard but the optimizer state is not loaded (it reshards over DP only) and
     the RNG states are not restored; both are warned about."""
     marker = json.loads((path / COMPLETE_MARKER).read_text())
-    saved = marker["layout"]
+    saved = {"pipeline_schedule": "1f1b", **marker["layout"]}  # checkpoints older than the schedule key
     now = _layout(ctx.cfg)
     same = saved == now
     actor.set_lr(ctx.cfg.sft.lr if marker["phase"] == "sft" else ctx.cfg.train.lr)
     if {k: v for k, v in saved.items() if k != "world_size"} == {k: v for k, v in now.items() if k != "world_size"}:
         extra = load_dist_checkpoint(actor.model, actor.optimizer, path)  # DP changes reshard
     else:
-        log(f"WARNING: checkpoint layout {saved} differs from this run's {now} in TP/PP/EP: model weights "
+        log(f"WARNING: checkpoint layout {saved} differs from this run's {now} in TP/PP/EP/schedule: model weights "
             "are resharded, the optimizer state is NOT loaded (fresh Adam moments)")
         extra = load_dist_checkpoint(actor.model, None, path)
     state = TrainState(**extra["moerl_state"])
