@@ -37,11 +37,12 @@ TINY_FIELDS = dict(
 
 
 def gspo_micro_batches(n: int, vocab: int, *, batch: int = 2, seq: int = 10, prompt: int = 4, seed: int = 3,
-                       unique_ids: bool = False) -> list:
+                       unique_ids: bool = False, ragged: bool = False) -> list:
     """n padded GSPO micro-batches [batch, seq] for the pipeline tests: random tokens, labels = tokens shifted
     by one, loss mask 0 on the first ``prompt`` positions, random advantages [batch] and old log-probs
     (``extras["old_log_probs"]``, [batch, seq], in (-5, 0]).  Sample indices 0..batch-1 per micro-batch,
-    or numbered across micro-batches with ``unique_ids``."""
+    or numbered across micro-batches with ``unique_ids``.  ``ragged``: responses 1-3 tokens shorter than
+    the row in a cycle, so rows end in padding (``moerl.train.batching.padding_mask`` is not empty)."""
     import torch
 
     from moerl.train.batching import MicroBatch
@@ -51,12 +52,14 @@ def gspo_micro_batches(n: int, vocab: int, *, batch: int = 2, seq: int = 10, pro
     for i in range(n):
         tokens = torch.randint(0, vocab, (batch, seq), generator=g)
         labels = torch.roll(tokens, -1, dims=1)
+        lengths = [seq - prompt - (1 + (i + j) % 3 if ragged else 0) for j in range(batch)]
         mask = torch.zeros(batch, seq)
-        mask[:, prompt:] = 1.0
+        for j, n in enumerate(lengths):
+            mask[j, prompt:prompt + n] = 1.0
         old = -torch.rand(batch, seq, generator=g) * 5
         adv = torch.randn(batch, generator=g)
         ids = [i * batch + j for j in range(batch)] if unique_ids else list(range(batch))
-        out.append(MicroBatch(tokens, labels, mask, adv, ids, [prompt] * batch, [seq - prompt] * batch,
+        out.append(MicroBatch(tokens, labels, mask, adv, ids, [prompt] * batch, lengths,
                               extras={"old_log_probs": old}))
     return out
 

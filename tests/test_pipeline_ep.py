@@ -49,8 +49,10 @@ def hf_config():
 
 
 def micro_batches(n: int, vocab: int):
-    """n padded GSPO micro-batches [BATCH, SEQ] (prompt of 4 tokens, random old log-probs and advantages)."""
-    return gspo_micro_batches(n, vocab, batch=BATCH, seq=SEQ, unique_ids=True)
+    """n padded GSPO micro-batches [BATCH, SEQ] (prompt of 4 tokens, responses of 3-5 tokens then padding, so
+    the MoE routers' padding mask and its sequence-parallel slices matter; random old log-probs and
+    advantages)."""
+    return gspo_micro_batches(n, vocab, batch=BATCH, seq=SEQ, unique_ids=True, ragged=True)
 
 
 def loss_fn(total_mbs: int):

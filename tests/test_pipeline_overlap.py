@@ -37,6 +37,7 @@ def test_megatron_plan_executor_matches_plain_interpreter(name, tmp_path):
     assert summary["losses_bitwise"]
     assert summary["max_grad_rel_err"] < 1e-12
     assert summary["fb_actions"] > 0 and summary["fb_through_plan"] == summary["fb_actions"]
+    # (the tool's micro-batches end in padding and the aux loss is on: the routers' padding mask counts)
     assert sorted({m for r in summary["ranks"] for m in r["loss_microbatches"]}) == list(range(8))
     assert all(r["same_grad_params"] for r in summary["ranks"])
     assert summary["ok"]
@@ -64,3 +65,10 @@ def test_overlap_refuses_cpu_and_ep1():
     check_overlap_supported(cfg, require_cuda=False)
     with pytest.raises(ValueError, match="no MoE"):
         check_overlap_supported(types.SimpleNamespace(num_moe_experts=None), require_cuda=False)
+    # a dense last layer on the last stage: Megatron's plan would skip the final norm
+    cfg.moe_layer_freq, cfg.num_layers = [1, 0], 2
+    check_overlap_supported(cfg, require_cuda=False)  # not the last stage: fine
+    with pytest.raises(ValueError, match="MoE last decoder layer"):
+        check_overlap_supported(cfg, require_cuda=False, last_stage=True)
+    cfg.moe_layer_freq = 1
+    check_overlap_supported(cfg, require_cuda=False, last_stage=True)

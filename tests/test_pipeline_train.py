@@ -109,6 +109,8 @@ def test_pipeline_overlap_rules_name_the_keys():
         load_config(RECIPE, dual)
     with pytest.raises(ConfigError, match=r"moe.token_dispatcher alltoall or flex \(got allgather\)"):
         load_config(RECIPE, [*dual, "parallel.ep_size=2", "moe.token_dispatcher=allgather"])
+    with pytest.raises(ConfigError, match=r"MoE last layer.*model.hf_config.mlp_only_layers"):
+        load_config(RECIPE, [*dual, "parallel.ep_size=2", "model.hf_config.mlp_only_layers=[3]"])
 
 
 def test_too_few_micro_batches_per_dp_rank_is_rejected_at_launch():

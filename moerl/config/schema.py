@@ -456,6 +456,10 @@ class RecipeConfig(_Section):
             if self.moe.token_dispatcher not in ("alltoall", "flex"):
                 raise ValueError(f"train.pipeline_overlap=true needs moe.token_dispatcher alltoall or flex (got "
                                  f"{self.moe.token_dispatcher})")
+            if hf.num_hidden_layers - 1 in hf.mlp_only_layers:
+                raise ValueError("train.pipeline_overlap=true needs an MoE last layer (Megatron's schedule plan applies "
+                                 "the final norm after an MoE layer only): remove the last layer from "
+                                 "model.hf_config.mlp_only_layers or set train.pipeline_overlap=false")
         if sched == "1f1b":
             return self
         key = f"train.pipeline_schedule={sched}"

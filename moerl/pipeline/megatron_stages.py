@@ -576,7 +576,9 @@ def make_forward_backward_func(schedule: Schedule | str, *, group: Optional[dist
 
         executor = None
         if overlap and not forward_only:
-            check_overlap_supported(config, require_cuda=overlap_require_cuda)
+            for c, mod in by_chunk.items():
+                check_overlap_supported(get_model_config(mod), require_cuda=overlap_require_cuda,
+                                        last_stage=sched.chunk_stage[c] == sched.num_stages - 1)
 
             def build_plan(c, module, x, m):
                 if not sched.is_first(c, m):

@@ -12,7 +12,10 @@ interpreter (:class:`moerl.pipeline.interpreter.ChunkExecutor`), so DualPipe(V)'
 
 Requirements (Megatron's, checked here): CUDA (the plans record CUDA events and use two streams), and MoE
 layers with expert parallelism (ep_size > 1) and the ``alltoall`` or ``flex`` token dispatcher: with ep_size 1
-the "dispatch" returns its input, which the plan frees after use.  The backward computes weight gradients in
+the "dispatch" returns its input, which the plan frees after use; the model's last layer must be an MoE
+layer (the plan applies the final norm in the MoE combine step only).  Two gaps of Megatron-Core 0.16's plan
+code are closed here: MoE layers route with the micro-batch's padding mask (the plan omits it), and
+:func:`check_overlap_supported` refuses a dense last layer.  The backward computes weight gradients in
 place (``W`` actions are empty: no zero-bubble weight deferral in this mode).
 
 On CPU there are no streams: use the default interpreter (FB runs forward then backward).  The test
@@ -51,13 +54,28 @@ def _gpt_model(module: torch.nn.Module):
     raise TypeError(f"MegatronOverlapExecutor needs Megatron GPTModel chunks, got {type(module).__name__}")
 
 
-def check_overlap_supported(config, *, require_cuda: bool = True) -> None:
-    """Raise a clear error when Megatron's fine-grained F&B overlap cannot run with this TransformerConfig.
+def _moe_pattern(config) -> list[int]:
+    """Per decoder layer of a chunk's TransformerConfig: 1 MoE, 0 dense (Megatron's moe_layer_freq rule)."""
+    freq, n = getattr(config, "moe_layer_freq", 1), int(getattr(config, "num_layers", 0) or 0)
+    if isinstance(freq, (list, tuple)):
+        return [int(bool(x)) for x in freq]
+    return [int(i % int(freq) == 0) for i in range(n)]
+
+
+def check_overlap_supported(config, *, require_cuda: bool = True, last_stage: bool = False) -> None:
+    """Raise a clear error when Megatron's fine-grained F&B overlap cannot run with this chunk's
+    TransformerConfig (``last_stage``: the chunk holds the final norm and output layer).
+
+    Megatron's conditions for ``overlap_moe_expert_parallel_comm`` that apply to its schedule plans (moerl does
+    not set that flag: it drives the plans itself, in fp32 too), plus one of the plan code: Megatron-Core
+    0.16's plan applies the decoder's final layer norm in the MoE combine step only, so the model's last
+    layer must be an MoE layer.
 
     Raises:
         RuntimeError: CUDA is not available (``require_cuda``).
-        ValueError: no MoE layers, ep_size 1, a token dispatcher other than alltoall/flex, or full
-            recomputation (Megatron's conditions for ``overlap_moe_expert_parallel_comm``).
+        ValueError: no MoE layers, ep_size 1, a token dispatcher other than alltoall/flex, full
+            recomputation, shared-expert overlap, more than one MTP layer, CUDA graphs, or (``last_stage``)
+            a dense last layer.
     """
     if require_cuda and not torch.cuda.is_available():
         raise RuntimeError("the F&B overlap (train.pipeline_overlap=true) runs on two CUDA streams and needs "
@@ -70,11 +88,24 @@ def check_overlap_supported(config, *, require_cuda: bool = True) -> None:
                          "no all-to-all to hide and Megatron's schedule plan frees the undispatched tokens; set "
                          "train.pipeline_overlap=false or ep_size >= 2")
     if getattr(config, "moe_token_dispatcher_type", "alltoall") not in ("alltoall", "flex"):
-        raise ValueError(f"the F&B overlap needs the alltoall or flex token dispatcher, got "
+        raise ValueError(f"the F&B overlap needs moe.token_dispatcher alltoall or flex, got "
                          f"{config.moe_token_dispatcher_type!r}")
-    if getattr(config, "recompute_granularity", None) == "full" or getattr(config, "recompute_method", None):
+    if (getattr(config, "recompute_granularity", None) == "full" or getattr(config, "recompute_method", None)
+            or getattr(config, "recompute_num_layers", None)):
         raise ValueError("the F&B overlap does not support full recomputation: set parallel.recompute to none or "
                          "selective")
+    if getattr(config, "moe_shared_expert_overlap", False):
+        raise ValueError("the F&B overlap does not support moe_shared_expert_overlap: turn it off")
+    if (getattr(config, "mtp_num_layers", None) or 0) > 1:
+        raise ValueError("the F&B overlap supports at most one MTP layer")
+    if getattr(config, "cuda_graph_impl", "none") not in ("none", None):
+        raise ValueError("the F&B overlap does not support CUDA graphs here: set cuda_graph_impl to none")
+    if last_stage:
+        pattern = _moe_pattern(config)
+        if pattern and not pattern[-1]:
+            raise ValueError("the F&B overlap needs an MoE last decoder layer (Megatron-Core 0.16's schedule plan "
+                             "applies the final layer norm after an MoE layer's combine only): the model's last "
+                             "layer is dense (model.hf_config.mlp_only_layers); set train.pipeline_overlap=false")
 
 
 @contextlib.contextmanager
@@ -107,6 +138,37 @@ def cpu_dry_run() -> Iterator[None]:
             mock.patch.object(torch.cuda.nvtx, "range_pop", lambda *a, **k: None), \
             mock.patch.object(torch.Tensor, "record_stream", lambda self, stream: None):
         yield
+
+
+@contextlib.contextmanager
+def _route_with_padding(module: torch.nn.Module, plan) -> Iterator[None]:
+    """While ``plan`` runs its forward: every MoE layer of ``module`` routes with the micro-batch's padding
+    mask, as ``MoELayer.forward`` does (Megatron-Core 0.16's plan calls ``mlp.route(hidden)`` without it, so
+    padding tokens would enter the load-balancing / z losses and expert-bias counts).  The mask is the one
+    ``GPTModel._preprocess`` produced for this plan (``plan.state.padding_mask``, [B, S] True = padding),
+    transposed to Megatron's [S, B] like ``MoELayer.forward``."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    patched = []
+    for layer in _gpt_model(module).decoder.layers:
+        mlp = getattr(layer, "mlp", None)
+        if not isinstance(mlp, MoELayer):
+            continue
+
+        def route(hidden_states, padding_mask=None, _route=mlp.route):
+            if padding_mask is None:
+                mask = getattr(plan.state, "padding_mask", None)
+                if mask is not None:
+                    padding_mask = mask.transpose(0, 1).bool()
+            return _route(hidden_states, padding_mask)
+
+        mlp.route = route
+        patched.append(mlp)
+    try:
+        yield
+    finally:
+        for mlp in patched:
+            del mlp.route  # the class's method again
 
 
 class MegatronOverlapExecutor(ChunkExecutor):
@@ -151,7 +213,8 @@ class MegatronOverlapExecutor(ChunkExecutor):
 
     def forward(self, chunk: int, module: torch.nn.Module, x: Any, m: int):
         plan = self.build_plan(chunk, module, x, m)
-        y = self._run(plan, None, None)
+        with _route_with_padding(module, plan):
+            y = self._run(plan, None, None)
         return y, (plan, x if isinstance(x, torch.Tensor) and x.requires_grad else None)
 
     def backward(self, chunk: int, state: Any, grad_y: torch.Tensor) -> Optional[torch.Tensor]:
@@ -163,7 +226,8 @@ class MegatronOverlapExecutor(ChunkExecutor):
                          b_state: Any, b_grad_y: torch.Tensor):
         f_plan = self.build_plan(f_chunk, f_module, x, f_m)
         b_plan, b_x = b_state
-        y = self._run(f_plan, b_plan, b_grad_y)
+        with _route_with_padding(f_module, f_plan):
+            y = self._run(f_plan, b_plan, b_grad_y)
         return (y, (f_plan, x if isinstance(x, torch.Tensor) and x.requires_grad else None),
                 None if b_x is None else b_x.grad)
 
@@ -173,6 +237,7 @@ def megatron_stage_plan_fn(micro_batches: Sequence[Any]) -> PlanFn:
     :class:`moerl.pipeline.megatron_stages.MegatronStage` chunks: the plan of ``stage.model`` for
     ``micro_batches[m]`` with the arguments ``MegatronStage.forward`` would pass (tokens on the first stage,
     ``set_input_tensor(x)`` on later ones)."""
+    from moerl.pipeline.megatron_stages import sequence_parallel_kwargs
     from moerl.train.batching import model_forward_args
 
     def build(chunk, stage, x, m):
@@ -181,6 +246,6 @@ def megatron_stage_plan_fn(micro_batches: Sequence[Any]) -> PlanFn:
         if stage.is_first:
             return model.build_schedule_plan(*args, **kwargs)
         model.set_input_tensor(x)
-        return model.build_schedule_plan(None, None, args[2], **kwargs)
+        return model.build_schedule_plan(None, None, args[2], **sequence_parallel_kwargs(model.config, kwargs))
 
     return build

@@ -310,10 +310,11 @@ class MegatronActor:
                                  non_homogeneous_layers=not all(hf_moe_layer_pattern(hf_config)))
         self.tf_config = self.model.config
         self.layout = None
-        if self.pipeline_overlap:  # CUDA, ep_size >= 2, alltoall/flex dispatcher: checked before any work
+        if self.pipeline_overlap:  # CUDA, ep_size >= 2, alltoall/flex dispatcher, ...: checked before any work
             from moerl.pipeline.overlap import check_overlap_supported
 
-            check_overlap_supported(self.tf_config)
+            for st in self._stages.values():
+                check_overlap_supported(st.model.config, last_stage=st.is_last)
         self._fwd_bwd = make_forward_backward_func(name, group=group, overlap=self.pipeline_overlap)
         if name == "dualpipe":  # the two copies of a stage were initialised on different ranks: make them equal
             self.load_hf_state_dict(self.export_hf_state_dict())
