@@ -63,7 +63,7 @@ import torch.distributed as dist
 from moerl.pipeline.schedules import P2P, Action, Schedule, _plan_actions, comm_plan, validate_schedule
 
 __all__ = ["Channel", "ChunkExecutor", "P2PChannels", "PipelineInterpreter", "PipelineResult", "make_p2p_channels",
-           "sync_mirrored_grads"]
+           "sync_mirrored_grads", "uses_nccl"]
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 _MAXDIM = 8
@@ -131,6 +131,13 @@ def channel_pairs(schedule: Schedule) -> list[tuple[int, int]]:
     return sorted({p for a, b in pairs if a != b for p in ((a, b), (b, a))})
 
 
+def uses_nccl(group: Optional[dist.ProcessGroup] = None) -> bool:
+    """Whether point-to-point messages of ``group`` (default: the world) travel over NCCL: its backend is
+    ``nccl`` or a device map naming it (``"cpu:gloo,cuda:nccl"``).  False when torch.distributed is not
+    initialised."""
+    return dist.is_initialized() and "nccl" in str(dist.get_backend(group)).lower()
+
+
 def make_p2p_channels(schedule: Schedule, group: Optional[dist.ProcessGroup] = None) -> P2PChannels:
     """Create the directed p2p channels (one 2-rank process group per direction of each communicating pair
     of :func:`channel_pairs`) of every pipeline of the world and return this rank's.
@@ -176,7 +183,7 @@ def make_p2p_channels(schedule: Schedule, group: Optional[dist.ProcessGroup] = N
     for src, dst, g in created:
         other = dst if me == src else src
         channels[(mine.index(src), mine.index(dst))] = Channel(g, dist.get_group_rank(g, other), other)
-    if "nccl" in str(dist.get_backend(group)).lower() and torch.cuda.is_available():
+    if uses_nccl(group) and torch.cuda.is_available():
         dev = torch.device("cuda", torch.cuda.current_device())
         for _, _, g in created:
             dist.all_reduce(torch.zeros(1, device=dev), group=g)
@@ -276,7 +283,7 @@ class PipelineInterpreter:
         self._M = schedule.num_microbatches
         self._C = schedule.num_chunks
         # NCCL moves CUDA tensors only: headers and receive buffers live on the current CUDA device there
-        nccl = dist.is_initialized() and dist.get_backend(group) == "nccl"
+        nccl = uses_nccl(group)
         self._device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self._plans = {fo: comm_plan(schedule, forward_only=fo)[pp_rank] for fo in (False, True)}
         self.channels = self._make_channels(p2p, nccl)

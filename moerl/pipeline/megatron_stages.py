@@ -530,7 +530,8 @@ def make_forward_backward_func(schedule: Schedule | str, *, group: Optional[dist
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
-    from moerl.pipeline.interpreter import P2PChannels, PipelineInterpreter, make_p2p_channels, sync_mirrored_grads
+    from moerl.pipeline.interpreter import (P2PChannels, PipelineInterpreter, make_p2p_channels, sync_mirrored_grads,
+                                            uses_nccl)
     from moerl.pipeline.overlap import MegatronOverlapExecutor, check_overlap_supported
 
     from moerl.pipeline.schedules import build_schedule
@@ -538,7 +539,7 @@ def make_forward_backward_func(schedule: Schedule | str, *, group: Optional[dist
     if not (p2p is None or p2p in ("directed", "shared") or isinstance(p2p, P2PChannels)):
         raise ValueError(f"p2p must be None, 'directed', 'shared' or P2PChannels, got {p2p!r}")
     if p2p is None:
-        p2p = "directed" if dist.is_initialized() and dist.get_backend(group) == "nccl" else "shared"
+        p2p = "directed" if uses_nccl(group) else "shared"
     if p2p == "directed" and dist.is_initialized():  # the channels depend on the chunk layout only
         layout = (build_schedule(schedule, dist.get_world_size(group), 2, fallback=True)
                   if isinstance(schedule, str) else schedule)
