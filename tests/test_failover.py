@@ -296,3 +296,41 @@ def test_trainer_weight_sync_goes_through_the_cluster_retry(tmp_path, monkeypatc
     with pytest.raises(RolloutServerDiedError, match="server 1"):
         ws(actor)
     assert [p[0] for p in pushes] == [c.server_urls] and c.current_weight_version is None and c.calls == ["3"]
+
+
+@pytest.mark.parametrize("mode", ["distributed", "tensor", "disk"])
+def test_trainer_weight_sync_with_every_server_restarting_records_the_version(tmp_path, mode):
+    """Failover on and every own server down (dead or restarting): update_weights pushes to [].
+    The RL step must not die on it (DistributedWeightUpdater([]) raised ValueError): the push is a
+    no-op (disk still writes the version directory), the version and restorer are recorded, and
+    a group built for the servers that died is torn down. Real sync_weights, no server at all."""
+    from types import SimpleNamespace
+
+    import moerl.train.loop as loop
+    from moerl.config.schema import RolloutConfig
+    from moerl.rollout.launcher import _Child
+
+    ckpt = str(tmp_path / "ckpt")
+    model = make_tiny_moe_checkpoint(ckpt, seed=0)
+    sd = dict(load_safetensors_dir(ckpt))
+    base = free_port_block(3)
+    c = RolloutCluster(ckpt, num_servers=2, base_port=base, router_port=base + 2, failover=True)
+    u0, u1 = c.server_urls
+    c._servers = [_Child("server 0", 0, u0, "", _DyingProc(0.0), None),  # both already dead
+                  _Child("server 1", 1, u1, "", _DyingProc(0.0), None)]
+    ro = RolloutConfig(weight_sync=mode, failover=True)
+    ctx = SimpleNamespace(cfg=SimpleNamespace(rollout=ro), run_dir=tmp_path, hf_config=model.config)
+    ws = loop.WeightSync(ctx, c, version=2)
+    closed = []
+    if mode == "distributed":  # the group of the last push, to the servers that have since died
+        ws.updater = SimpleNamespace(server_urls=[u0, u1], close=lambda: closed.append(True))
+    actor = SimpleNamespace(export_hf_state_dict=lambda dst: sd)
+    assert c.live_server_urls() == []
+    assert ws(actor) == "3"
+    assert c.current_weight_version == "3" and c._restorer is not None
+    assert ws.updater is None and closed == ([True] if mode == "distributed" else [])
+    vdir = tmp_path / "weights" / "weights_3"
+    assert vdir.is_dir() == (mode == "disk")
+    if mode == "disk":  # what the restorer will load: the trainer's tensors
+        back = dict(load_safetensors_dir(str(vdir)))
+        assert set(back) == set(sd) and all(torch.equal(back[n], sd[n]) for n in sd)

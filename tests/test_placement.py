@@ -127,3 +127,61 @@ def test_disaggregated_issues_no_memory_calls(cluster):
     assert trainer == [("train", 1)] and placement.events == []
     with pytest.raises(ValueError, match="rollout.placement"):
         RolloutPlacement("shared")
+
+
+def test_colocated_releases_other_nodes_servers_but_not_external_urls(cluster, tmp_path, monkeypatch):
+    """Multi-node colocated: global rank 0's cluster fronts other nodes' moerl-started servers
+    (peer_worker_urls, colocated with their node's trainer ranks: they must release / resume too)
+    and rollout.external_urls (not moerl's: never released). The 'other node' here is the running
+    reference server; the external URL is a closed port, so any call to it would fail the phase."""
+    from types import SimpleNamespace
+
+    import moerl.train.loop as loop
+    from moerl.config.schema import RolloutConfig
+    from moerl.rollout import sglang_launcher as sl
+
+    peer = cluster.server_urls[0]
+    external = f"http://127.0.0.1:{free_port_block(1)}"  # nothing listens there
+    # launch_sglang_rollout on global rank 0 of a 2-node job whose node 0 starts no server itself
+    monkeypatch.setattr(sl, "gather_server_urls", lambda local: list(local) + [peer])
+    node0 = sl.launch_sglang_rollout(cluster.ckpt, rollout_gpu_ids=[], router_port=free_port_block(1),
+                                     external_urls=[external + "/"])
+    assert node0.extra_worker_urls == [peer, external] and node0.peer_worker_urls == [peer]
+    assert node0.colocated_server_urls() == [peer]  # not started: no live server of its own
+
+    ro = RolloutConfig(placement="colocated")
+    ctx = SimpleNamespace(cfg=SimpleNamespace(rollout=ro), run_dir=tmp_path, hf_config=None)
+    ws = loop.WeightSync(ctx, node0)
+    assert ws.placement.server_urls() == [peer]
+    start = len(_log(cluster))
+    ws.placement.before_train()
+    ws.placement.before_rollout()
+    assert _calls(_log(cluster)[start:]) == ["release:all", "resume:weights", "resume:kv_cache,cuda_graph"]
+    assert len(_rollout(cluster, 9)) == 2  # the server serves again (1 prompt x 2 samples)
+
+    with pytest.raises(ValueError, match="peer_worker_urls"):  # a peer must be behind the router
+        RolloutCluster("", num_servers=0, server_command=lambda i, p: [], extra_worker_urls=[external],
+                       peer_worker_urls=[peer])
+
+
+def test_colocated_trainer_hooks_wait_for_every_rank(tmp_path, monkeypatch):
+    """With several trainer ranks (rank 0 alone talks to the servers) a barrier follows every trainer
+    offload and precedes every reload: rank 0 resumes the servers only after every rank offloaded,
+    and no rank reloads before rank 0 released the servers (on its node or another)."""
+    from types import SimpleNamespace
+
+    import moerl.train.loop as loop
+    from moerl.config.schema import RolloutConfig
+    from moerl.train.offload import ActorOffloader
+
+    order = []
+    monkeypatch.setattr(loop, "_world", lambda: 2)
+    monkeypatch.setattr(loop.tdist, "barrier", lambda *a, **kw: order.append("barrier"))
+    monkeypatch.setattr(ActorOffloader, "offload", lambda self: order.append("offload") or 0)
+    monkeypatch.setattr(ActorOffloader, "reload", lambda self: order.append("reload") or 0)
+    ctx = SimpleNamespace(cfg=SimpleNamespace(rollout=RolloutConfig(placement="colocated")), run_dir=tmp_path,
+                          hf_config=None)
+    ws = loop.WeightSync(ctx, None)  # a rank other than 0: no cluster, no server calls
+    ws.placement.before_weight_sync()
+    ws.placement.before_train()
+    assert order == ["offload", "barrier", "barrier", "reload"]

@@ -315,3 +315,84 @@ def test_two_server_processes_all_three_modes(ckpts, trainer_sd, ref_b, tmp_path
         for p in procs:
             p.kill()
             p.wait()
+
+
+# ----------------------------------------------------------------------------- master address, no server
+
+
+def _weight_sync(tmp_path, cluster, **rollout):
+    """moerl.train.loop.WeightSync over ``cluster`` (not started) with a recipe's rollout section."""
+    from types import SimpleNamespace
+
+    import moerl.train.loop as loop
+
+    ctx = SimpleNamespace(cfg=SimpleNamespace(rollout=RolloutConfig(**rollout)), run_dir=tmp_path, hf_config=None)
+    return loop.WeightSync(ctx, cluster, version=0)
+
+
+def test_master_address_auto_is_resolved_and_loopback_refused_with_remote_servers(tmp_path, monkeypatch):
+    """rollout.host=auto used to reach _free_port("auto") unresolved ("no free port on auto"); now
+    it resolves like the servers' host (gethostbyname(gethostname())), and a loopback / wildcard
+    master address is refused, naming the field and the fix, when a server runs on another machine."""
+    import socket
+
+    import psutil
+
+    from moerl.rollout import sglang_launcher as sl
+    from moerl.rollout.launcher import RolloutCluster
+    from moerl.rollout.weight_sync import _free_port, resolve_master_address
+
+    here = socket.gethostbyname(socket.gethostname())  # the independent reference for "auto"
+    base = free_port_block(2)
+    local = RolloutCluster(str(tmp_path), num_servers=1, base_port=base, router_port=base + 1)
+    ws = _weight_sync(tmp_path, local, weight_sync="distributed", host="auto")
+    assert ws.master_address == here
+    assert 20000 <= _free_port(ws.master_address) < 32000  # bindable: the rendezvous can listen there
+    with pytest.raises(WeightSyncError, match="rollout.weight_sync_master_address"):
+        _free_port("auto")  # an unresolvable name is named as such at once, not after 500 bind attempts
+
+    remote = "http://10.255.0.2:30000"  # an address of no interface here
+    assert "10.255.0.2" not in {a.address for addrs in psutil.net_if_addrs().values() for a in addrs}
+    mixed = RolloutCluster(str(tmp_path), num_servers=1, base_port=base, router_port=base + 1,
+                           extra_worker_urls=[remote])
+    for kw in ({"host": "127.0.0.1"}, {"host": "0.0.0.0"}, {"host": "auto", "weight_sync_master_address": "localhost"}) \
+            + (({"host": "auto"},) if here.startswith("127.") else ()):
+        with pytest.raises(ValueError, match=r"rollout\.weight_sync_master_address") as e:
+            _weight_sync(tmp_path, mixed, weight_sync="distributed", **kw)
+        assert "rollout.host" in str(e.value) and remote in str(e.value)
+    assert _weight_sync(tmp_path, mixed, weight_sync="distributed", host="0.0.0.0",
+                        weight_sync_master_address="10.1.2.3").master_address == "10.1.2.3"
+    assert _weight_sync(tmp_path, mixed, weight_sync="disk", host="127.0.0.1").master_address is None  # not used
+
+    # the recipe check (moerl train, before any work): external URLs and other nodes' servers
+    with pytest.raises(ValueError, match=r"rollout\.weight_sync_master_address"):
+        sl.check_rollout_environment(RolloutConfig(weight_sync="distributed", external_urls=[remote]))
+    sl.check_rollout_environment(RolloutConfig(weight_sync="distributed", external_urls=["http://127.0.0.1:30000"]))
+    sl.check_rollout_environment(RolloutConfig(weight_sync="disk", external_urls=[remote]))
+    monkeypatch.setattr(sl, "sglang_available", lambda: True)
+    multi = dict(weight_sync="distributed", backend="sglang", gpu_ids=[0], host="0.0.0.0")
+    sl.check_rollout_environment(RolloutConfig(**multi), nnodes=1)
+    with pytest.raises(ValueError, match=r"2 other node"):
+        sl.check_rollout_environment(RolloutConfig(**multi), nnodes=3)
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # torchrun: 2 nodes
+    with pytest.raises(ValueError, match=r"1 other node"):
+        sl.check_rollout_environment(RolloutConfig(**multi))
+    sl.check_rollout_environment(RolloutConfig(**multi, weight_sync_master_address="10.1.2.3"))
+    assert resolve_master_address(None, "10.1.2.3", [remote]) == "10.1.2.3"
+
+
+def test_an_empty_server_list_pushes_to_nobody(ckpts, trainer_sd, tmp_path):
+    """Failover with every own server restarting hands update_weights []: distributed must not
+    build a group (DistributedWeightUpdater([]) is still an error), tensor sends nothing, disk still
+    writes the version directory the restorer loads (read back equal to the trainer's tensors)."""
+    with pytest.raises(ValueError, match="server_urls is empty"):
+        DistributedWeightUpdater([])
+    assert sync_weights("distributed", [], trainer_sd, "3") is None
+    from moerl.rollout.weight_sync import sync_weights_from_tensor
+
+    assert sync_weights_from_tensor([], trainer_sd, "3", bucket_bytes=TINY) == 0
+    cfg = AutoConfig.from_pretrained(ckpts[1])
+    sync_weights("disk", [], trainer_sd, "3", hf_config=cfg, out_root=str(tmp_path))
+    back = dict(load_safetensors_dir(str(tmp_path / "weights_3")))
+    assert set(back) == set(trainer_sd) and all(torch.equal(back[n], trainer_sd[n]) for n in trainer_sd)

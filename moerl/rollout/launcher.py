@@ -337,6 +337,9 @@ class RolloutCluster:
             (e.g. CUDA_VISIBLE_DEVICES of its GPUs).
         extra_worker_urls: servers not started here (other nodes, external URLs from the recipe)
             that the router also fronts; they are waited for but not restarted or checked.
+        peer_worker_urls: the subset of ``extra_worker_urls`` that moerl started on other nodes
+            (moerl.rollout.sglang_launcher); colocated placement releases / resumes their memory
+            (:meth:`colocated_server_urls`), unlike external URLs, which are not moerl's.
         failover: restart dead servers and route around them (see the module docstring).
         max_restarts: restarts allowed per server (failover only).
         health_check_interval_s: seconds between liveness checks of the monitor (failover only).
@@ -362,7 +365,7 @@ class RolloutCluster:
                  failover: bool = False, max_restarts: int = 3, health_check_interval_s: float = 0.5,
                  health_check_timeout_s: float = 5.0, health_failure_threshold: int = 3,
                  request_log: bool = False, server_env: Optional[Callable[[int], dict]] = None,
-                 extra_worker_urls: Sequence[str] = ()):
+                 extra_worker_urls: Sequence[str] = (), peer_worker_urls: Sequence[str] = ()):
         if num_servers < 0 or (num_servers == 0 and not extra_worker_urls):
             raise ValueError(f"num_servers must be >= 1 (or 0 with extra_worker_urls), got {num_servers}")
         if router_policy not in ROUTER_POLICIES:
@@ -398,6 +401,11 @@ class RolloutCluster:
         self.extra_env = dict(extra_env or {})
         self.server_env = server_env
         self.extra_worker_urls = [u.rstrip("/") for u in extra_worker_urls]
+        self.peer_worker_urls = [u.rstrip("/") for u in peer_worker_urls]
+        stray = [u for u in self.peer_worker_urls if u not in self.extra_worker_urls]
+        if stray:
+            raise ValueError(f"peer_worker_urls {stray} are not among extra_worker_urls {self.extra_worker_urls}: "
+                             f"other nodes' servers must also be behind the router")
         self.shutdown_grace_s = shutdown_grace_s
         self.server_urls = [f"http://{host}:{p}" for p in server_ports[:num_servers]]
         self.router_url = f"http://{host}:{router_port}"
@@ -644,6 +652,13 @@ class RolloutCluster:
         """URLs of the servers that are running and in the router (not dead or being restarted)."""
         with self._lock:
             return [c.url for c in self._servers if c.index not in self._down and c.proc.poll() is None]
+
+    def colocated_server_urls(self) -> list[str]:
+        """The servers colocated placement releases / resumes memory on: :meth:`live_server_urls`
+        (this cluster's own) followed by ``peer_worker_urls`` (servers moerl started on other nodes,
+        each colocated with that node's trainer ranks); never the other ``extra_worker_urls``
+        (rollout.external_urls: started elsewhere, not moerl's to release)."""
+        return self.live_server_urls() + list(self.peer_worker_urls)
 
     def weights_lock(self) -> "threading.RLock":
         """Hold while pushing weights to :meth:`live_server_urls` and registering the restorer, so a

@@ -16,6 +16,14 @@
   (weights first and the KV cache only after the update keeps the peak low). Only tags this object
   released are resumed, so the first rollout of a fresh server needs no resume.
 
+Which servers release / resume (the trainer passes RolloutCluster.colocated_server_urls): every
+server moerl started, on every node -- global rank 0's own live servers and the other nodes'
+(``peer_worker_urls``: each shares its node's GPUs with that node's trainer ranks and runs with
+``--enable-memory-saver``). ``rollout.external_urls`` servers are not moerl's: they are never
+released or resumed (they keep their memory and only receive weight updates), so they must not share
+GPUs with the trainer. Only global rank 0 talks to the servers; with several trainer ranks the
+trainer (moerl.train.loop.WeightSync) puts a barrier after each offload and before each reload.
+
 Every call is recorded in :attr:`RolloutPlacement.events` (phase, action, time). On CPU the trainer
 offload / reload hooks default to no-ops that are still called and recorded.
 """
@@ -41,7 +49,7 @@ class RolloutPlacement:
     Args:
         mode: "colocated" or "disaggregated" (recipe rollout.placement).
         server_urls: base URLs of the servers (not the router), or a callable returning them (e.g.
-            RolloutCluster.live_server_urls); empty / None on ranks that do not talk to servers.
+            RolloutCluster.colocated_server_urls); empty / None on ranks that do not talk to servers.
         offload_trainer: called before the servers take the GPU back (move trainer weights and
             optimizer state to CPU); default no-op.
         reload_trainer: called before training (bring them back); default no-op.

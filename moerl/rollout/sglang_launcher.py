@@ -49,16 +49,28 @@ def require_sglang() -> None:
         raise RuntimeError(f"python package 'sglang' is not installed: {INSTALL_HINT}")
 
 
-def check_rollout_environment(rollout) -> None:
+def _nnodes_from_env() -> int:
+    """Nodes of this torchrun job: WORLD_SIZE / LOCAL_WORLD_SIZE (1 without torchrun)."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)) or world)
+    return max(1, world // max(1, local))
+
+
+def check_rollout_environment(rollout, nnodes: Optional[int] = None) -> None:
     """Refuse, before any work, rollout settings this machine cannot run (``moerl train`` calls it
     right after loading the recipe; a recipe may be planned or dry-run anywhere).
 
     Args:
         rollout: the recipe's ``rollout`` section.
+        nnodes: nodes of the job (None: WORLD_SIZE / LOCAL_WORLD_SIZE set by torchrun).
 
     Raises:
         ValueError: ``rollout.backend=sglang`` without the sglang package (names how to install it),
-            or ``rollout.weight_sync_backend=nccl`` for the distributed sync without CUDA.
+            ``rollout.weight_sync_backend=nccl`` for the distributed sync without CUDA, or the
+            distributed sync with servers on other machines (other nodes' SGLang servers,
+            rollout.external_urls on another host) while rollout.weight_sync_master_address (else
+            rollout.host, "auto" resolved) is loopback / wildcard
+            (moerl.rollout.weight_sync.resolve_master_address).
     """
     if rollout.backend == "sglang" and rollout.gpu_ids and not sglang_available():
         raise ValueError(f"rollout.backend=sglang: python package 'sglang' is not installed here: {INSTALL_HINT}")
@@ -68,6 +80,13 @@ def check_rollout_environment(rollout) -> None:
         if not torch.cuda.is_available():
             raise ValueError("rollout.weight_sync_backend=nccl needs CUDA GPUs (none here); use "
                              "rollout.weight_sync_backend=gloo with the CPU reference server")
+    if rollout.weight_sync == "distributed":
+        from moerl.rollout.weight_sync import resolve_master_address
+
+        nnodes = _nnodes_from_env() if nnodes is None else nnodes
+        others = nnodes - 1 if rollout.backend == "sglang" and rollout.gpu_ids else 0  # each starts servers
+        resolve_master_address(rollout.weight_sync_master_address, rollout.host, rollout.external_urls,
+                               other_nodes=others)
 
 
 @dataclass
@@ -186,11 +205,13 @@ def plan_node_servers(model_path: str, rollout_gpu_ids: Sequence[int], *, tp_siz
 def node_cluster(specs: Sequence[SGLangServerSpec], *, router_port: int, start_router_here: bool,
                  extra_worker_urls: Sequence[str] = (), log_dir: Optional[str] = None,
                  startup_timeout_s: float = 1800.0, router_policy: str = "cache_aware",
-                 failover: bool = False, check_installed: bool = True):
+                 failover: bool = False, check_installed: bool = True, peer_worker_urls: Sequence[str] = ()):
     """A RolloutCluster that starts ``specs`` (this node's SGLang servers) as its servers.
 
     With ``start_router_here`` (global rank 0) the router fronts these servers and
-    ``extra_worker_urls`` (other nodes' servers, external URLs). Other nodes call
+    ``extra_worker_urls`` (other nodes' servers, external URLs); ``peer_worker_urls`` names the
+    other nodes' servers among them (colocated placement releases / resumes those too; see
+    RolloutCluster.colocated_server_urls). Other nodes call
     :meth:`NodeServers.start` of the returned object instead (servers only, no router).
     Raises RuntimeError (install hint) when SGLang is missing and ``check_installed``.
     """
@@ -209,7 +230,8 @@ def node_cluster(specs: Sequence[SGLangServerSpec], *, router_port: int, start_r
         host=specs[0].host if specs else "127.0.0.1", base_port=specs[0].port if specs else router_port + 1,
         router_port=router_port, router_policy=router_policy, startup_timeout_s=startup_timeout_s,
         log_dir=log_dir, server_command=lambda i, port: specs[i].argv(),
-        server_env=lambda i: specs[i].env(), extra_worker_urls=extra_worker_urls, failover=failover)
+        server_env=lambda i: specs[i].env(), extra_worker_urls=extra_worker_urls, failover=failover,
+        peer_worker_urls=peer_worker_urls)
     if not start_router_here:
         return NodeServers(cluster)
     return cluster
@@ -310,10 +332,11 @@ def launch_sglang_rollout(model_path: str, *, rollout_gpu_ids: Sequence[int], ro
         raise ValueError("rollout servers run on several nodes but bind 127.0.0.1; set rollout.host to 'auto' "
                          "(this node's address) or 0.0.0.0-reachable address")
     if rank == 0:
-        others = [u for u in every if u not in local] + [u.rstrip("/") for u in external_urls]
+        peers = [u for u in every if u not in local]  # started by moerl on other nodes (colocated there)
+        others = peers + [u.rstrip("/") for u in external_urls]
         return node_cluster(specs, router_port=router_port, start_router_here=True, extra_worker_urls=others,
                             log_dir=log_dir, startup_timeout_s=startup_timeout_s, router_policy=router_policy,
-                            failover=failover, check_installed=bool(specs))
+                            failover=failover, check_installed=bool(specs), peer_worker_urls=peers)
     if specs:
         return node_cluster(specs, router_port=router_port, start_router_here=False, log_dir=log_dir,
                             startup_timeout_s=startup_timeout_s, check_installed=True)

@@ -223,7 +223,8 @@ def sync_weights_from_tensor(server_urls: Sequence[str], hf_state_dict: Mapping[
     """Send the weights in buckets via /update_weights_from_tensor (reference-server format).
 
     Every bucket goes to every server before the next one; the last bucket carries weight_version
-    and flush_cache=True. Returns the number of buckets.
+    and flush_cache=True. Returns the number of buckets sent (0, nothing serialized, when
+    ``server_urls`` is empty).
     Raises:
         WeightSyncError: a server refused a bucket (e.g. unknown name, or the buckets did not cover
             every parameter) or reports another weight_version afterwards.
@@ -233,6 +234,8 @@ def sync_weights_from_tensor(server_urls: Sequence[str], hf_state_dict: Mapping[
     buckets = make_buckets(dict(hf_state_dict), bucket_bytes)
     if not buckets:
         raise ValueError("hf_state_dict is empty")
+    if not server_urls:  # nothing to send to (e.g. every server restarting: the restorer catches them up)
+        return 0
     for k, bucket in enumerate(buckets):  # one bucket on the CPU at a time
         last = k == len(buckets) - 1
         payload = {"serialized_named_tensors": [serialize_bucket(_cpu_tensors(bucket))], "load_format": None,
@@ -336,7 +339,13 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def _free_port(host: str) -> int:
-    """A free TCP port in 20000..32000 (below Linux's ephemeral range, see tests/_mp_helpers.py)."""
+    """A free TCP port in 20000..32000 (below Linux's ephemeral range, see tests/_mp_helpers.py).
+
+    Raises:
+        WeightSyncError: ``host`` is not an address of this machine (names
+            rollout.weight_sync_master_address / rollout.host), or no port is free.
+    """
+    import errno
     import random
     import socket
 
@@ -346,10 +355,123 @@ def _free_port(host: str) -> int:
         with socket.socket() as s:
             try:
                 s.bind((host, port))
-            except OSError:
+            except socket.gaierror as e:
+                raise WeightSyncError(_not_here(host, e)) from e
+            except OSError as e:
+                if e.errno == errno.EADDRNOTAVAIL:
+                    raise WeightSyncError(_not_here(host, e)) from e
                 continue
         return port
     raise WeightSyncError(f"no free port on {host} for the weight update group")
+
+
+def _not_here(host: str, e: OSError) -> str:
+    return (f"the weight update group's master address {host!r} is not an address of this machine ({e}); "
+            f"set rollout.weight_sync_master_address (else rollout.host is used) to an address of trainer "
+            f"rank 0's node that every rollout server can reach")
+
+
+_LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback")
+
+
+def is_loopback_or_wildcard(host: str) -> bool:
+    """True for an address another machine cannot use to reach this one: ``localhost`` (and its
+    aliases), a loopback IP (127.0.0.0/8, ::1) or the wildcard (0.0.0.0, ::)."""
+    import ipaddress
+
+    h = host.strip("[]").lower()
+    if h in _LOOPBACK_NAMES:
+        return True
+    try:
+        ip = ipaddress.ip_address(h)
+    except ValueError:
+        return False
+    return ip.is_loopback or ip.is_unspecified
+
+
+def _this_machines_addresses() -> set[str]:
+    """Names and IPs of this machine: hostname, FQDN, gethostbyname(hostname) and every interface
+    address psutil reports (lower-case)."""
+    import socket
+
+    out = {socket.gethostname().lower(), socket.getfqdn().lower()}
+    try:
+        out.add(socket.gethostbyname(socket.gethostname()))
+    except OSError:
+        pass
+    try:
+        import psutil
+
+        for addrs in psutil.net_if_addrs().values():
+            for a in addrs:
+                if a.family in (socket.AF_INET, socket.AF_INET6):
+                    out.add(a.address.split("%")[0].lower())
+    except Exception:  # psutil missing or the interfaces cannot be read: names only
+        pass
+    return out
+
+
+def url_host(url: str) -> str:
+    """The host of ``url`` (``http://10.0.0.2:30000`` -> ``10.0.0.2``; IPv6 without brackets)."""
+    return (httpx.URL(url).host or "").lower()
+
+
+def remote_server_urls(server_urls: Sequence[str]) -> list[str]:
+    """The URLs among ``server_urls`` whose host is not this machine (neither loopback / wildcard
+    nor one of its names or interface addresses). Hostnames are not looked up in DNS: an unknown
+    name counts as remote."""
+    here = None
+    out = []
+    for url in server_urls:
+        h = url_host(url)
+        if is_loopback_or_wildcard(h):
+            continue
+        if here is None:
+            here = _this_machines_addresses()
+        if h not in here:
+            out.append(url)
+    return out
+
+
+def resolve_master_address(master_address: Optional[str], host: str, server_urls: Sequence[str] = (), *,
+                           other_nodes: int = 0) -> str:
+    """The address rollout servers reach trainer rank 0 at for the distributed weight sync:
+    ``rollout.weight_sync_master_address``, else ``rollout.host``, with "auto" resolved to this
+    node's address (moerl.rollout.sglang_launcher.resolve_host, as for the servers' own host).
+
+    Args:
+        master_address: rollout.weight_sync_master_address (None = use ``host``).
+        host: rollout.host.
+        server_urls: every server the trainer pushes to (own, other nodes', rollout.external_urls).
+        other_nodes: nodes other than this one known to start servers before their URLs are known
+            (the recipe check: multi-node rollout.backend=sglang); they count as remote.
+    Returns: an address (IP or name) of this machine's node.
+    Raises:
+        ValueError: some server runs on another machine (see :func:`remote_server_urls`) while the
+            address is loopback or the wildcard (127.0.0.1, localhost, 0.0.0.0): it could not reach
+            the trainer's rendezvous. Names rollout.weight_sync_master_address, rollout.host and the fix.
+    """
+    from moerl.rollout.sglang_launcher import resolve_host
+
+    given = master_address or host
+    field = ("rollout.weight_sync_master_address" if master_address
+             else "rollout.host (rollout.weight_sync_master_address unset)")
+    addr = resolve_host(given)
+    if is_loopback_or_wildcard(addr):
+        remote = remote_server_urls(server_urls)
+        if remote or other_nodes > 0:
+            shown = ", ".join(remote[:3]) + (f" (+{len(remote) - 3} more)" if len(remote) > 3 else "")
+            if other_nodes > 0:
+                shown = f"the servers of {other_nodes} other node(s)" + (f", {shown}" if shown else "")
+            via = f"{given!r} resolves to {addr!r}" if addr != given else f"{addr!r}"
+            raise ValueError(
+                f"rollout.weight_sync=distributed: the servers join the trainer's weight update group at "
+                f"{field} = {via}, a loopback / wildcard address that rollout servers on other machines "
+                f"({shown}) cannot reach; set rollout.weight_sync_master_address to an address of trainer "
+                f"rank 0's node that they can reach (its cluster IP or hostname)"
+                + (", or rollout.host=auto when this node's hostname resolves to such an address"
+                   if given != "auto" else ""))
+    return addr
 
 
 def _post_async(pool: ThreadPoolExecutor, client: httpx.Client, url: str, path: str, payload: dict):
@@ -596,8 +718,11 @@ def sync_weights(mode: str, server_urls: Sequence[str], hf_state_dict: Mapping[s
     """One weight sync in ``mode`` (``rollout.weight_sync``): disk | tensor | distributed.
 
     disk needs ``hf_config`` and ``out_root``; distributed needs ``updater`` (kept across syncs: the
-    group is created once). Raises ValueError for a bad mode or missing argument, WeightSyncError
-    when a server refuses or ends on another weight_version.
+    group is created once). Empty ``server_urls`` (failover: every server restarting; the cluster's
+    restorer catches them up) pushes to nobody: disk still writes the version directory the
+    restorer loads, tensor sends nothing, distributed does nothing (no updater needed: a group
+    needs at least one server). Raises ValueError for a bad mode or missing argument,
+    WeightSyncError when a server refuses or ends on another weight_version.
     """
     if mode == "disk":
         if hf_config is None or out_root is None:
@@ -608,6 +733,8 @@ def sync_weights(mode: str, server_urls: Sequence[str], hf_state_dict: Mapping[s
         sync_weights_from_tensor(server_urls, hf_state_dict, weight_version, bucket_bytes,
                                  http_client=http_client, timeout_s=timeout_s)
     elif mode == "distributed":
+        if not server_urls:
+            return
         if updater is None:
             raise ValueError("weight_sync 'distributed' needs a DistributedWeightUpdater (updater=...)")
         sync_weights_from_distributed(updater, hf_state_dict, weight_version, bucket_bytes)

@@ -45,7 +45,7 @@ from moerl.rollout.client import RolloutClient
 from moerl.rollout.launcher import RolloutCluster, failover_restorer
 from moerl.rollout.placement import RolloutPlacement
 from moerl.rollout.sglang_launcher import launch_sglang_rollout
-from moerl.rollout.weight_sync import DistributedWeightUpdater, sync_weights
+from moerl.rollout.weight_sync import DistributedWeightUpdater, resolve_master_address, sync_weights
 from moerl.runtime.distributed import destroy_distributed, fault_injection_point, init_distributed
 from moerl.data.tokenizer import encode_sft_example
 from moerl.moe.config import moe_actor_kwargs
@@ -97,16 +97,40 @@ class WeightSync:
     rank 0, which holds ``cluster``, talks to the servers (``cluster`` is None elsewhere)."""
 
     def __init__(self, ctx: RunContext, cluster: Optional[RolloutCluster], version: int = 0):
+        """Raises ValueError (before any push) when rollout.weight_sync=distributed and the servers'
+        rendezvous address (rollout.weight_sync_master_address, else rollout.host; "auto" resolved)
+        is loopback / wildcard while some server runs on another machine."""
         self.ctx, self.cluster, self.version = ctx, cluster, version
+        ro = ctx.cfg.rollout
         self.updater: Optional[DistributedWeightUpdater] = None  # rollout.weight_sync == "distributed"
+        self.master_address: Optional[str] = None
+        if cluster is not None and ro.weight_sync == "distributed":
+            self.master_address = resolve_master_address(ro.weight_sync_master_address, ro.host,
+                                                         list(cluster.server_urls) + list(cluster.extra_worker_urls))
         # rollout.placement: colocated releases / resumes server memory around training (every rank
         # calls the trainer offload hooks; rank 0 alone talks to the servers). Colocated: the actors
-        # given to offload_with() go to host memory while rollout runs (moerl.train.offload)
-        off = self.offloader = ActorOffloader([], log=log) if ctx.cfg.rollout.placement == "colocated" else None
-        self.placement = RolloutPlacement(ctx.cfg.rollout.placement,
-                                          cluster.live_server_urls if cluster is not None else None,
-                                          offload_trainer=off.offload if off else None,
-                                          reload_trainer=off.reload if off else None)
+        # given to offload_with() go to host memory while rollout runs (moerl.train.offload).
+        # Released / resumed: the live servers moerl started on every node (this cluster's and the
+        # other nodes', RolloutCluster.colocated_server_urls), never rollout.external_urls (not
+        # moerl's: they keep their memory and only get the weights). With several ranks a barrier
+        # follows every trainer offload and precedes every reload, so rank 0 resumes the servers only
+        # once every rank has offloaded, and no rank reloads before rank 0 released the servers.
+        off = self.offloader = ActorOffloader([], log=log) if ro.placement == "colocated" else None
+
+        def offload() -> None:
+            off.offload()
+            if _world() > 1:
+                tdist.barrier()
+
+        def reload() -> None:
+            if _world() > 1:
+                tdist.barrier()
+            off.reload()
+
+        self.placement = RolloutPlacement(ro.placement,
+                                          cluster.colocated_server_urls if cluster is not None else None,
+                                          offload_trainer=offload if off else None,
+                                          reload_trainer=reload if off else None)
 
     def offload_with(self, actor, include_optimizer: bool = True) -> None:
         """Colocated placement: offload ``actor`` with the trainer (weights only when
@@ -134,9 +158,10 @@ class WeightSync:
                 if ro.weight_sync == "distributed" and (self.updater is None or self.updater.server_urls != urls):
                     if self.updater is not None:
                         self.updater.close()
-                    self.updater = DistributedWeightUpdater(
-                        urls, master_address=ro.weight_sync_master_address or ro.host,
-                        backend=ro.weight_sync_backend)
+                        self.updater = None
+                    if urls:  # [] (failover: every server restarting): nothing to push, the restorer catches up
+                        self.updater = DistributedWeightUpdater(urls, master_address=self.master_address,
+                                                                backend=ro.weight_sync_backend)
                 try:
                     sync_weights(ro.weight_sync, urls, hf_sd, version, bucket_bytes=bucket_bytes,
                                  hf_config=self.ctx.hf_config, out_root=out_root, updater=self.updater)
