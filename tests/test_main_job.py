@@ -72,6 +72,15 @@ def test_malformed_recipe_names_the_key(tmp_path):
     assert r.returncode == 2 and "rollout.temperature" in r.stderr
 
 
+def test_distributed_sync_to_remote_servers_needs_a_reachable_rendezvous_address(tmp_path):
+    """weight_sync=distributed with a server on another machine and the default rollout.host (loopback):
+    refused before any work, naming the field to set."""
+    r = moerl_train(RECIPE, f"output_dir={tmp_path / 'run'}", "rollout.weight_sync=distributed",
+                    "rollout.external_urls=[http://10.255.0.2:30000]", timeout=120)
+    assert r.returncode == 2 and "rollout.weight_sync_master_address" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
 def test_router_the_rollout_cannot_run_is_refused_before_compute(tmp_path):
     r = moerl_train(RECIPE, *port_args(tmp_path), "moe.score_function=sigmoid", timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
