@@ -484,3 +484,21 @@ def test_update_weights_reaches_the_servers_it_did_not_start(tmp_path):
         with pytest.raises(ConnectionError):  # an external server failing is not mistaken for a dead own server
             c.update_weights("v2", failing)
         assert c.current_weight_version == "v1"
+
+
+def test_port_check_resolves_rollout_host_auto():
+    """moerl train's port pre-check (moerl.train.setup.check_ports_free) with rollout.host=auto checks this
+    node's address (it used to pass the literal "auto" to bind: socket.gaierror) and still names a taken
+    port."""
+    from types import SimpleNamespace
+
+    from moerl.rollout.sglang_launcher import resolve_host
+    from moerl.train.setup import check_ports_free
+
+    base, router = _free_ports(1)
+    check_ports_free(SimpleNamespace(host="auto", base_port=base, num_servers=1, router_port=router))
+    with socket.socket() as s:
+        s.bind((resolve_host("auto"), base))
+        s.listen(1)
+        with pytest.raises(PortInUseError, match=rf"port {base} on .* rollout.base_port"):
+            check_ports_free(SimpleNamespace(host="auto", base_port=base, num_servers=1, router_port=router))

@@ -44,7 +44,7 @@ from moerl.parallel.packing import flops_linear_coeff, pack_micro_batches
 from moerl.rollout.client import RolloutClient
 from moerl.rollout.launcher import RolloutCluster, failover_restorer
 from moerl.rollout.placement import RolloutPlacement
-from moerl.rollout.sglang_launcher import launch_sglang_rollout
+from moerl.rollout.sglang_launcher import launch_sglang_rollout, resolve_host
 from moerl.rollout.weight_sync import DistributedWeightUpdater, resolve_master_address, sync_weights
 from moerl.runtime.distributed import destroy_distributed, fault_injection_point, init_distributed
 from moerl.data.tokenizer import encode_sft_example
@@ -601,7 +601,7 @@ def _train(ctx: RunContext, t_start: float) -> dict:
             node_cm = launched
     elif main:
         cluster_cm = RolloutCluster(
-            model_path=str(v0), num_servers=ro.num_servers, host=ro.host, base_port=ro.base_port,
+            model_path=str(v0), num_servers=ro.num_servers, host=resolve_host(ro.host), base_port=ro.base_port,
             router_port=ro.router_port, router_policy=ro.router_policy, threads_per_server=ro.threads_per_server,
             startup_timeout_s=ro.startup_timeout_s, log_dir=str(ctx.run_dir / "logs"),
             failover=ro.failover, max_restarts=ro.max_restarts, extra_worker_urls=ro.external_urls,

@@ -62,11 +62,14 @@ def check_ports_free(rollout) -> None:
     Raises:
         PortInUseError: naming the port and the recipe key to change.
     """
+    from moerl.rollout.sglang_launcher import resolve_host
+
+    host = resolve_host(rollout.host)  # "auto": this node's address
     ports = [(rollout.base_port + i, f"rollout.base_port (server {i})") for i in range(rollout.num_servers)]
     for port, key in ports + [(rollout.router_port, "rollout.router_port")]:
-        if not port_is_free(rollout.host, port):
+        if not port_is_free(host, port):
             raise PortInUseError(
-                f"port {port} on {rollout.host} is already in use; change {key} in the recipe or on the "
+                f"port {port} on {host} is already in use; change {key} in the recipe or on the "
                 f"command line (e.g. {key.split()[0]}={port + 100}) or stop what holds it"
             )
 
