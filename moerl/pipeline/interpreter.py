@@ -484,12 +484,7 @@ class PipelineInterpreter:
         if self.executor is not None and not self._forward_only:
             return self._exec_forward_backward(c, m, None, None)
         s = self.schedule
-        if s.is_first(c, m):
-            x = self._inputs[m]
-        else:
-            x = self._local.pop(("act", s.prev_chunk(c, m), m))
-            if not self._forward_only:
-                x = x.detach().requires_grad_(True)
+        x = self._chunk_input(c, m)
         with torch.set_grad_enabled(not self._forward_only):
             y = self.stage_fn(c, self.modules[c], x, m)
             if s.is_last(c, m):
@@ -499,13 +494,29 @@ class PipelineInterpreter:
                     y = self.criterion(y, self._labels[m])
                     self._result.losses[m] = y.detach()
         if not s.is_last(c, m):
-            n = s.next_chunk(c, m)
-            if s.chunk_rank[n] == self.pp_rank:
-                self._local[("act", c, m)] = y.detach()
-            else:
-                self._send([(s.chunk_rank[n], "act", c, m, y)])
+            self._pass_activation(c, m, y)
         if not self._forward_only:
             self._saved[(c, m)] = (x, y)
+
+    def _chunk_input(self, c: int, m: int) -> Any:
+        """Chunk c's input for micro-batch m: the user's input on a first chunk, else the received (or
+        locally handed over) activation -- a leaf with ``requires_grad`` when training."""
+        s = self.schedule
+        if s.is_first(c, m):
+            return self._inputs[m]
+        x = self._local.pop(("act", s.prev_chunk(c, m), m))
+        return x if self._forward_only else x.detach().requires_grad_(True)
+
+    def _pass_activation(self, c: int, m: int, y: torch.Tensor) -> None:
+        """Hand chunk c's output for micro-batch m to the next chunk of its route: locally when this rank
+        holds it, else queued for the plan's next send (the activation counterpart of
+        :meth:`_send_input_grad`)."""
+        s = self.schedule
+        n = s.next_chunk(c, m)
+        if s.chunk_rank[n] == self.pp_rank:
+            self._local[("act", c, m)] = y.detach()
+        else:
+            self._send([(s.chunk_rank[n], "act", c, m, y)])
 
     def _grad_out(self, c: int, m: int) -> Optional[torch.Tensor]:
         if self.schedule.is_last(c, m):
@@ -602,16 +613,8 @@ class PipelineInterpreter:
         b_state = g = None
         if bc is not None:
             b_state, leaf, loss = self._saved.pop((bc, bm))
-            if s.is_last(bc, bm):
-                (g,) = torch.autograd.grad(loss, [leaf])
-            else:
-                g = self._local.pop(("grad", bc, bm))
-        x = None
-        if fc is not None:
-            if not s.is_first(fc, fm):
-                x = self._local.pop(("act", s.prev_chunk(fc, fm), fm)).detach().requires_grad_(True)
-            else:
-                x = self._inputs[fm]
+            g = torch.autograd.grad(loss, [leaf])[0] if s.is_last(bc, bm) else self._grad_out(bc, bm)
+        x = self._chunk_input(fc, fm) if fc is not None else None
         if fc is not None and bc is not None:
             y, f_state, dx = ex.forward_backward(fc, self.modules[fc], x, fm, bc, b_state, g)
         elif fc is not None:
@@ -631,11 +634,7 @@ class PipelineInterpreter:
             loss = self.criterion(leaf, self._labels[fm])
             self._result.losses[fm] = loss.detach()
         else:
-            n = s.next_chunk(fc, fm)
-            if s.chunk_rank[n] == self.pp_rank:
-                self._local[("act", fc, fm)] = y.detach()
-            else:
-                self._send([(s.chunk_rank[n], "act", fc, fm, y)])
+            self._pass_activation(fc, fm, y)
         self._saved[(fc, fm)] = (f_state, leaf, loss)
 
 

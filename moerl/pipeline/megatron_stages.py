@@ -50,6 +50,7 @@ __all__ = [
     "make_forward_backward_func",
     "model_copy_group",
     "sequence_parallel_kwargs",
+    "stage_model_args",
     "vocab_parallel_log_probs_reentrant",
 ]
 
@@ -77,13 +78,23 @@ class MegatronStage(torch.nn.Module):
         return self.stage == self.num_stages - 1
 
     def forward(self, x, mb):
-        from moerl.train.batching import model_forward_args
+        if not self.is_first:
+            self.model.set_input_tensor(x)
+        args, kwargs = stage_model_args(mb, self.is_first, self.model.config)
+        return self.model(*args, **kwargs)
 
-        args, kwargs = model_forward_args(mb)
-        if self.is_first:
-            return self.model(*args, **kwargs)
-        self.model.set_input_tensor(x)
-        return self.model(None, None, args[2], **sequence_parallel_kwargs(self.model.config, kwargs))
+
+def stage_model_args(mb, is_first: bool, config) -> tuple[tuple, dict]:
+    """``GPTModel.forward`` (or ``build_schedule_plan``) arguments of micro-batch ``mb`` for one pipeline
+    stage: ``moerl.train.batching.model_forward_args(mb)`` on the stage that embeds the tokens; on a later
+    stage, whose input comes from ``set_input_tensor``, ``(None, None, attention_mask)`` and the
+    sequence-parallel slice of the padding mask (:func:`sequence_parallel_kwargs`)."""
+    from moerl.train.batching import model_forward_args
+
+    args, kwargs = model_forward_args(mb)
+    if is_first:
+        return args, kwargs
+    return (None, None, args[2]), sequence_parallel_kwargs(config, kwargs)
 
 
 def sequence_parallel_kwargs(config, kwargs: dict) -> dict:
@@ -527,6 +538,8 @@ def make_forward_backward_func(schedule: Schedule | str, *, group: Optional[dist
             a model Megatron's plans cannot overlap (see :func:`moerl.pipeline.overlap.check_overlap_supported`).
         RuntimeError: ``overlap`` without CUDA.
     """
+    import functools
+
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
@@ -567,10 +580,11 @@ def make_forward_backward_func(schedule: Schedule | str, *, group: Optional[dist
         loss_funcs: dict[int, Callable] = {}
         reduced: dict[int, Any] = {}
 
-        def stage_fn(c, module, x, m):
+        def stage_fn(c, module, x, m, **step_kw):
+            """One forward step of chunk c on micro-batch m (``return_schedule_plan=True``: its plan)."""
             if not sched.is_first(c, m):
                 get_attr_wrapped_model(module, "set_input_tensor")(x)
-            out, loss_func = forward_step_func(iter([mbs[m]]), module)
+            out, loss_func = forward_step_func(iter([mbs[m]]), module, **step_kw)
             if sched.is_last(c, m):
                 loss_funcs[m] = loss_func
             return out
@@ -581,15 +595,8 @@ def make_forward_backward_func(schedule: Schedule | str, *, group: Optional[dist
                 check_overlap_supported(get_model_config(mod), require_cuda=overlap_require_cuda,
                                         last_stage=sched.chunk_stage[c] == sched.num_stages - 1)
 
-            def build_plan(c, module, x, m):
-                if not sched.is_first(c, m):
-                    get_attr_wrapped_model(module, "set_input_tensor")(x)
-                plan, loss_func = forward_step_func(iter([mbs[m]]), module, return_schedule_plan=True)
-                if sched.is_last(c, m):
-                    loss_funcs[m] = loss_func
-                return plan
-
-            executor = MegatronOverlapExecutor(build_plan, require_cuda=overlap_require_cuda)
+            executor = MegatronOverlapExecutor(functools.partial(stage_fn, return_schedule_plan=True),
+                                               require_cuda=overlap_require_cuda)
 
         def criterion(out, m):
             res = loss_funcs.pop(m)(out)

@@ -215,7 +215,12 @@ class MegatronOverlapExecutor(ChunkExecutor):
         plan = self.build_plan(chunk, module, x, m)
         with _route_with_padding(module, plan):
             y = self._run(plan, None, None)
-        return y, (plan, x if isinstance(x, torch.Tensor) and x.requires_grad else None)
+        return y, self._state(plan, x)
+
+    @staticmethod
+    def _state(plan, x):
+        """What the backward needs: the plan, and the input whose ``.grad`` it fills (None on a first chunk)."""
+        return plan, x if isinstance(x, torch.Tensor) and x.requires_grad else None
 
     def backward(self, chunk: int, state: Any, grad_y: torch.Tensor) -> Optional[torch.Tensor]:
         plan, x = state
@@ -228,8 +233,7 @@ class MegatronOverlapExecutor(ChunkExecutor):
         b_plan, b_x = b_state
         with _route_with_padding(f_module, f_plan):
             y = self._run(f_plan, b_plan, b_grad_y)
-        return (y, (f_plan, x if isinstance(x, torch.Tensor) and x.requires_grad else None),
-                None if b_x is None else b_x.grad)
+        return y, self._state(f_plan, x), None if b_x is None else b_x.grad
 
 
 def megatron_stage_plan_fn(micro_batches: Sequence[Any]) -> PlanFn:
@@ -237,15 +241,13 @@ def megatron_stage_plan_fn(micro_batches: Sequence[Any]) -> PlanFn:
     :class:`moerl.pipeline.megatron_stages.MegatronStage` chunks: the plan of ``stage.model`` for
     ``micro_batches[m]`` with the arguments ``MegatronStage.forward`` would pass (tokens on the first stage,
     ``set_input_tensor(x)`` on later ones)."""
-    from moerl.pipeline.megatron_stages import sequence_parallel_kwargs
-    from moerl.train.batching import model_forward_args
+    from moerl.pipeline.megatron_stages import stage_model_args
 
     def build(chunk, stage, x, m):
         model = _gpt_model(stage)
-        args, kwargs = model_forward_args(micro_batches[m])
-        if stage.is_first:
-            return model.build_schedule_plan(*args, **kwargs)
-        model.set_input_tensor(x)
-        return model.build_schedule_plan(None, None, args[2], **sequence_parallel_kwargs(model.config, kwargs))
+        if not stage.is_first:
+            model.set_input_tensor(x)
+        args, kwargs = stage_model_args(micro_batches[m], stage.is_first, model.config)
+        return model.build_schedule_plan(*args, **kwargs)
 
     return build

@@ -68,7 +68,8 @@ from megatron.core.transformer.moe.moe_utils import (
 from moerl.algorithms.logprobs import entropy_from_logits, token_log_probs_from_logits
 from moerl.checkpoint.hf_convert import ShardLayout, gather_megatron_to_hf, hf_to_megatron, load_megatron_state_dict
 from moerl.models.qwen3_moe import build_gpt_model, hf_moe_layer_pattern, transformer_config_from_hf
-from moerl.train.batching import MicroBatch, PackedMicroBatch, model_forward_args, model_labels, to_label_layout
+from moerl.pipeline.megatron_stages import stage_model_args
+from moerl.train.batching import MicroBatch, PackedMicroBatch, model_labels, to_label_layout
 from moerl.train.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
 
 __all__ = ["LossFn", "MegatronActor", "RECOMPUTE_MODES", "recompute_config", "actor_parallel_kwargs"]
@@ -430,19 +431,11 @@ class MegatronActor:
 
         def forward_step(data_iterator, model, return_schedule_plan: bool = False):
             mb: MicroBatch = next(data_iterator)
-            # padded [B,S] with a causal mask, or one packed THD row with cu_seqlens
-            args, kwargs = model_forward_args(mb)
-            # token ids enter on the first stage only (a dual schedule's chunk knows if it is one)
+            # padded [B,S] with a causal mask, or one packed THD row with cu_seqlens; token ids enter on
+            # the first stage only (a dual schedule's chunk knows if it is one), later stages get their
+            # sequence-parallel slice of the padding mask
             is_first = bool(get_attr_wrapped_model(model, "pre_process")) if self.dual else first_stage
-            if not is_first:
-                args = (None, None, args[2])
-                pad = kwargs.get("padding_mask")
-                if pad is not None and self.tf_config.sequence_parallel and self.tp_size > 1:
-                    # GPTModel scatters the mask for sequence parallelism on the first stage only;
-                    # later stages see their [S/tp] slice of the sequence
-                    chunk = pad.shape[1] // self.tp_size
-                    r = parallel_state.get_tensor_model_parallel_rank()
-                    kwargs = dict(kwargs, padding_mask=pad[:, r * chunk:(r + 1) * chunk].contiguous())
+            args, kwargs = stage_model_args(mb, is_first, self.tf_config)
             if return_schedule_plan:  # train.pipeline_overlap: Megatron's plan, run later by the executor
                 if replay is not None:
                     raise ValueError("moe.routing_replay does not support train.pipeline_overlap")
