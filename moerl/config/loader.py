@@ -15,11 +15,8 @@ from typing import Any, Iterable, Optional
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from moerl.config.errors import ConfigError  # re-exported: moerl.config.loader.ConfigError stays valid
 from moerl.config.schema import RecipeConfig
-
-
-class ConfigError(ValueError):
-    """A recipe that cannot run. ``str(err)`` lists every problem, one per line."""
 
 
 class _Loader(yaml.SafeLoader):

@@ -4,7 +4,7 @@ Every section forbids unknown keys and is strict about types (an ``int`` field r
 ``8.5``; a ``str`` field rejects ``5``; a ``float`` field accepts ints). Field constraints (positive
 ints, probabilities...) are declared on the fields; rules that tie several fields together live in
 ``model_validator``s and name every dotted key they involve. Errors are turned into one readable
-:class:`moerl.config.loader.ConfigError` by :func:`moerl.config.loader.load_config`.
+:class:`moerl.config.errors.ConfigError` by :func:`moerl.config.loader.load_config`.
 
 The defaults are those of ``configs/tiny_arith.yaml`` (a 2-core CPU demo: 3-digit addition, a
 1.4M-parameter Qwen3-MoE), so a recipe only lists what it changes.
@@ -17,6 +17,8 @@ from typing import Any, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from moerl.config.errors import ConfigError
 
 _STRICT = ConfigDict(extra="forbid", frozen=True, strict=True, validate_default=True)
 
@@ -644,8 +646,6 @@ class RecipeConfig(_Section):
         Raises:
             ConfigError-compatible ValueError naming the parallel.* / *.global_batch_size key.
         """
-        from moerl.config.loader import ConfigError  # local import: loader imports this module
-
         dp = self.layout_dp_size(world_size)
         for name, sec in (("train", self.train), ("sft", self.sft)):
             if sec.global_batch_size % (sec.micro_batch_size * dp):
@@ -681,8 +681,6 @@ class RecipeConfig(_Section):
         Raises:
             ConfigError naming the parallel.* keys and the rule.
         """
-        from moerl.config.loader import ConfigError  # local import: loader imports this module
-
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ConfigError(f"world_size must be a positive int, got {world_size!r}")
         p = self.parallel

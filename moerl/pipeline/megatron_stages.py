@@ -37,6 +37,7 @@ from moerl.checkpoint.hf_convert import ShardLayout, hf_to_megatron, load_megatr
 from moerl.models.qwen3_moe import build_gpt_model, hf_moe_layer_pattern, transformer_config_from_hf
 from moerl.parallel.layout import pipeline_layer_range
 from moerl.pipeline.schedules import Schedule
+from moerl.pipeline.stage_args import sequence_parallel_kwargs, stage_model_args  # re-exported (see __all__)
 
 __all__ = [
     "MegatronStage",
@@ -82,38 +83,6 @@ class MegatronStage(torch.nn.Module):
             self.model.set_input_tensor(x)
         args, kwargs = stage_model_args(mb, self.is_first, self.model.config)
         return self.model(*args, **kwargs)
-
-
-def stage_model_args(mb, is_first: bool, config) -> tuple[tuple, dict]:
-    """``GPTModel.forward`` (or ``build_schedule_plan``) arguments of micro-batch ``mb`` for one pipeline
-    stage: ``moerl.train.batching.model_forward_args(mb)`` on the stage that embeds the tokens; on a later
-    stage, whose input comes from ``set_input_tensor``, ``(None, None, attention_mask)`` and the
-    sequence-parallel slice of the padding mask (:func:`sequence_parallel_kwargs`)."""
-    from moerl.train.batching import model_forward_args
-
-    args, kwargs = model_forward_args(mb)
-    if is_first:
-        return args, kwargs
-    return (None, None, args[2]), sequence_parallel_kwargs(config, kwargs)
-
-
-def sequence_parallel_kwargs(config, kwargs: dict) -> dict:
-    """GPTModel keyword arguments for a stage WITHOUT the embedding under sequence parallelism: GPTModel
-    scatters ``padding_mask`` [B, S] along the sequence only where it embeds (pre_process), so a later
-    stage must get this TP rank's slice ``[:, r*S/tp:(r+1)*S/tp]``.  ``kwargs`` unchanged otherwise."""
-    from megatron.core import parallel_state as ps
-
-    pad = kwargs.get("padding_mask")
-    if pad is None or not getattr(config, "sequence_parallel", False):
-        return kwargs
-    tp = ps.get_tensor_model_parallel_world_size()
-    if tp == 1:
-        return kwargs
-    if pad.shape[1] % tp:
-        raise ValueError(f"sequence parallelism needs the sequence length ({pad.shape[1]}) divisible by "
-                         f"tp_size ({tp}): pad the micro-batches")
-    n, r = pad.shape[1] // tp, ps.get_tensor_model_parallel_rank()
-    return dict(kwargs, padding_mask=pad[:, r * n:(r + 1) * n].contiguous())
 
 
 def _stage_config(hf_config, stage: int, num_stages: int, **config_kw):

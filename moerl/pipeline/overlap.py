@@ -34,6 +34,7 @@ from unittest import mock
 import torch
 
 from moerl.pipeline.interpreter import ChunkExecutor
+from moerl.pipeline.stage_args import stage_model_args
 
 __all__ = ["MegatronOverlapExecutor", "megatron_stage_plan_fn", "check_overlap_supported", "cpu_dry_run"]
 
@@ -241,8 +242,6 @@ def megatron_stage_plan_fn(micro_batches: Sequence[Any]) -> PlanFn:
     :class:`moerl.pipeline.megatron_stages.MegatronStage` chunks: the plan of ``stage.model`` for
     ``micro_batches[m]`` with the arguments ``MegatronStage.forward`` would pass (tokens on the first stage,
     ``set_input_tensor(x)`` on later ones)."""
-    from moerl.pipeline.megatron_stages import stage_model_args
-
     def build(chunk, stage, x, m):
         model = _gpt_model(stage)
         if not stage.is_first:

@@ -1,0 +1,13 @@
+"""The recipe error type, in a leaf module so that both the schema (cross-field rules checked after
+loading, e.g. :meth:`RecipeConfig.check_world_size`) and the loader can raise it without importing
+each other. Re-exported as ``moerl.config.ConfigError`` and ``moerl.config.loader.ConfigError``.
+"""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A recipe that cannot run. ``str(err)`` lists every problem, one per line."""
+
+
+__all__ = ["ConfigError"]
