@@ -50,6 +50,7 @@ from typing import Callable, Optional, Sequence
 
 import httpx
 
+from moerl.rollout.common import version_dirname
 from moerl.rollout.errors import (HealthTimeoutError, PortInUseError, RolloutError, RolloutServerDiedError,
                                   RolloutStartupError, ServerExitedError, WeightSyncError)
 
@@ -263,9 +264,7 @@ def failover_restorer(weight_sync: str, hf_state_dict, weight_version: str, out_
     reloads ``out_root/weights_<version>`` (written by the update) with /update_weights_from_disk;
     the other modes re-send the state dict with :func:`tensor_restorer` (reference-server wire format)."""
     if weight_sync == "disk" and out_root is not None:
-        from moerl.rollout.weight_sync import _version_dirname
-
-        path = os.path.join(os.fspath(out_root), _version_dirname(weight_version))
+        path = os.path.join(os.fspath(out_root), version_dirname(weight_version))
         if os.path.isdir(path):
             return disk_restorer(path, weight_version)
     return tensor_restorer(hf_state_dict, weight_version, bucket_bytes)

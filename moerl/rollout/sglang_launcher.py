@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from moerl.rollout.client import SGLANG_VERSION
+from moerl.rollout.common import resolve_host, resolve_master_address  # resolve_host: re-exported
 
 INSTALL_HINT = (
     f"the 'sglang' rollout backend needs SGLang {SGLANG_VERSION} (CUDA only): build the GPU image "
@@ -70,7 +71,7 @@ def check_rollout_environment(rollout, nnodes: Optional[int] = None) -> None:
             distributed sync with servers on other machines (other nodes' SGLang servers,
             rollout.external_urls on another host) while rollout.weight_sync_master_address (else
             rollout.host, "auto" resolved) is loopback / wildcard
-            (moerl.rollout.weight_sync.resolve_master_address).
+            (moerl.rollout.common.resolve_master_address).
     """
     if rollout.backend == "sglang" and rollout.gpu_ids and not sglang_available():
         raise ValueError(f"rollout.backend=sglang: python package 'sglang' is not installed here: {INSTALL_HINT}")
@@ -81,8 +82,6 @@ def check_rollout_environment(rollout, nnodes: Optional[int] = None) -> None:
             raise ValueError("rollout.weight_sync_backend=nccl needs CUDA GPUs (none here); use "
                              "rollout.weight_sync_backend=gloo with the CPU reference server")
     if rollout.weight_sync == "distributed":
-        from moerl.rollout.weight_sync import resolve_master_address
-
         nnodes = _nnodes_from_env() if nnodes is None else nnodes
         others = nnodes - 1 if rollout.backend == "sglang" and rollout.gpu_ids else 0  # each starts servers
         resolve_master_address(rollout.weight_sync_master_address, rollout.host, rollout.external_urls,
@@ -285,14 +284,6 @@ def gather_server_urls(local_urls: Sequence[str]) -> list[str]:
 def local_rank() -> int:
     """LOCAL_RANK set by torchrun (0 without torchrun)."""
     return int(os.environ.get("LOCAL_RANK", "0"))
-
-
-def resolve_host(host: str) -> str:
-    """``host`` unchanged, or for "auto" this node's address (socket.gethostbyname(gethostname())),
-    which multi-node rollouts need so that the router on node 0 reaches every node's servers."""
-    import socket
-
-    return socket.gethostbyname(socket.gethostname()) if host == "auto" else host
 
 
 def launch_sglang_rollout(model_path: str, *, rollout_gpu_ids: Sequence[int], router_port: int,

@@ -31,7 +31,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import re
 import shutil
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +39,10 @@ from typing import Iterable, Iterator, Mapping, Optional, Sequence
 import httpx
 import torch
 
+from moerl.rollout.common import (  # noqa: F401 - re-exported (moerl.train.loop imports them from here)
+    is_loopback_or_wildcard, remote_server_urls, resolve_master_address, url_host)
+from moerl.rollout.common import this_machines_addresses as _this_machines_addresses  # noqa: F401
+from moerl.rollout.common import version_dirname as _version_dirname
 from moerl.rollout.errors import WeightSyncError
 
 _MANIFEST = "rollout_weight_versions.json"
@@ -113,10 +116,6 @@ def verify_weight_version(server_urls: Sequence[str], weight_version: str, *, ti
             client.close()
     if bad:
         raise WeightSyncError(f"expected weight_version {weight_version!r}: " + "; ".join(bad))
-
-
-def _version_dirname(weight_version: str) -> str:
-    return "weights_" + re.sub(r"[^A-Za-z0-9._-]", "_", weight_version)
 
 
 def write_hf_version_dir(hf_state_dict: Mapping[str, torch.Tensor], hf_config, out_root, weight_version: str,
@@ -369,109 +368,6 @@ def _not_here(host: str, e: OSError) -> str:
     return (f"the weight update group's master address {host!r} is not an address of this machine ({e}); "
             f"set rollout.weight_sync_master_address (else rollout.host is used) to an address of trainer "
             f"rank 0's node that every rollout server can reach")
-
-
-_LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback")
-
-
-def is_loopback_or_wildcard(host: str) -> bool:
-    """True for an address another machine cannot use to reach this one: ``localhost`` (and its
-    aliases), a loopback IP (127.0.0.0/8, ::1) or the wildcard (0.0.0.0, ::)."""
-    import ipaddress
-
-    h = host.strip("[]").lower()
-    if h in _LOOPBACK_NAMES:
-        return True
-    try:
-        ip = ipaddress.ip_address(h)
-    except ValueError:
-        return False
-    return ip.is_loopback or ip.is_unspecified
-
-
-def _this_machines_addresses() -> set[str]:
-    """Names and IPs of this machine: hostname, FQDN, gethostbyname(hostname) and every interface
-    address psutil reports (lower-case)."""
-    import socket
-
-    out = {socket.gethostname().lower(), socket.getfqdn().lower()}
-    try:
-        out.add(socket.gethostbyname(socket.gethostname()))
-    except OSError:
-        pass
-    try:
-        import psutil
-
-        for addrs in psutil.net_if_addrs().values():
-            for a in addrs:
-                if a.family in (socket.AF_INET, socket.AF_INET6):
-                    out.add(a.address.split("%")[0].lower())
-    except Exception:  # psutil missing or the interfaces cannot be read: names only
-        pass
-    return out
-
-
-def url_host(url: str) -> str:
-    """The host of ``url`` (``http://10.0.0.2:30000`` -> ``10.0.0.2``; IPv6 without brackets)."""
-    return (httpx.URL(url).host or "").lower()
-
-
-def remote_server_urls(server_urls: Sequence[str]) -> list[str]:
-    """The URLs among ``server_urls`` whose host is not this machine (neither loopback / wildcard
-    nor one of its names or interface addresses). Hostnames are not looked up in DNS: an unknown
-    name counts as remote."""
-    here = None
-    out = []
-    for url in server_urls:
-        h = url_host(url)
-        if is_loopback_or_wildcard(h):
-            continue
-        if here is None:
-            here = _this_machines_addresses()
-        if h not in here:
-            out.append(url)
-    return out
-
-
-def resolve_master_address(master_address: Optional[str], host: str, server_urls: Sequence[str] = (), *,
-                           other_nodes: int = 0) -> str:
-    """The address rollout servers reach trainer rank 0 at for the distributed weight sync:
-    ``rollout.weight_sync_master_address``, else ``rollout.host``, with "auto" resolved to this
-    node's address (moerl.rollout.sglang_launcher.resolve_host, as for the servers' own host).
-
-    Args:
-        master_address: rollout.weight_sync_master_address (None = use ``host``).
-        host: rollout.host.
-        server_urls: every server the trainer pushes to (own, other nodes', rollout.external_urls).
-        other_nodes: nodes other than this one known to start servers before their URLs are known
-            (the recipe check: multi-node rollout.backend=sglang); they count as remote.
-    Returns: an address (IP or name) of this machine's node.
-    Raises:
-        ValueError: some server runs on another machine (see :func:`remote_server_urls`) while the
-            address is loopback or the wildcard (127.0.0.1, localhost, 0.0.0.0): it could not reach
-            the trainer's rendezvous. Names rollout.weight_sync_master_address, rollout.host and the fix.
-    """
-    from moerl.rollout.sglang_launcher import resolve_host
-
-    given = master_address or host
-    field = ("rollout.weight_sync_master_address" if master_address
-             else "rollout.host (rollout.weight_sync_master_address unset)")
-    addr = resolve_host(given)
-    if is_loopback_or_wildcard(addr):
-        remote = remote_server_urls(server_urls)
-        if remote or other_nodes > 0:
-            shown = ", ".join(remote[:3]) + (f" (+{len(remote) - 3} more)" if len(remote) > 3 else "")
-            if other_nodes > 0:
-                shown = f"the servers of {other_nodes} other node(s)" + (f", {shown}" if shown else "")
-            via = f"{given!r} resolves to {addr!r}" if addr != given else f"{addr!r}"
-            raise ValueError(
-                f"rollout.weight_sync=distributed: the servers join the trainer's weight update group at "
-                f"{field} = {via}, a loopback / wildcard address that rollout servers on other machines "
-                f"({shown}) cannot reach; set rollout.weight_sync_master_address to an address of trainer "
-                f"rank 0's node that they can reach (its cluster IP or hostname)"
-                + (", or rollout.host=auto when this node's hostname resolves to such an address"
-                   if given != "auto" else ""))
-    return addr
 
 
 def _post_async(pool: ThreadPoolExecutor, client: httpx.Client, url: str, path: str, payload: dict):

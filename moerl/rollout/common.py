@@ -1,0 +1,163 @@
+"""Helpers shared by the rollout modules (launcher, sglang_launcher, weight_sync, the reference server).
+
+A leaf module: it imports no other ``moerl`` module, so every rollout module may import it without
+creating an import cycle (launcher -> weight_sync -> sglang_launcher -> launcher used to be one).
+Its names stay importable from their old homes: ``resolve_host`` from moerl.rollout.sglang_launcher,
+``resolve_master_address`` / ``is_loopback_or_wildcard`` / ``url_host`` / ``remote_server_urls`` /
+``_version_dirname`` from moerl.rollout.weight_sync, ``DEFAULT_WEIGHT_VERSION`` from
+moerl.rollout.server.
+
+Contents:
+  * weight versions: :data:`DEFAULT_WEIGHT_VERSION`, :func:`version_dirname`;
+  * hosts: :func:`resolve_host` ("auto" -> this node's address), :func:`is_loopback_or_wildcard`,
+    :func:`url_host`, :func:`remote_server_urls`, :func:`resolve_master_address`;
+  * JSON value checks: :func:`is_int`, :func:`is_num` (bool is not a number in SGLang's fields).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional, Sequence
+
+#: weight_version a server reports before its first update (SGLang ``ServerArgs.weight_version`` default).
+DEFAULT_WEIGHT_VERSION = "default"
+
+
+# ----------------------------------------------------------------------------- JSON values
+
+
+def is_int(v) -> bool:
+    """True for a JSON integer (a Python int that is not a bool)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_num(v) -> bool:
+    """True for a JSON number (int or float, not a bool)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# ----------------------------------------------------------------------------- weight versions
+
+
+def version_dirname(weight_version: str) -> str:
+    """Directory name of one weight version written by the disk weight sync: ``weights_<version>``
+    with every character outside ``[A-Za-z0-9._-]`` replaced by ``_`` (e.g. "3" -> "weights_3")."""
+    return "weights_" + re.sub(r"[^A-Za-z0-9._-]", "_", weight_version)
+
+
+# ----------------------------------------------------------------------------- hosts
+
+
+def resolve_host(host: str) -> str:
+    """``host`` unchanged, or for "auto" this node's address (socket.gethostbyname(gethostname())),
+    which multi-node rollouts need so that the router on node 0 reaches every node's servers.
+
+    Raises:
+        OSError (socket.gaierror): "auto" and this machine's hostname does not resolve.
+    """
+    import socket
+
+    return socket.gethostbyname(socket.gethostname()) if host == "auto" else host
+
+
+_LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback")
+
+
+def is_loopback_or_wildcard(host: str) -> bool:
+    """True for an address another machine cannot use to reach this one: ``localhost`` (and its
+    aliases), a loopback IP (127.0.0.0/8, ::1) or the wildcard (0.0.0.0, ::)."""
+    import ipaddress
+
+    h = host.strip("[]").lower()
+    if h in _LOOPBACK_NAMES:
+        return True
+    try:
+        ip = ipaddress.ip_address(h)
+    except ValueError:
+        return False
+    return ip.is_loopback or ip.is_unspecified
+
+
+def this_machines_addresses() -> set[str]:
+    """Names and IPs of this machine: hostname, FQDN, gethostbyname(hostname) and every interface
+    address psutil reports (lower-case)."""
+    import socket
+
+    out = {socket.gethostname().lower(), socket.getfqdn().lower()}
+    try:
+        out.add(socket.gethostbyname(socket.gethostname()))
+    except OSError:
+        pass
+    try:
+        import psutil
+
+        for addrs in psutil.net_if_addrs().values():
+            for a in addrs:
+                if a.family in (socket.AF_INET, socket.AF_INET6):
+                    out.add(a.address.split("%")[0].lower())
+    except Exception:  # psutil missing or the interfaces cannot be read: names only
+        pass
+    return out
+
+
+def url_host(url: str) -> str:
+    """The host of ``url`` (``http://10.0.0.2:30000`` -> ``10.0.0.2``; IPv6 without brackets)."""
+    import httpx
+
+    return (httpx.URL(url).host or "").lower()
+
+
+def remote_server_urls(server_urls: Sequence[str]) -> list[str]:
+    """The URLs among ``server_urls`` whose host is not this machine (neither loopback / wildcard
+    nor one of its names or interface addresses). Hostnames are not looked up in DNS: an unknown
+    name counts as remote."""
+    here = None
+    out = []
+    for url in server_urls:
+        h = url_host(url)
+        if is_loopback_or_wildcard(h):
+            continue
+        if here is None:
+            here = this_machines_addresses()
+        if h not in here:
+            out.append(url)
+    return out
+
+
+def resolve_master_address(master_address: Optional[str], host: str, server_urls: Sequence[str] = (), *,
+                           other_nodes: int = 0) -> str:
+    """The address rollout servers reach trainer rank 0 at for the distributed weight sync:
+    ``rollout.weight_sync_master_address``, else ``rollout.host``, with "auto" resolved to this
+    node's address (:func:`resolve_host`, as for the servers' own host).
+
+    Args:
+        master_address: rollout.weight_sync_master_address (None = use ``host``).
+        host: rollout.host.
+        server_urls: every server the trainer pushes to (own, other nodes', rollout.external_urls).
+        other_nodes: nodes other than this one known to start servers before their URLs are known
+            (the recipe check: multi-node rollout.backend=sglang); they count as remote.
+    Returns: an address (IP or name) of this machine's node.
+    Raises:
+        ValueError: some server runs on another machine (see :func:`remote_server_urls`) while the
+            address is loopback or the wildcard (127.0.0.1, localhost, 0.0.0.0): it could not reach
+            the trainer's rendezvous. Names rollout.weight_sync_master_address, rollout.host and the fix.
+    """
+    given = master_address or host
+    field = ("rollout.weight_sync_master_address" if master_address
+             else "rollout.host (rollout.weight_sync_master_address unset)")
+    addr = resolve_host(given)
+    if is_loopback_or_wildcard(addr):
+        remote = remote_server_urls(server_urls)
+        if remote or other_nodes > 0:
+            shown = ", ".join(remote[:3]) + (f" (+{len(remote) - 3} more)" if len(remote) > 3 else "")
+            if other_nodes > 0:
+                shown = f"the servers of {other_nodes} other node(s)" + (f", {shown}" if shown else "")
+            via = f"{given!r} resolves to {addr!r}" if addr != given else f"{addr!r}"
+            raise ValueError(
+                f"rollout.weight_sync=distributed: the servers join the trainer's weight update group at "
+                f"{field} = {via}, a loopback / wildcard address that rollout servers on other machines "
+                f"({shown}) cannot reach; set rollout.weight_sync_master_address to an address of trainer "
+                f"rank 0's node that they can reach (its cluster IP or hostname)"
+                + (", or rollout.host=auto when this node's hostname resolves to such an address"
+                   if given != "auto" else ""))
+    return addr
