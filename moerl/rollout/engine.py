@@ -1,0 +1,728 @@
+"""Generation engine of the CPU reference rollout server: SGLang /generate semantics on transformers.
+
+Split out of moerl.rollout.server (the HTTP layer, which re-exports every name here): request
+normalisation (:meth:`ReferenceEngine._normalize`, :func:`parse_sampling_params`), scheduling (one
+FIFO queue, one scheduler thread), the decode loop (``model.generate`` with a KV cache) and sampling
+(:class:`_RowSampler`). The weight-update handlers are inherited from
+moerl.rollout.engine_weights.WeightUpdater.
+
+/generate request: ``input_ids`` (list[int] or list[list[int]]) or ``text`` (str or list[str]);
+``sampling_params`` (dict, or list of dicts, one per prompt) with temperature, top_p, top_k (-1 = off),
+min_p, max_new_tokens, stop_token_ids, sampling_seed, ignore_eos, n, skip_special_tokens, no_stop_trim;
+``return_logprob``, ``return_text_in_logprobs``, ``rid``, ``return_routed_experts`` (bool or one per
+prompt; meta_info.routed_experts = base64 int32 [prompt_tokens + completion_tokens - 1, num_hidden_layers,
+num_experts_per_tok], SGLang's format, see moerl.moe.routing_replay; always enabled here, real SGLang
+needs --enable-return-routed-experts). Other SGLang fields are accepted only at their
+no-op value (an error names the field otherwise). Batched input returns a list of results, in order
+(with ``n`` > 1 the batch is repeated n times, as SGLang does).
+
+Response item: {text, output_ids, meta_info: {id, finish_reason, prompt_tokens, completion_tokens,
+cached_tokens, weight_version, e2e_latency, output_token_logprobs?}}; finish_reason is
+{"type": "stop", "matched": token_id} | {"type": "length", "length": max_new_tokens} |
+{"type": "abort", "message": str}.
+
+Semantics the trainer relies on:
+  * Log-probs: output_token_logprobs[t] = [log_softmax(logits_t / temperature)[y_t], y_t, None]
+    where logits_t are the model's raw fp32 logits; plain log_softmax(logits_t) when greedy
+    (temperature < 1e-6). They are taken BEFORE top-k / top-p / min-p filtering, so a trainer that
+    divides its logits by the same temperature reproduces them exactly (up to fp rounding).
+  * output_ids include the stop token when the response stopped on one (stop_token_ids, the
+    tokenizer's eos and the model config's eos_token_id unless ignore_eos); tokens after it are cut.
+    max_new_tokens is clipped so that prompt + response fits max_position_embeddings.
+  * Sampling: each item draws its uniforms from its own torch.Generator seeded by its sampling_seed
+    (or a fresh random seed), inverse-CDF over the (filtered) distribution at that temperature. An
+    item's tokens therefore depend only on (its prompt, its sampling params, the weights): not on the
+    server instance, on earlier requests, or on its batch mates (batches share one prompt length, so
+    there is no padding; a request's own list of differently long prompts is split into batches
+    by length the same way). Items with the SAME sampling_seed and prompt produce the SAME response
+    (as in SGLang), so give each of the n_samples_per_prompt samples its own seed.
+  * Batching: all items (prompts) of all in-flight requests are queued; a scheduler thread runs the
+    oldest item together with every queued item of the same prompt length (up to
+    --max-batch-size rows) as one ``model.generate`` call (KV cache) under a lock around the model.
+    So one request per sample (what sglang-router can carry: it accepts ONE sampling_params dict
+    and a string rid per request) still runs in large batches, and equal lengths mean no padding.
+  * weight_version: a string, "default" at start, set by successful update calls, returned in every
+    /generate meta_info (the version whose weights produced the whole response).
+  * abort: ``rid`` matches an item id or the ``rid`` a batched request was sent with; aborted
+    running items return finish_reason abort with the tokens generated so far (and their log-probs).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import secrets
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+import torch
+
+from moerl.rollout.common import is_int as _is_int
+from moerl.rollout.common import is_num as _is_num
+from moerl.rollout.engine_weights import WeightUpdater
+
+logger = logging.getLogger("moerl.rollout.engine")
+
+_GREEDY_EPS = 1e-6  # SGLang: 0 <= temperature < 1e-6 means greedy
+
+# SGLang sampling_params keys this server implements, with SGLang's defaults.
+_SAMPLING_DEFAULTS: dict[str, Any] = {
+    "max_new_tokens": 128,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "stop_token_ids": None,
+    "sampling_seed": None,
+    "ignore_eos": False,
+    "n": 1,
+    "skip_special_tokens": True,
+    "no_stop_trim": False,
+    "spaces_between_special_tokens": True,
+    "stream_interval": None,
+}
+# SGLang sampling_params keys accepted only at their no-op value (value -> predicate "is no-op").
+_SAMPLING_NOOP: dict[str, Any] = {
+    "stop": lambda v: v in (None, "", []),
+    "stop_regex": lambda v: v in (None, "", []),
+    "frequency_penalty": lambda v: v in (None, 0, 0.0),
+    "presence_penalty": lambda v: v in (None, 0, 0.0),
+    "repetition_penalty": lambda v: v in (None, 1, 1.0),
+    "min_new_tokens": lambda v: v in (None, 0),
+    "json_schema": lambda v: v is None,
+    "regex": lambda v: v is None,
+    "ebnf": lambda v: v is None,
+    "structural_tag": lambda v: v is None,
+    "logit_bias": lambda v: not v,
+    "custom_params": lambda v: not v,
+}
+# Top-level GenerateReqInput keys accepted only at their no-op value.
+_REQUEST_NOOP: dict[str, Any] = {
+    "stream": lambda v: not v,
+    "logprob_start_len": lambda v: v in (None, -1),
+    "top_logprobs_num": lambda v: v in (None, 0),
+    "token_ids_logprob": lambda v: not v,
+    "return_hidden_states": lambda v: not v,
+    "input_embeds": lambda v: v is None,
+    "image_data": lambda v: not v,
+    "video_data": lambda v: not v,
+    "audio_data": lambda v: not v,
+    "lora_path": lambda v: not v,
+    "custom_logit_processor": lambda v: not v,
+    "session_params": lambda v: not v,
+}
+_REQUEST_IGNORED = {"log_metrics", "routed_dp_rank", "data_parallel_rank", "priority", "extra_key",
+                    "custom_labels", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+                    "return_entropy", "no_logs", "received_time", "routing_key", "conversation_id",
+                    "background", "return_bytes", "model"}  # the last three are added by sglang-router
+_REQUEST_KEYS = {"text", "input_ids", "sampling_params", "return_logprob", "return_text_in_logprobs",
+                 "rid", "return_routed_experts"}
+
+
+# ----------------------------------------------------------------------------- request parsing
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Validated sampling parameters of one item (SGLang semantics).
+
+    top_k = 0 and top_p = 1 and min_p = 0 mean no filtering; greedy = temperature < 1e-6.
+    stop_ids: token ids that end the response (stop_token_ids plus eos unless ignore_eos).
+    """
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    stop_ids: tuple[int, ...]
+    seed: Optional[int]
+    skip_special_tokens: bool
+    greedy: bool
+
+    @property
+    def filtered(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+def parse_sampling_params(sp: Optional[dict], *, vocab_size: int, eos_ids: Iterable[int],
+                          where: str = "sampling_params") -> SamplingSpec:
+    """Validate one SGLang ``sampling_params`` dict and return a :class:`SamplingSpec`.
+
+    Raises:
+        ValueError: an unknown key, a key this server implements only at its no-op value, or a value
+            out of range; the message names ``where.key`` and the accepted values.
+    """
+    sp = dict(sp or {})
+    for key, value in sp.items():
+        if key in _SAMPLING_DEFAULTS:
+            continue
+        if key in _SAMPLING_NOOP:
+            if not _SAMPLING_NOOP[key](value):
+                raise ValueError(f"{where}.{key}={value!r} is not supported by the moerl reference "
+                                 f"server; leave it unset (supported: {sorted(_SAMPLING_DEFAULTS)})")
+            continue
+        raise ValueError(f"{where}.{key} is not a sampling parameter this server knows; "
+                         f"supported: {sorted(_SAMPLING_DEFAULTS)}")
+    get = lambda k: _SAMPLING_DEFAULTS[k] if sp.get(k) is None else sp[k]  # noqa: E731
+
+    temperature = get("temperature")
+    if not _is_num(temperature) or not (temperature >= 0.0) or temperature == float("inf"):
+        raise ValueError(f"{where}.temperature must be a finite number >= 0, got {temperature!r}")
+    top_p = get("top_p")
+    if not _is_num(top_p) or not (0.0 < top_p <= 1.0):
+        raise ValueError(f"{where}.top_p must be in (0, 1], got {top_p!r}")
+    top_k = get("top_k")
+    if not _is_int(top_k) or (top_k < 1 and top_k != -1):
+        raise ValueError(f"{where}.top_k must be -1 (off) or an integer >= 1, got {top_k!r}")
+    min_p = get("min_p")
+    if not _is_num(min_p) or not (0.0 <= min_p <= 1.0):
+        raise ValueError(f"{where}.min_p must be in [0, 1], got {min_p!r}")
+    max_new = sp.get("max_new_tokens", _SAMPLING_DEFAULTS["max_new_tokens"])
+    if max_new is not None and (not _is_int(max_new) or max_new < 0):
+        raise ValueError(f"{where}.max_new_tokens must be an integer >= 0 (or null = up to the "
+                         f"context length), got {max_new!r}")
+    stop_token_ids = sp.get("stop_token_ids") or []
+    if not isinstance(stop_token_ids, (list, tuple)) or not all(_is_int(t) for t in stop_token_ids):
+        raise ValueError(f"{where}.stop_token_ids must be a list of token ids, got {stop_token_ids!r}")
+    for t in stop_token_ids:
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"{where}.stop_token_ids contains {t}, outside the vocabulary [0, {vocab_size})")
+    seed = sp.get("sampling_seed")
+    if seed is not None and not _is_int(seed):
+        raise ValueError(f"{where}.sampling_seed must be an integer or null, got {seed!r}")
+    ignore_eos = bool(get("ignore_eos"))
+    stop_ids = set(int(t) for t in stop_token_ids)
+    if not ignore_eos:
+        stop_ids.update(int(t) for t in eos_ids)
+    return SamplingSpec(
+        max_new_tokens=-1 if max_new is None else int(max_new),
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=0 if top_k == -1 or top_k >= vocab_size else int(top_k),
+        min_p=float(min_p),
+        stop_ids=tuple(sorted(stop_ids)),
+        seed=None if seed is None else int(seed),
+        skip_special_tokens=bool(get("skip_special_tokens")),
+        greedy=float(temperature) < _GREEDY_EPS,
+    )
+
+
+# ----------------------------------------------------------------------------- sampling inside generate
+
+
+class _RowSampler:
+    """transformers LogitsProcessor that samples every row itself and records its token and log-prob.
+
+    Called by ``model.generate`` (greedy mode) with the raw fp32 logits ``scores`` [B, V] of each
+    step; returns scores that are 0 at the chosen token and -inf elsewhere, so generate's argmax
+    picks exactly that token. Row i uses temperature T_i, filters top-k / top-p / min-p (SGLang
+    definitions) on softmax(logits / T_i), and inverts the CDF at uniform u[i, t] drawn in advance
+    from torch.Generator(seed_i). Rows without filtering use the CDF in vocabulary order, rows with
+    filtering the CDF in descending-probability order; the choice depends on the row only.
+    Recorded: tokens [B, max_new] int64, logprobs [B, max_new] fp32 = log_softmax(logits / T_i)
+    (T_i = 1 when greedy) at the chosen token, before filtering.
+    """
+
+    def __init__(self, specs: list[SamplingSpec], seeds: list[int], prompt_len: int, max_new: int):
+        B = len(specs)
+        self.prompt_len = prompt_len
+        self.steps = 0
+        self.tokens = torch.zeros(B, max_new, dtype=torch.long)
+        self.logprobs = torch.zeros(B, max_new, dtype=torch.float32)
+        self.greedy = torch.tensor([s.greedy for s in specs], dtype=torch.bool)
+        self.temps = torch.tensor([1.0 if s.greedy else s.temperature for s in specs],
+                                  dtype=torch.float32)
+        self.top_k = torch.tensor([s.top_k for s in specs], dtype=torch.long)
+        self.top_p = torch.tensor([s.top_p for s in specs], dtype=torch.float32)
+        self.min_p = torch.tensor([s.min_p for s in specs], dtype=torch.float32)
+        self.sorted_rows = torch.tensor([(not s.greedy) and s.filtered for s in specs])
+        self.plain_rows = torch.tensor([(not s.greedy) and not s.filtered for s in specs])
+        self.u = torch.zeros(B, max_new, dtype=torch.float64)
+        for i, s in enumerate(specs):
+            if not s.greedy:
+                g = torch.Generator().manual_seed(seeds[i])
+                self.u[i] = torch.rand(max_new, generator=g, dtype=torch.float64)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        t = input_ids.shape[1] - self.prompt_len
+        logits = scores.float()
+        scaled = logits / self.temps[:, None]
+        logp = torch.log_softmax(scaled, dim=-1)
+        tokens = torch.argmax(logits, dim=-1)
+        if bool(self.plain_rows.any()):
+            rows = self.plain_rows.nonzero().squeeze(1)
+            cdf = torch.softmax(scaled[rows], dim=-1).double().cumsum(-1)
+            tokens[rows] = self._invert(cdf, self.u[rows, t])
+        if bool(self.sorted_rows.any()):
+            rows = self.sorted_rows.nonzero().squeeze(1)
+            probs = torch.softmax(scaled[rows], dim=-1)
+            sp, idx = probs.sort(dim=-1, descending=True)
+            V = sp.shape[1]
+            rank = torch.arange(V)[None, :]
+            k = torch.where(self.top_k[rows] > 0, self.top_k[rows], V)
+            keep = rank < k[:, None]
+            keep &= (sp.cumsum(-1) - sp) <= self.top_p[rows, None]  # SGLang top-p rule
+            keep &= sp >= self.min_p[rows, None] * sp[:, :1]
+            keep[:, 0] = True  # kept entries form a prefix of the sorted order
+            cdf = (sp * keep).double().cumsum(-1)
+            pos = self._invert(cdf, self.u[rows, t])
+            pos = torch.minimum(pos, keep.sum(-1) - 1)
+            tokens[rows] = idx.gather(1, pos[:, None]).squeeze(1)
+        self.tokens[:, t] = tokens
+        self.logprobs[:, t] = logp.gather(1, tokens[:, None]).squeeze(1)
+        self.steps = t + 1
+        out = torch.full_like(scores, float("-inf"))
+        out.scatter_(1, tokens[:, None], 0.0)
+        return out
+
+    @staticmethod
+    def _invert(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        r = (u * cdf[:, -1]).unsqueeze(1)
+        pos = torch.searchsorted(cdf, r, right=True).squeeze(1)
+        return pos.clamp(max=cdf.shape[1] - 1)
+
+
+class _RowStop:
+    """transformers StoppingCriteria: row i is done after one of its stop tokens, at its
+    max_new_tokens, or when its item was aborted. Returns a BoolTensor [B]."""
+
+    def __init__(self, sampler: _RowSampler, items: list["_Item"]):
+        self.sampler = sampler
+        self.items = items
+        S = max(1, max(len(it.spec.stop_ids) for it in items))
+        self.stop_ids = torch.full((len(items), S), -1, dtype=torch.long)
+        for i, it in enumerate(items):
+            if it.spec.stop_ids:
+                self.stop_ids[i, : len(it.spec.stop_ids)] = torch.tensor(it.spec.stop_ids)
+        self.max_new_rows = torch.tensor([it.max_new for it in items], dtype=torch.long)
+        self.abort_step: list[Optional[int]] = [None] * len(items)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        t = self.sampler.steps - 1
+        last = self.sampler.tokens[:, t]
+        done = (last[:, None] == self.stop_ids).any(1) | (t + 1 >= self.max_new_rows)
+        for i, it in enumerate(self.items):
+            if it.aborted and self.abort_step[i] is None:
+                self.abort_step[i] = t + 1
+        if any(a is not None for a in self.abort_step):
+            done |= torch.tensor([a is not None for a in self.abort_step])
+        return done
+
+
+@dataclass(eq=False)
+class _Item:
+    """One prompt of a /generate request, as scheduled (a row of some generate batch)."""
+
+    prompt: list[int]
+    spec: SamplingSpec
+    max_new: int  # max_new_tokens clipped to the context
+    rid: str
+    base_rid: Optional[str]  # the rid the request was sent with (abort matches it too)
+    request: "_Request"
+    aborted: bool = False
+    result: Optional[tuple] = None  # (tokens, logprobs, finish_reason, weight_version)
+    return_routed_experts: bool = False
+    routed_experts: Optional[Any] = None  # int32 [prompt + completion - 1, num_layers, topk] once run
+
+
+class _Request:
+    """A submitted /generate request: its items and a future resolved when all of them are done."""
+
+    def __init__(self, single: bool, return_lp: list[bool], text_in_lp: bool):
+        self.single = single
+        self.return_lp = return_lp
+        self.text_in_lp = text_in_lp
+        self.items: list[_Item] = []
+        self.t0 = time.time()
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self._left = 0
+        self._lock = threading.Lock()
+
+    def item_done(self, error: Optional[BaseException] = None) -> None:
+        with self._lock:
+            self._left -= 1
+            if self.future.done():
+                return
+            if error is not None:
+                self.future.set_exception(RuntimeError(f"generation failed: {error!r}"))
+            elif self._left == 0:
+                self.future.set_result(None)
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+class ReferenceEngine(WeightUpdater):
+    """One transformers causal LM behind SGLang's request semantics (no HTTP here).
+
+    Args:
+        model_path: HF directory (config.json, *.safetensors, tokenizer files unless tokenizer_path).
+        tokenizer_path: tokenizer directory; defaults to model_path.
+        max_batch_size: most rows (items) in one generate batch.
+        batch_wait_s, max_batch_wait_s: before forming a batch, wait until no request arrived for
+            batch_wait_s seconds (at most max_batch_wait_s), so that a burst of concurrent requests
+            lands in one batch.
+    The model is loaded in fp32, eval mode, without gradients, on CPU.
+
+    Scheduling: every prompt of every /generate request becomes an item in one FIFO queue. A
+    scheduler thread repeatedly takes the oldest item and all queued items whose prompt has the
+    same length (up to max_batch_size) and runs them as one ``model.generate`` batch under the model
+    lock; weight updates take the same lock between batches. Equal prompt lengths mean no padding,
+    so a row's numerics (and hence its tokens, given its seed) do not depend on its batch mates.
+    """
+
+    def __init__(self, model_path: str, tokenizer_path: Optional[str] = None, max_batch_size: int = 256,
+                 batch_wait_s: float = 0.01, max_batch_wait_s: float = 0.2):
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+        self.model_path = model_path
+        self.tokenizer_path = tokenizer_path or model_path
+        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        model.eval().requires_grad_(False)
+        eos: set[int] = set()
+        for src in (self.tokenizer.eos_token_id, model.config.eos_token_id,
+                    getattr(model.generation_config, "eos_token_id", None)):
+            if src is None:
+                continue
+            eos.update([src] if isinstance(src, int) else list(src))
+        self.eos_ids = tuple(sorted(eos))
+        # Hub generation defaults (top_k=50, ...) must not leak into generate(): sampling is ours.
+        model.generation_config = GenerationConfig()
+        self.model = model
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0))
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.max_batch_size = max_batch_size
+        self.batch_wait_s = batch_wait_s
+        self.max_batch_wait_s = max_batch_wait_s
+        self._model_lock = threading.Lock()
+        self._init_weight_state()  # mapper, weight_version, update groups (engine_weights.WeightUpdater)
+        self._cv = threading.Condition()
+        self._pending: list[_Item] = []
+        self._running: list[_Item] = []
+        self._closed = False
+        self._sysrand = secrets.SystemRandom()
+        self._warned_fields: set[str] = set()
+        self._scheduler = threading.Thread(target=self._schedule_loop, name="moerl-batcher", daemon=True)
+        self._scheduler.start()
+
+    # ------------------------------------------------------------------ generate
+
+    def _normalize(self, body: dict):
+        if not isinstance(body, dict):
+            raise ValueError("the /generate body must be a JSON object")
+        for key, value in body.items():
+            if key in _REQUEST_KEYS or key in _REQUEST_IGNORED:
+                continue
+            if key in _REQUEST_NOOP:
+                if not _REQUEST_NOOP[key](value):
+                    raise ValueError(f"{key}={value!r} is not supported by the moerl reference server; "
+                                     f"leave it unset")
+                continue
+            # SGLang ignores fields it does not know (sglang-router adds e.g. "model"); so do we.
+            if key not in self._warned_fields:
+                self._warned_fields.add(key)
+                logger.warning("ignoring /generate field %r (not used by the reference server)", key)
+        text, input_ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (input_ids is None):
+            raise ValueError("give exactly one of 'input_ids' (list[int] or list[list[int]]) or 'text'")
+        if input_ids is not None:
+            if not isinstance(input_ids, list) or not input_ids:
+                raise ValueError("input_ids must be a non-empty list[int] or list[list[int]]")
+            single = not isinstance(input_ids[0], list)
+            prompts = [input_ids] if single else input_ids
+            for i, p in enumerate(prompts):
+                if not isinstance(p, list) or not p or not all(_is_int(t) for t in p):
+                    raise ValueError(f"input_ids[{i}] must be a non-empty list of token ids")
+                bad = [t for t in p if not 0 <= t < self.vocab_size]
+                if bad:
+                    raise ValueError(f"input_ids[{i}] has token ids {bad[:5]} outside the "
+                                     f"vocabulary [0, {self.vocab_size})")
+        else:
+            single = isinstance(text, str)
+            texts = [text] if single else text
+            if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+                raise ValueError("text must be a string or a list of strings")
+            prompts = [self.tokenizer.encode(t) for t in texts]
+            for i, p in enumerate(prompts):
+                if not p:
+                    raise ValueError(f"text[{i}] tokenizes to no tokens")
+        bs = len(prompts)
+        sp = body.get("sampling_params")
+        if sp is None or isinstance(sp, dict):
+            sps = [sp or {}] * bs
+        elif isinstance(sp, list) and all(isinstance(s, dict) for s in sp):
+            if len(sp) != bs:
+                raise ValueError(f"sampling_params is a list of {len(sp)} dicts but the batch has {bs} "
+                                 f"prompts; give one dict, or one per prompt")
+            sps = sp
+        else:
+            raise ValueError("sampling_params must be a dict or a list of dicts")
+        ns = [s.get("n", 1) or 1 for s in sps]
+        if not all(_is_int(n) and n >= 1 for n in ns) or len(set(ns)) != 1:
+            raise ValueError(f"sampling_params.n must be the same integer >= 1 for all items, got {ns[:8]}")
+        n = ns[0]
+        rid = body.get("rid")
+        total = bs * n
+        if rid is None:
+            rids = [uuid.uuid4().hex for _ in range(bs)]
+        elif isinstance(rid, str):  # SGLang: a batch's string rid becomes f"{rid}_{i}" per item
+            rids = [rid] if (single and n == 1) else [f"{rid}_{i}" for i in range(total)]
+        elif isinstance(rid, list) and all(isinstance(r, str) for r in rid) and len(rid) == bs:
+            if len(set(rid)) != len(rid):
+                raise ValueError(f"rid has duplicates: {sorted(r for r in set(rid) if rid.count(r) > 1)}")
+            rids = list(rid)
+        else:
+            raise ValueError(f"rid must be a string or a list of {bs} strings")
+        rl = body.get("return_logprob")
+        rls = rl if isinstance(rl, list) else [bool(rl)] * bs
+        if len(rls) != bs:
+            raise ValueError(f"return_logprob is a list of {len(rls)} but the batch has {bs} prompts")
+        if n > 1:  # SGLang parallel sampling: the whole batch repeated n times
+            single = False
+            prompts, sps, rls = prompts * n, sps * n, rls * n
+            if len(rids) == bs:
+                rids = [f"{r}_{k}" for k in range(n) for r in rids]
+        specs = [parse_sampling_params(s, vocab_size=self.vocab_size, eos_ids=self.eos_ids,
+                                       where="sampling_params" if isinstance(sp, dict) or sp is None
+                                       else f"sampling_params[{i % bs}]")
+                 for i, s in enumerate(sps)]
+        return single, prompts, specs, rids, [bool(x) for x in rls]
+
+    def submit(self, body: dict) -> _Request:
+        """Validate a /generate body and queue its items; returns at once (see :meth:`response`).
+
+        Raises:
+            ValueError: malformed request (the message names the field).
+            RuntimeError: the engine is closed.
+        """
+        single, prompts, specs, rids, return_lp = self._normalize(body)
+        base_rid = body.get("rid") if isinstance(body.get("rid"), str) else None
+        req = _Request(single, return_lp, bool(body.get("return_text_in_logprobs", False)))
+        req.items = [_Item(p, s, self._clip_max_new(p, s, i), r, base_rid, req)
+                     for i, (p, s, r) in enumerate(zip(prompts, specs, rids))]
+        for it, flag in zip(req.items, self._routed_flags(body, len(req.items))):
+            it.return_routed_experts = flag
+        req._left = len(req.items)
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            self._pending.extend(req.items)
+            self._cv.notify_all()
+        return req
+
+    def _routed_flags(self, body: dict, total: int) -> list[bool]:
+        """Per-item ``return_routed_experts`` (a bool, or one per prompt like return_logprob; with
+        ``n`` > 1 the list repeats with the batch). Builds the router hooks on first use.
+
+        Raises:
+            ValueError: a list of the wrong length, or routing asked of a model without MoE routers.
+        """
+        flag = body.get("return_routed_experts")
+        if isinstance(flag, list):
+            if not flag or total % len(flag) or not all(isinstance(f, bool) for f in flag):
+                raise ValueError(f"return_routed_experts must be a bool or a list of one bool per prompt, "
+                                 f"got {flag!r} for {total} items")
+            flags = list(flag) * (total // len(flag))
+        else:
+            flags = [bool(flag)] * total
+        if any(flags):
+            self._routing_recorder()
+        return flags
+
+    def _routing_recorder(self):
+        """The HFRoutingRecorder hooked on the current model (re-made if the model object changed)."""
+        from moerl.moe.routing_replay import HFRoutingRecorder
+
+        rec = getattr(self, "_routing", None)
+        if rec is None or rec.model is not self.model:
+            if rec is not None:
+                rec.remove()
+            rec = self._routing = HFRoutingRecorder(self.model)
+        return rec
+
+    def response(self, req: _Request):
+        """The SGLang-shaped result of a finished request: a dict, or a list for batched input."""
+        req.future.result()
+        latency = time.time() - req.t0
+        results = []
+        for i, it in enumerate(req.items):
+            tokens, lps, finish, version = it.result
+            meta = {
+                "id": it.rid,
+                "finish_reason": finish,
+                "prompt_tokens": len(it.prompt),
+                "completion_tokens": len(tokens),
+                "cached_tokens": 0,
+                "weight_version": version,
+                "e2e_latency": latency,
+            }
+            if it.return_routed_experts:
+                from moerl.moe.routing_replay import encode_routed_experts
+
+                routed = it.routed_experts
+                if routed is None:  # never run (aborted in the queue / max_new_tokens 0): no positions
+                    cfg = self.model.config
+                    routed = torch.zeros((0, cfg.num_hidden_layers, cfg.num_experts_per_tok), dtype=torch.int32)
+                meta["routed_experts"] = encode_routed_experts(routed)
+            if req.return_lp[i]:
+                meta["output_token_logprobs"] = [
+                    [lp, tok, self.tokenizer.decode([tok]) if req.text_in_lp else None]
+                    for lp, tok in zip(lps, tokens)
+                ]
+            text = self.tokenizer.decode(tokens, skip_special_tokens=it.spec.skip_special_tokens)
+            results.append({"text": text, "output_ids": tokens, "meta_info": meta})
+        return results[0] if req.single else results
+
+    def generate(self, body: dict):
+        """Serve one /generate body (SGLang GenerateReqInput shape); blocks until it is done.
+
+        Returns a result dict for a single prompt, a list of them for a batch (order preserved).
+        Raises:
+            ValueError: malformed request (the message names the field).
+            RuntimeError: the engine is closed or generation failed.
+        """
+        return self.response(self.submit(body))
+
+    def _clip_max_new(self, prompt: list[int], spec: SamplingSpec, i: int) -> int:
+        room = (self.max_positions - len(prompt)) if self.max_positions else None
+        if room is not None and room <= 0:
+            raise ValueError(f"input_ids[{i}] has {len(prompt)} tokens but the model's context is "
+                             f"{self.max_positions} tokens (max_position_embeddings)")
+        m = spec.max_new_tokens
+        if m < 0:
+            return room if room is not None else 2048
+        return min(m, room) if room is not None else m
+
+    def _schedule_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._pending and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                # Let a burst of concurrent requests arrive before forming the batch: wait until
+                # no item arrived for batch_wait_s (at most max_batch_wait_s, or a full batch).
+                t_first = time.monotonic()
+                while len(self._pending) < self.max_batch_size:
+                    n = len(self._pending)
+                    self._cv.wait(self.batch_wait_s)
+                    if len(self._pending) == n or time.monotonic() - t_first > self.max_batch_wait_s:
+                        break
+                length = len(self._pending[0].prompt)
+                batch = [it for it in self._pending if len(it.prompt) == length][: self.max_batch_size]
+                taken = set(map(id, batch))
+                self._pending = [it for it in self._pending if id(it) not in taken]
+                self._running = batch
+            error: Optional[BaseException] = None
+            try:
+                t_batch = time.monotonic()
+                with self._model_lock:
+                    version = self.weight_version
+                    rows = self._generate_rows(batch)
+                logger.debug("batch of %d rows (prompt length %d, %d queued) in %.1f ms", len(batch), length,
+                             len(self._pending), 1000 * (time.monotonic() - t_batch))
+                for it, row in zip(batch, rows):
+                    it.result = row + (version,)
+            except BaseException as e:  # report to the waiting requests, keep serving
+                logger.exception("generate batch failed")
+                error = e
+            finally:
+                with self._cv:
+                    self._running = []
+                for it in batch:
+                    it.request.item_done(error)
+
+    def close(self) -> None:
+        """Stop the scheduler thread (queued requests fail with RuntimeError)."""
+        with self._cv:
+            self._closed = True
+            pending, self._pending = self._pending, []
+            self._cv.notify_all()
+        for it in pending:
+            it.request.item_done(RuntimeError("the engine was closed"))
+
+    def _generate_rows(self, items: list[_Item]) -> list[tuple]:
+        """Run one generate batch; returns (tokens, logprobs, finish_reason) per item."""
+        live = [it for it in items if not it.aborted and it.max_new > 0]
+        rows: dict[int, tuple] = {}
+        for it in items:
+            if it.aborted:
+                rows[id(it)] = ([], [], {"type": "abort", "message": "Abort in waiting queue"})
+            elif it.max_new == 0:
+                rows[id(it)] = ([], [], {"type": "length", "length": 0})
+        if live:
+            for it, row in zip(live, self._run_generate(live)):
+                rows[id(it)] = row
+        return [rows[id(it)] for it in items]
+
+    def _run_generate(self, items: list[_Item]) -> list[tuple]:
+        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+
+        B = len(items)
+        L = max(len(it.prompt) for it in items)
+        max_new = max(it.max_new for it in items)
+        specs = [it.spec for it in items]
+        seeds = [s.seed if s.seed is not None else self._sysrand.getrandbits(63) for s in specs]
+        input_ids = torch.full((B, L), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((B, L), dtype=torch.long)
+        for i, it in enumerate(items):
+            n = len(it.prompt)
+            input_ids[i, L - n:] = torch.tensor(it.prompt, dtype=torch.long)
+            attention_mask[i, L - n:] = 1
+        sampler = _RowSampler(specs, seeds, prompt_len=L, max_new=max_new)
+        stopper = _RowStop(sampler, items)
+        gen_cfg = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new,
+                                   pad_token_id=self.pad_id, use_cache=True)
+        # return_routed_experts: forward hooks on the MoE gates record every call's top-k ids
+        recorder = self._routing_recorder() if any(it.return_routed_experts for it in items) else None
+        record = recorder.recording() if recorder is not None else contextlib.nullcontext()
+        with torch.inference_mode(), record:
+            self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                generation_config=gen_cfg,
+                                logits_processor=LogitsProcessorList([sampler]),
+                                stopping_criteria=StoppingCriteriaList([stopper]))
+        routes = recorder.collect(B) if recorder is not None else None  # [B, L + decode calls, layers, k]
+        rows = []
+        for i, it in enumerate(items):
+            stop = set(it.spec.stop_ids)
+            limit = min(it.max_new, sampler.steps)
+            aborted = stopper.abort_step[i] is not None
+            if aborted:
+                limit = min(limit, stopper.abort_step[i])
+            toks = sampler.tokens[i, :limit].tolist()
+            lps = sampler.logprobs[i, :limit].tolist()
+            cut = next((j + 1 for j, t in enumerate(toks) if t in stop), None)
+            if cut is not None:
+                rows.append((toks[:cut], lps[:cut], {"type": "stop", "matched": toks[cut - 1]}))
+            elif aborted:
+                rows.append((toks, lps, {"type": "abort", "message": "Abort request"}))
+            else:
+                rows.append((toks, lps, {"type": "length", "length": it.max_new}))
+            if routes is not None and it.return_routed_experts:
+                # SGLang: prompt + completion - 1 positions (the last token is never fed back)
+                n = len(it.prompt)
+                it.routed_experts = routes[i, L - n: L + len(rows[-1][0]) - 1].clone()
+        return rows
+
+    def abort(self, rid: Optional[str] = None, abort_all: bool = False) -> None:
+        """Abort queued or running items: ``rid`` is an item id or the rid a request was sent with."""
+        with self._cv:
+            for it in self._pending + self._running:
+                if abort_all or (rid is not None and rid in (it.rid, it.base_rid)):
+                    it.aborted = True
+
+    # ------------------------------------------------------------------ info
+
+    def model_info(self) -> dict:
+        return {"model_path": self.model_path, "tokenizer_path": self.tokenizer_path,
+                "is_generation": True, "preferred_sampling_params": None,
+                "weight_version": self.weight_version}
+

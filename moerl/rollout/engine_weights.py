@@ -1,0 +1,370 @@
+"""Weight updates of the CPU reference server: HF names -> live parameters, and SGLang's update endpoints.
+
+Split out of moerl.rollout.server (which re-exports every name here). The engine
+(moerl.rollout.engine.ReferenceEngine) inherits :class:`WeightUpdater`; the HTTP layer
+(moerl.rollout.server.create_app) calls its methods, which return SGLang's ``(success, message)``.
+
+Semantics (SGLang io_struct names):
+  * update_weights_from_disk (UpdateWeightFromDiskReqInput) reads the HF safetensors in model_path
+    (HF on-disk names; per-expert ``...mlp.experts.{e}.gate_proj.weight`` / ``up_proj`` /
+    ``down_proj`` are mapped onto transformers' fused ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate
+    rows first) and ``mlp.experts.down_proj`` [E, H, I]); it must cover every parameter, else nothing
+    is changed.
+  * update_weights_from_tensor (UpdateWeightsFromTensorReqInput, reference-server wire format):
+    every element of ``serialized_named_tensors`` is base64 text of
+    ``safetensors.torch.save({hf_name: tensor})`` bytes. Buckets are applied as they arrive; a call
+    that carries ``weight_version`` publishes it only if the buckets received since the last publish
+    (this one included) covered every parameter, else it fails.
+  * init_weights_update_group / update_weights_from_distributed / destroy_weights_update_group: the
+    trainer broadcasts each bucket from rank 0 of a gloo group this server joined (CPU only).
+Every update takes the engine's model lock, so it runs between generate batches, never during one.
+"""
+
+from __future__ import annotations
+
+import base64
+import glob
+import json
+import os
+import re
+import threading
+from typing import Any, Optional
+
+import torch
+
+from moerl.rollout.common import DEFAULT_WEIGHT_VERSION, is_int
+
+__all__ = ["DEFAULT_WEIGHT_VERSION", "WeightMapper", "WeightUpdater", "load_safetensors_dir"]
+
+
+# ----------------------------------------------------------------------------- weight mapping
+
+
+_EXPERT_RE = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+class WeightMapper:
+    """Maps HF on-disk tensor names onto the live transformers model's parameters.
+
+    Direct names (``model.layers.0.self_attn.q_proj.weight``, fused names, tied aliases such as
+    ``lm_head.weight`` when tied to ``model.embed_tokens.weight``) copy the whole parameter.
+    Per-expert names ``<prefix>.experts.{e}.gate_proj.weight`` [I, H] / ``up_proj`` [I, H] /
+    ``down_proj`` [H, I] copy into ``<prefix>.experts.gate_up_proj[e, :I]`` / ``[e, I:]`` (gate rows
+    first, transformers 5 layout [E, 2I, H]) / ``<prefix>.experts.down_proj[e]`` ([E, H, I]).
+    Coverage is tracked in pieces: one per plain parameter, one per (expert, gate|up|down) slice.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
+        by_id = {id(p): n for n, p in self.params.items()}
+        self.alias = {n: by_id[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
+        self.all_pieces: set[tuple] = set()
+        self.piece_to_hf: dict[tuple, str] = {}
+        for name, p in self.params.items():
+            for piece, hf in self._pieces_of(name, p):
+                self.all_pieces.add(piece)
+                self.piece_to_hf[piece] = hf
+
+    @staticmethod
+    def _fused_kind(name: str, p: torch.Tensor) -> Optional[str]:
+        if p.dim() == 3 and name.endswith(".experts.gate_up_proj"):
+            return "gate_up"
+        if p.dim() == 3 and name.endswith(".experts.down_proj"):
+            return "down"
+        return None
+
+    def _pieces_of(self, name: str, p: torch.Tensor):
+        kind = self._fused_kind(name, p)
+        prefix = name.rsplit(".", 1)[0]
+        if kind == "gate_up":
+            for e in range(p.shape[0]):
+                yield (name, e, "gate"), f"{prefix}.{e}.gate_proj.weight"
+                yield (name, e, "up"), f"{prefix}.{e}.up_proj.weight"
+        elif kind == "down":
+            for e in range(p.shape[0]):
+                yield (name, e, "down"), f"{prefix}.{e}.down_proj.weight"
+        else:
+            yield (name, None, None), name
+
+    def resolve(self, hf_name: str, tensor: torch.Tensor):
+        """Return (target view, pieces covered) for one incoming tensor.
+
+        Raises:
+            ValueError: unknown name or shape mismatch (message names both).
+        """
+        if hf_name in self.alias:
+            name = self.alias[hf_name]
+            p = self.params[name]
+            if tuple(tensor.shape) != tuple(p.shape):
+                raise ValueError(f"weight {hf_name!r}: shape {tuple(tensor.shape)} does not match the "
+                                 f"model's {name} {tuple(p.shape)}")
+            return p, [piece for piece, _ in self._pieces_of(name, p)]
+        m = _EXPERT_RE.match(hf_name)
+        if m is not None:
+            prefix, e, proj = m.group("prefix"), int(m.group("e")), m.group("proj")
+            fused = f"{prefix}.down_proj" if proj == "down_proj" else f"{prefix}.gate_up_proj"
+            p = self.params.get(fused)
+            if p is not None and self._fused_kind(fused, p) is not None:
+                if not 0 <= e < p.shape[0]:
+                    raise ValueError(f"weight {hf_name!r}: expert {e} out of range, the model has "
+                                     f"{p.shape[0]} experts in {fused}")
+                if proj == "down_proj":
+                    view, part = p[e], "down"
+                else:
+                    inter = p.shape[1] // 2
+                    view, part = (p[e, :inter], "gate") if proj == "gate_proj" else (p[e, inter:], "up")
+                if tuple(tensor.shape) != tuple(view.shape):
+                    raise ValueError(f"weight {hf_name!r}: shape {tuple(tensor.shape)} does not match "
+                                     f"the slice of {fused} it maps to {tuple(view.shape)}")
+                return view, [(fused, e, part)]
+        raise ValueError(f"weight {hf_name!r} matches no parameter of the served model "
+                         f"(expected HF names such as {next(iter(self.params))!r})")
+
+    def missing(self, covered: set) -> list[str]:
+        """HF names of the pieces not in ``covered`` (sorted)."""
+        return sorted(self.piece_to_hf[p] for p in self.all_pieces - covered)
+
+    def apply(self, named_tensors: list[tuple[str, torch.Tensor]]) -> set:
+        """Validate every tensor first, then copy all of them in place; returns the pieces covered.
+
+        Raises:
+            ValueError: as :meth:`resolve`; nothing is written in that case.
+        """
+        plan = [(self.resolve(n, t), t) for n, t in named_tensors]
+        covered: set = set()
+        with torch.no_grad():
+            for (view, pieces), t in plan:
+                view.copy_(t.to(dtype=view.dtype))
+                covered.update(pieces)
+        return covered
+
+
+def load_safetensors_dir(path: str) -> list[tuple[str, torch.Tensor]]:
+    """Read every tensor of an HF safetensors checkpoint directory (index json or *.safetensors).
+
+    Raises:
+        FileNotFoundError: no such directory or no .safetensors file in it.
+    """
+    from safetensors.torch import load_file
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model_path {path!r} is not a directory")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(path, f) for f in files]
+    else:
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"model_path {path!r} holds no *.safetensors file (only safetensors "
+                                f"checkpoints are supported)")
+    out: list[tuple[str, torch.Tensor]] = []
+    for f in files:
+        out.extend(load_file(f).items())
+    return out
+
+
+# ----------------------------------------------------------------------------- update handlers
+
+
+class WeightUpdater:
+    """SGLang's weight-update handlers, mixed into the reference engine (no HTTP here).
+
+    State (made by :meth:`_init_weight_state`): ``mapper`` (a :class:`WeightMapper` of ``model``),
+    ``weight_version`` (str, :data:`DEFAULT_WEIGHT_VERSION` at start), the coverage of the buckets
+    received since the last published version, and the weight update groups by name. The class
+    that mixes it in provides ``model`` (the live torch module) and ``_model_lock`` (a
+    threading.Lock held around every generate batch); every update holds that lock while it writes.
+    All methods return SGLang's ``(success, message)``; none raises for a bad request.
+    """
+
+    model: torch.nn.Module
+    _model_lock: threading.Lock
+
+    def _init_weight_state(self) -> None:
+        """Set up the update state for ``self.model`` (call once the model is loaded)."""
+        self.mapper = WeightMapper(self.model)
+        self.weight_version = DEFAULT_WEIGHT_VERSION
+        self._pending_cover: set = set()
+        self._update_groups: dict[str, Any] = {}  # group_name -> process group (distributed weight sync)
+
+    def update_weights_from_disk(self, model_path: str, load_format: Optional[str] = None,
+                                 weight_version: Optional[str] = None) -> tuple[bool, str]:
+        """Load a full HF safetensors checkpoint into the live model (all-or-nothing).
+
+        Returns (success, message); the message names missing / unknown / mis-shaped weights.
+        """
+        if load_format not in (None, "auto", "safetensors"):
+            return False, (f"load_format={load_format!r} is not supported by the reference server "
+                           f"(use null, 'auto' or 'safetensors')")
+        try:
+            named = load_safetensors_dir(model_path)
+            with self._model_lock:
+                plan = [(self.mapper.resolve(n, t), t) for n, t in named]
+                covered = set()
+                for (_, pieces), _t in plan:
+                    covered.update(pieces)
+                missing = self.mapper.missing(covered)
+                if missing:
+                    return False, (f"checkpoint {model_path} does not cover {len(missing)} model "
+                                   f"weights, e.g. {missing[:8]}; nothing was updated")
+                self.mapper.apply(named)
+                self._pending_cover = set()
+                if weight_version is not None:
+                    self.weight_version = str(weight_version)
+        except (ValueError, FileNotFoundError, OSError) as e:
+            return False, f"update_weights_from_disk failed, nothing was updated: {e}"
+        msg = f"Succeeded to update model weights from {model_path}."
+        if weight_version is not None:
+            msg += f" Weight version updated to {weight_version}."
+        return True, msg
+
+    def update_weights_from_tensor(self, serialized_named_tensors: list, load_format: Optional[str] = None,
+                                   flush_cache: bool = True,
+                                   weight_version: Optional[str] = None) -> tuple[bool, str]:
+        """Apply one bucket of named tensors (base64 safetensors bytes per element, see module doc).
+
+        With ``weight_version`` set, the version is published only if every parameter was covered
+        by the buckets received since the last publish; otherwise (False, message naming missing).
+        """
+        from safetensors.torch import load as st_load
+
+        if load_format not in (None, "safetensors"):
+            return False, (f"load_format={load_format!r} is not supported by the reference server; "
+                           f"send base64 safetensors bytes with load_format null")
+        if not isinstance(serialized_named_tensors, list) or not serialized_named_tensors:
+            return False, "serialized_named_tensors must be a non-empty list of base64 strings"
+        try:
+            named: list[tuple[str, torch.Tensor]] = []
+            for k, blob in enumerate(serialized_named_tensors):
+                if not isinstance(blob, str):
+                    raise ValueError(f"serialized_named_tensors[{k}] must be base64 text of safetensors bytes")
+                named.extend(st_load(base64.b64decode(blob)).items())
+        except Exception as e:  # malformed base64 / safetensors header
+            return False, f"could not decode serialized_named_tensors: {e}"
+        return self._apply_bucket(named, weight_version, "update_weights_from_tensor")
+
+    # ------------------------------------------------------------------ distributed weight sync
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str = "weight_update_group",
+                                  backend: str = "gloo") -> tuple[bool, str]:
+        """Join the trainer's weight update group as rank ``rank_offset`` (SGLang
+        InitWeightsUpdateGroupReqInput; this server is one tp rank, so rank = rank_offset + 0).
+
+        Built like SGLang's ``init_custom_process_group``: tcp:// rendezvous at
+        master_address:master_port (the trainer, rank 0, hosts the TCPStore), the store prefixed with
+        group_name, the backend made by torch's ``_new_process_group_helper``. Blocks until every
+        rank joined (timeout: MOERL_WEIGHT_SYNC_TIMEOUT_S, default 600 s). Only gloo (CPU) here.
+        Returns (success, message).
+        """
+        import datetime
+
+        import torch.distributed as tdist
+        from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+
+        if backend != "gloo":
+            return False, f"backend={backend!r}: the moerl reference server (CPU) supports only 'gloo'"
+        if not isinstance(group_name, str) or not group_name:
+            return False, "group_name must be a non-empty string"
+        if group_name in self._update_groups:
+            return False, f"weight update group {group_name!r} already exists; destroy it first"
+        for key, v in (("master_port", master_port), ("rank_offset", rank_offset), ("world_size", world_size)):
+            if not is_int(v):
+                return False, f"{key} must be an integer, got {v!r}"
+        if not 1 <= rank_offset < world_size:
+            return False, f"rank_offset {rank_offset} must lie in 1..world_size-1 ({world_size - 1}); 0 is the trainer"
+        timeout = datetime.timedelta(seconds=float(os.environ.get("MOERL_WEIGHT_SYNC_TIMEOUT_S", "600")))
+        try:
+            store, rank, size = next(tdist.rendezvous(f"tcp://{master_address}:{master_port}", rank_offset,
+                                                      world_size, timeout=timeout))
+            store.set_timeout(timeout)
+            import inspect
+
+            opt = ("backend_options" if "backend_options" in inspect.signature(_new_process_group_helper).parameters
+                   else "pg_options")
+            pg, _ = _new_process_group_helper(size, rank, [], Backend(backend), PrefixStore(group_name, store),
+                                              group_name=group_name, timeout=timeout, **{opt: None})
+            _world.pg_group_ranks[pg] = {i: i for i in range(size)}
+        except Exception as e:
+            return False, f"Failed to initialize custom process group: {e}."
+        self._update_groups[group_name] = pg
+        return True, "Succeeded to initialize custom process group."
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> tuple[bool, str]:
+        """Leave and destroy a weight update group (SGLang DestroyWeightsUpdateGroupReqInput)."""
+        import torch.distributed as tdist
+
+        pg = self._update_groups.pop(group_name, None)
+        if pg is None:
+            return False, "The group to be destroyed does not exist."
+        try:
+            tdist.destroy_process_group(pg)
+        except Exception as e:
+            return False, f"Failed to destroy custom process group: {e}."
+        return True, "Succeeded to destroy custom process group."
+
+    def update_weights_from_distributed(self, names: list, dtypes: list, shapes: list,
+                                        group_name: str = "weight_update_group",
+                                        weight_version: Optional[str] = None) -> tuple[bool, str]:
+        """Receive one bucket by broadcast from rank 0 of ``group_name`` and apply it (SGLang
+        UpdateWeightsFromDistributedReqInput: tensor i is torch.empty(shapes[i], dtype=getattr(torch,
+        dtypes[i])) filled by a broadcast from rank 0, in ``names`` order).
+
+        Every tensor is received before anything is checked against the model, so the group stays in
+        step even when the bucket is then refused. Publishing ``weight_version`` follows
+        :meth:`update_weights_from_tensor` (only if the buckets since the last publish covered every
+        parameter). Returns (success, message).
+        """
+        import torch.distributed as tdist
+
+        pg = self._update_groups.get(group_name)
+        if pg is None:
+            return False, (f"Group {group_name} not in {sorted(self._update_groups)}. "
+                           f"Please call `init_weights_update_group` first.")
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+                and len(names) == len(dtypes) == len(shapes)):
+            return False, "names, dtypes and shapes must be lists of the same length"
+        specs = []
+        for n, d, s in zip(names, dtypes, shapes):
+            dt = getattr(torch, d, None) if isinstance(d, str) else None
+            if not isinstance(n, str) or not isinstance(dt, torch.dtype):
+                return False, f"bad entry name={n!r} dtype={d!r}: names are strings, dtypes torch dtype names"
+            if not isinstance(s, list) or not all(is_int(x) and x >= 0 for x in s):
+                return False, f"shape of {n!r} must be a list of non-negative ints, got {s!r}"
+            specs.append((n, dt, s))
+        try:
+            named = [(n, torch.empty(s, dtype=dt)) for n, dt, s in specs]
+            works = []
+            for _, t in named:
+                opts = tdist.BroadcastOptions()
+                opts.rootRank = 0
+                works.append(pg.broadcast([t], opts))
+            for w in works:
+                w.wait()
+        except Exception as e:
+            return False, (f"Failed to update parameter online: {e}. The weights may be partially updated; "
+                           f"discard them.")
+        return self._apply_bucket(named, weight_version, "update_weights_from_distributed")
+
+    def _apply_bucket(self, named: list, weight_version: Optional[str], endpoint: str) -> tuple[bool, str]:
+        """Apply one bucket of HF-named tensors; with ``weight_version`` publish it, but only if the
+        buckets since the last published version covered every model weight (else refuse and keep
+        the old version). Returns SGLang's (success, message)."""
+        with self._model_lock:
+            try:
+                self._pending_cover |= self.mapper.apply(named)
+            except ValueError as e:
+                return False, f"{endpoint} failed, this bucket was not applied: {e}"
+            msg = f"Succeeded to update {len(named)} tensors."
+            if weight_version is not None:
+                missing = self.mapper.missing(self._pending_cover)
+                self._pending_cover = set()
+                if missing:
+                    return False, (f"weight_version {weight_version!r} not published: the updates since "
+                                   f"the last version did not cover {len(missing)} model weights, e.g. "
+                                   f"{missing[:8]}")
+                self.weight_version = str(weight_version)
+                msg += f" Weight version updated to {weight_version}."
+        return True, msg
