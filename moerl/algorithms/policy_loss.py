@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from moerl.algorithms.kl import KL_ESTIMATORS, kl_penalty
+from moerl.algorithms.off_policy import check_off_policy_args, off_policy_weights
 
 __all__ = [
     "LOSS_AGG_MODES",
@@ -306,13 +307,47 @@ def compute_policy_loss(
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
     entropy: Optional[Tensor] = None,
+    behaviour_log_probs: Optional[Tensor] = None,
+    off_policy_correction: str = "none",
+    is_level: str = "token",
+    is_cap: float = 2.0,
+    is_lower: float = 0.0,
+    icepop_beta: float = 2.0,
+    token_staleness: Optional[Tensor] = None,
+    max_staleness: Optional[int] = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Policy loss of one micro-batch: clipped surrogate (+ kl_coef * KL loss term, GRPO-style).
+    """Policy loss of one micro-batch: clipped surrogate (+ kl_coef * KL loss term, GRPO-style),
+    optionally corrected for off-policy (asynchronous) data.
 
-    ``loss = aggregate(pg_per_token) + kl_coef * aggregate(kl_penalty(log_probs, ref_log_probs))``,
+    ``loss = aggregate(c * pg_per_token) + kl_coef * aggregate(kl_penalty(log_probs, ref_log_probs))``,
     both aggregated with the same mode and global denominators (see :func:`aggregate_loss`). With
     ``kl_coef == 0`` the KL term is not added at all (0 * NaN would be NaN); the ``kl`` metric is
     still reported when ``ref_log_probs`` is given.
+
+    Off-policy correction (:mod:`moerl.algorithms.off_policy`): ``old_log_probs`` are the proximal
+    policy pi_prox (the trainer's recomputed log-probs; the PPO / GSPO ratio is always taken against
+    them) and ``behaviour_log_probs`` the behaviour policy mu (the rollout server's). The detached
+    weight ``c`` of :func:`moerl.algorithms.off_policy.off_policy_weights` (from
+    ``w = pi_prox / mu`` at ``is_level``) multiplies each token's policy-gradient loss; tokens it
+    removes (decoupled / mis / icepop) contribute 0. For PPO the per-token loss is
+    ``-c_t * min(r_t A, clip(r_t) A)`` with ``r_t = pi_theta / pi_prox`` per token; for GSPO it is
+    ``-c_{i,t} * min(s_{i,t} A, clip(s_{i,t}) A)`` with the sequence ratio ``s_i`` (GSPO-token form)
+    and ``c`` per token at ``is_level="token"`` or the row's ``c_i`` at the sequence levels. The GSPO
+    ratio ``s_i`` itself is computed over all of the row's loss tokens, removed ones included. The
+    correction applies to the policy-gradient term only, not to the KL term. With
+    ``off_policy_correction="none"`` the loss is bitwise what it is without ``behaviour_log_probs``.
+
+    Denominators: removed tokens (by the correction or by staleness) only lose their numerator
+    term; every denominator stays that of ``loss_mask`` (the global counts passed in, this batch's
+    own counts when None, and each row's ``|y_i|`` in ``"seq-mean-token-mean"``). Masking therefore
+    lowers the loss magnitude instead of re-normalising over the surviving tokens (as verl does), and
+    the loss stays independent of how the batch is cut into micro-batches.
+
+    Staleness defence: with ``max_staleness`` set, loss tokens whose ``token_staleness`` exceeds it
+    are removed from the loss (from the policy-gradient and the KL term; denominators unchanged) and
+    counted in ``stale_token_frac``. The data pipeline is meant to guarantee this never happens; this
+    is the last line of defence. Sequence-level IS weights and the GSPO ratio are still computed over
+    the whole ``loss_mask`` row.
 
     Args:
         log_probs, old_log_probs: float [B, T].
@@ -326,6 +361,19 @@ def compute_policy_loss(
         kl_coef: weight of the KL loss term (>= 0); > 0 requires ``ref_log_probs``.
         kl_estimator: "k1", "k2" or "k3" (:func:`moerl.algorithms.kl.kl_penalty`).
         entropy: float [B, T] token entropies (logged only), or None.
+        behaviour_log_probs: float [B, T], log mu of the response tokens (the rollout server's
+            ``Sample.rollout_log_probs``, label-aligned like ``old_log_probs``), or None. Required
+            when ``off_policy_correction != "none"``; when given, the mismatch metrics are reported
+            even with ``"none"``.
+        off_policy_correction: ``algorithm.off_policy_correction``: "none", "decoupled", "tis",
+            "mis" or "icepop".
+        is_level: ``algorithm.is_level``: "token", "sequence" or "geo_mean".
+        is_cap, is_lower, icepop_beta: ``algorithm.is_cap`` (> 0), ``algorithm.is_lower`` (>= 0),
+            ``algorithm.icepop_beta`` (> 1).
+        token_staleness: [B, T] float/int, per token the trainer's weight version minus the version
+            that generated it, or None.
+        max_staleness: int >= 0 (``train.max_staleness``) or None (no check). Requires
+            ``token_staleness``.
 
     Returns:
         (loss: scalar tensor with grad, metrics: dict of python floats). Metrics:
@@ -333,11 +381,17 @@ def compute_policy_loss(
         over micro-batches), ``kl_loss`` (same, only when kl_coef > 0), and local masked means over
         this micro-batch's loss tokens: ``clip_frac``, ``ratio_mean`` (token ratio for PPO, mean of
         s_i over rows for GSPO), ``kl`` (when ``ref_log_probs`` is given), ``entropy`` (when given);
-        ``num_tokens`` (loss tokens of this micro-batch, to weight local means when averaging).
+        when ``behaviour_log_probs`` is given: ``is_weight_mean``, ``is_masked_frac``,
+        ``behav_prox_kl`` (local means) and ``is_weight_max`` (a local MAX: reduce it with max, not
+        a sum; see :func:`moerl.algorithms.off_policy.off_policy_weights`); when ``max_staleness`` is
+        set: ``stale_token_frac`` (local mean); ``num_tokens`` (loss tokens of this micro-batch, to
+        weight local means when averaging).
 
     Raises:
         ValueError: unknown policy_loss / mode / estimator, bad shapes, kl_coef < 0, or
-            kl_coef > 0 without ref_log_probs.
+            kl_coef > 0 without ref_log_probs; bad off-policy options (the message names the
+            ``algorithm.*`` key), a correction other than "none" without ``behaviour_log_probs``,
+            ``max_staleness`` < 0 or given without ``token_staleness``.
     """
     if policy_loss not in POLICY_LOSSES:
         raise ValueError(f"policy_loss must be one of {POLICY_LOSSES}, got {policy_loss!r}")
@@ -347,8 +401,38 @@ def compute_policy_loss(
         raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
     if kl_coef > 0 and ref_log_probs is None:
         raise ValueError("kl_coef > 0 needs ref_log_probs (compute them with the reference model) or set kl_coef=0")
+    check_off_policy_args(off_policy_correction, is_level, is_cap, is_lower, icepop_beta)
+    if off_policy_correction != "none" and behaviour_log_probs is None:
+        raise ValueError(
+            f"algorithm.off_policy_correction={off_policy_correction!r} needs behaviour_log_probs (the rollout "
+            "server's per-token log-probs, micro-batch extra 'behaviour_log_probs'); set it to 'none' otherwise"
+        )
+    if max_staleness is not None:
+        if token_staleness is None:
+            raise ValueError(
+                f"max_staleness={max_staleness!r} needs token_staleness (micro-batch extra 'token_staleness'); "
+                "pass max_staleness=None to skip the check"
+            )
+        if not max_staleness >= 0:
+            raise ValueError(f"max_staleness (train.max_staleness) must be >= 0 or None, got {max_staleness!r}")
     _check_pair(log_probs, old_log_probs)
     mask = _bool_mask(loss_mask, log_probs)
+    metrics: dict[str, float] = {}
+    is_weights = is_keep = None
+    if behaviour_log_probs is not None:
+        is_weights, is_keep, metrics = off_policy_weights(
+            old_log_probs, behaviour_log_probs, mask, correction=off_policy_correction, level=is_level,
+            cap=is_cap, lower=is_lower, beta=icepop_beta,
+        )
+    stale = None
+    if max_staleness is not None:
+        if token_staleness.shape != log_probs.shape:
+            raise ValueError(
+                f"token_staleness {tuple(token_staleness.shape)} must have the shape of log_probs "
+                f"{tuple(log_probs.shape)}"
+            )
+        stale = mask & (token_staleness.detach() > max_staleness)
+        metrics["stale_token_frac"] = float(stale.sum()) / max(int(mask.sum()), 1)
     agg = dict(
         global_num_tokens=global_num_tokens,
         global_num_seqs=global_num_seqs,
@@ -365,14 +449,18 @@ def compute_policy_loss(
         with torch.no_grad():
             ratio = torch.exp((log_probs - old_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
             ratio_mean = masked_mean(ratio, mask)
+    if off_policy_correction != "none":  # c * loss on kept tokens, 0 on removed ones (NaN-safe)
+        pg = torch.where(is_keep, (pg * is_weights).to(pg.dtype), torch.zeros_like(pg))
+    if stale is not None:
+        pg = torch.where(stale, torch.zeros_like(pg), pg)
     pg_loss = aggregate_loss(pg, mask, loss_agg_mode, **agg)
     loss = pg_loss
-    metrics: dict[str, float] = {
+    metrics.update({
         "pg_loss": float(pg_loss.detach()),
         "clip_frac": float(masked_mean(clipped.to(torch.float32), mask)),
         "ratio_mean": float(ratio_mean),
         "num_tokens": float(mask.sum()),
-    }
+    })
     if ref_log_probs is not None:
         if ref_log_probs.shape != log_probs.shape:
             raise ValueError(
@@ -381,6 +469,8 @@ def compute_policy_loss(
         kl = kl_penalty(log_probs, ref_log_probs.detach(), kl_estimator)
         metrics["kl"] = float(masked_mean(kl.detach(), mask))
         if kl_coef > 0:
+            if stale is not None:
+                kl = torch.where(stale, torch.zeros_like(kl), kl)
             kl_loss = aggregate_loss(kl, mask, loss_agg_mode, **agg)
             loss = loss + kl_coef * kl_loss.to(loss.dtype)
             metrics["kl_loss"] = float(kl_loss.detach())

@@ -70,6 +70,7 @@ from moerl.checkpoint.hf_convert import ShardLayout, gather_megatron_to_hf, hf_t
 from moerl.models.qwen3_moe import build_gpt_model, hf_moe_layer_pattern, transformer_config_from_hf
 from moerl.pipeline.megatron_stages import stage_model_args
 from moerl.train.batching import MicroBatch, PackedMicroBatch, model_labels, to_label_layout
+from moerl.train.losses import MAX_METRIC_SUFFIX, combine_micro_batch_metrics
 from moerl.train.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
 
 __all__ = ["LossFn", "MegatronActor", "RECOMPUTE_MODES", "recompute_config", "actor_parallel_kwargs"]
@@ -534,7 +535,10 @@ class MegatronActor:
         micro-batches and reduced over DP, then Adam).
 
         ``loss_fn`` must normalise by global denominators (all micro-batches of all DP ranks).
-        Returns, identical on every rank: loss metrics summed over micro-batches and DP ranks,
+        Returns, identical on every rank: loss metrics summed over micro-batches and DP ranks
+        (those whose name ends in ``"_max"``, :data:`moerl.train.losses.MAX_METRIC_SUFFIX`, are
+        local maxima and are reduced with max instead: see
+        :func:`moerl.train.losses.combine_micro_batch_metrics`),
         grad_norm (global, after DP reduction, before clipping), aux_loss (mean per MoE layer of
         Megatron's load-balancing loss, before the coefficient, averaged over micro-batches and DP
         ranks) and update_successful.
@@ -556,33 +560,40 @@ class MegatronActor:
         update_successful, grad_norm, _ = self.optimizer.step()
         if self.dual:
             out = self._gather_pipeline(out)
-        metrics: dict[str, float] = {}
-        for d in out:  # empty except on the last pipeline stage (every stage for dual schedules)
-            for k, v in d.items():
-                metrics[k] = metrics.get(k, 0.0) + float(v)
-        metrics = self._reduce_metrics(metrics)
+        # `out` is empty except on the last pipeline stage (every stage for dual schedules)
+        metrics = self._reduce_metrics(combine_micro_batch_metrics(out))
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["update_successful"] = float(bool(update_successful))
         metrics["aux_loss"] = self._aux_loss(n)
         return metrics
 
     def _reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Sum the last stage's metrics over DP ranks, then hand them to every pipeline stage."""
+        """Sum the last stage's metrics over DP ranks ("*_max" metrics: max), then hand them to every
+        pipeline stage."""
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             return metrics
         if self.dual:  # every pipeline rank already holds all micro-batches' metrics
             if self.dp_size > 1:
-                keys = sorted(metrics)
-                values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)
-                dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
-                metrics = dict(zip(keys, values.tolist()))
+                metrics = self._all_reduce_dp(metrics)
             return metrics
         if parallel_state.is_pipeline_last_stage() and self.dp_size > 1:
-            keys = sorted(metrics)
-            values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)
-            dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
-            metrics = dict(zip(keys, values.tolist()))
+            metrics = self._all_reduce_dp(metrics)
         return self._from_last_stage(metrics)
+
+    def _all_reduce_dp(self, metrics: dict[str, float]) -> dict[str, float]:
+        """All-reduce metrics over the DP group: SUM, except names ending in "_max" (MAX). Every DP
+        rank holds the same names (same recipe and micro-batch extras), so the collectives match."""
+        out: dict[str, float] = {}
+        for op, keys in (
+            (dist.ReduceOp.SUM, sorted(k for k in metrics if not k.endswith(MAX_METRIC_SUFFIX))),
+            (dist.ReduceOp.MAX, sorted(k for k in metrics if k.endswith(MAX_METRIC_SUFFIX))),
+        ):
+            if not keys:
+                continue
+            values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)
+            dist.all_reduce(values, op=op, group=parallel_state.get_data_parallel_group())
+            out.update(zip(keys, values.tolist()))
+        return out
 
     def _aux_loss(self, num_microbatches: int) -> float:
         """Mean over MoE layers of the load-balancing loss (without its coefficient), averaged

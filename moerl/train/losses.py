@@ -2,12 +2,37 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
 from moerl.algorithms.policy_loss import compute_policy_loss
 from moerl.train.batching import MicroBatch
+
+# Loss-closure metrics whose name ends with this are local maxima: reduce them with max over
+# micro-batches and DP ranks (MegatronActor.train_step), not with a sum.
+MAX_METRIC_SUFFIX = "_max"
+
+
+def combine_micro_batch_metrics(outs: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Combine a loss closure's per-micro-batch metrics of one rank (MegatronActor.train_step): sum,
+    except names ending in :data:`MAX_METRIC_SUFFIX` (e.g. ``is_weight_max``), which are local maxima
+    and combine with max. (The DP all-reduce follows the same rule.)
+
+    Args:
+        outs: one metrics dict per micro-batch (values: floats or 0-d tensors).
+
+    Returns:
+        name -> float; a name missing from some micro-batches combines over those that have it.
+    """
+    metrics: dict[str, float] = {}
+    for d in outs:
+        for k, v in d.items():
+            if k.endswith(MAX_METRIC_SUFFIX):
+                metrics[k] = max(metrics[k], float(v)) if k in metrics else float(v)
+            else:
+                metrics[k] = metrics.get(k, 0.0) + float(v)
+    return metrics
 
 
 def sft_loss(global_num_tokens: int):
@@ -31,16 +56,38 @@ def policy_loss(
     global_num_tokens: int,
     global_num_seqs: int,
     seq_token_sum_constant: Optional[float] = None,
+    max_staleness: Optional[int] = None,
 ):
-    """RL loss closure: GSPO or PPO-clip policy loss (+ optional KL to a reference policy).
+    """RL loss closure: GSPO or PPO-clip policy loss (+ optional KL to a reference policy), with the
+    recipe's off-policy correction (:func:`moerl.algorithms.policy_loss.compute_policy_loss`).
 
     ``algo`` is the recipe's algorithm section (policy_loss, eps_clip_low/high, loss_agg_mode,
-    kl_coef, kl_estimator). The micro-batch must carry extras "old_log_probs" (and
-    "ref_log_probs" when a reference policy is kept), label-aligned [B,S] float32.
+    kl_coef, kl_estimator, off_policy_correction, is_level, is_cap, is_lower, icepop_beta). The
+    micro-batch must carry extras "old_log_probs" (the proximal policy; and "ref_log_probs" when a
+    reference policy is kept), label-aligned [B,S] float32. Optional extras, same layout:
+    "behaviour_log_probs" (the rollout server's per-token log-probs; required when
+    ``algo.off_policy_correction != "none"``, and when present the mismatch metrics are reported
+    with any correction) and "token_staleness" (per token, trainer weight version minus the version
+    that generated it).
 
-    Metrics are already divided by the global counts, so summing them over micro-batches gives
-    global means.
+    ``max_staleness`` (``train.max_staleness``; None = no check): loss tokens whose
+    "token_staleness" exceeds it are removed from the loss (``stale_token_frac`` counts them). Pass
+    it only when the micro-batches carry "token_staleness" (compute_policy_loss raises otherwise).
+
+    Metric reduction rule: metrics are already divided by the global counts, so summing them over
+    micro-batches (and DP ranks) gives global means, except those whose name ends in "_max"
+    (``is_weight_max``): they are this micro-batch's local max, and MegatronActor.train_step reduces
+    "*_max" metrics with max.
     """
+
+    # An ``algo`` without the off-policy keys (a duck-typed section) gets AlgorithmConfig's defaults.
+    off_policy_kwargs = {
+        key: getattr(algo, key, default)
+        for key, default in (
+            ("off_policy_correction", "none"), ("is_level", "token"), ("is_cap", 2.0), ("is_lower", 0.0),
+            ("icepop_beta", 2.0),
+        )
+    }
 
     def loss_fn(log_probs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch):
         mask = mb.loss_mask
@@ -60,9 +107,14 @@ def policy_loss(
             kl_coef=algo.kl_coef,
             kl_estimator=algo.kl_estimator,
             entropy=entropy,
+            behaviour_log_probs=mb.extras.get("behaviour_log_probs"),
+            **off_policy_kwargs,
+            token_staleness=mb.extras.get("token_staleness"),
+            max_staleness=max_staleness,
         )
-        # pg_loss / kl_loss are already this micro-batch's share of the global value; the other
-        # metrics are local token means: weight them by this micro-batch's share of the tokens.
+        # pg_loss / kl_loss are already this micro-batch's share of the global value; "*_max" are
+        # local maxima (reduced with max by train_step); the other metrics are local token means:
+        # weight them by this micro-batch's share of the tokens.
         share = float(mask.sum()) / global_num_tokens
         out = {"loss": loss.detach()}
         # sum over tokens of |log_probs - old_log_probs|: exactly 0 iff every token ratio is exactly 1
@@ -70,7 +122,7 @@ def policy_loss(
         for k, v in metrics.items():
             if k == "num_tokens":
                 continue
-            out[k] = float(v) if k in ("pg_loss", "kl_loss") else float(v) * share
+            out[k] = float(v) if k in ("pg_loss", "kl_loss") or k.endswith(MAX_METRIC_SUFFIX) else float(v) * share
         return loss, out
 
     return loss_fn
