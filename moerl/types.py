@@ -22,7 +22,11 @@ class Sample:
         loss_mask: 1 for response tokens that enter the loss, 0 otherwise (list[int], len == len(response_ids)).
         reward: scalar reward from the verifier.
         advantage: scalar advantage (broadcast to every response token).
-        weight_version: weight version of the rollout engine that generated the response.
+        weight_version: weight version of the rollout engine that generated the response (the newest one
+            when a partial rollout spans several versions).
+        token_versions: weight version (int) that generated each response token (len == len(response_ids));
+            several values when an in-flight weight update cut the response and it was resumed
+            (moerl.rollout.manager). Empty for samples not made by the RolloutManager (e.g. SFT).
         status: "completed" (stopped on a stop token), "truncated" (hit max_new_tokens) or "aborted".
         metadata: free-form extras (e.g. server finish_reason).
         routed_experts: MoE routing to replay (moe.routing_replay r3: the rollout server's, SGLang
@@ -47,6 +51,7 @@ class Sample:
     status: str = "completed"
     metadata: dict[str, Any] = field(default_factory=dict)
     routed_experts: Optional[Any] = None
+    token_versions: list[int] = field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:

@@ -46,11 +46,13 @@ EXPECTED_TINY = {
         "weight_sync_backend": "gloo", "weight_sync_master_address": None, "backend": "reference",
         "placement": "disaggregated", "gpu_ids": [], "server_tp_size": 1, "server_dp_size": 1,
         "server_ep_size": 1, "mem_fraction_static": 0.8, "external_urls": [], "failover": True, "max_restarts": 3,
+        "dynamic_sampling": False, "max_oversample_factor": 3.0,
     },
     "algorithm": {
         "advantage_estimator": "grpo", "policy_loss": "gspo", "loss_agg_mode": "seq-mean-token-mean",
         "eps_clip_low": 3.0e-4, "eps_clip_high": 4.0e-4, "kl_coef": 0.0, "kl_estimator": "k3", "reference_policy": True,
-        "filter_uniform_groups": True, "moe_aux_loss_coeff": 1.0e-3, "moe_load_balancing_type": "aux_loss",
+        "filter_uniform_groups": True, "off_policy_correction": "none", "is_level": "token", "is_cap": 2.0,
+        "is_lower": 0.0, "icepop_beta": 2.0, "moe_aux_loss_coeff": 1.0e-3, "moe_load_balancing_type": "aux_loss",
     },
     "moe": {
         "z_loss_coeff": 0.0, "score_function": "softmax", "expert_bias": False, "bias_update_rate": 1.0e-3,
@@ -63,14 +65,15 @@ EXPECTED_TINY = {
         "adam_beta1": 0.9, "adam_beta2": 0.999, "clip_grad": 1.0, "num_threads": 2, "save_every": 0,
         "save_every_minutes": 0.0, "keep_checkpoints": 3, "pack": True,
         "max_tokens_per_micro_batch": 2048, "pack_balance": "tokens", "pipeline_schedule": "1f1b",
-        "pipeline_overlap": False,
+        "pipeline_overlap": False, "mode": "sync", "max_staleness": 1, "staleness_policy": "wait",
+        "partial_rollout_mask_old": False,
     },
     "sft": {
         "enabled": True, "lr": 1.0e-3, "global_batch_size": 128, "micro_batch_size": 128, "max_steps": 3000,
         "eval_every": 25, "eval_prompts": 100, "target_accuracy": 0.3,
     },
     "eval": {"num_prompts": 300, "every_steps": 50},
-    "log": {"tensorboard": True, "wandb_project": None, "log_every": 1},
+    "log": {"tensorboard": True, "wandb_project": None, "log_every": 1, "samples": False},
     "resume": "none",
 }
 

@@ -239,13 +239,13 @@ def test_weight_push_that_fails_as_a_server_dies_names_it_without_failover(tmp_p
 
 @pytest.mark.parametrize("mode", ["disk", "distributed"])
 def test_trainer_weight_sync_goes_through_the_cluster_retry(tmp_path, monkeypatch, mode):
-    """moerl.train.loop.WeightSync pushes through RolloutCluster.update_weights: the same race as
+    """moerl.train.weight_sync.WeightSync pushes through RolloutCluster.update_weights: the same race as
     above (server 1's sockets close before its process can be reaped) ends in one retry on the
     survivor, a rebuilt distributed group, and the restorer of this version registered; without
     failover every server gets the push and the dead one is named."""
     from types import SimpleNamespace
 
-    import moerl.train.loop as loop
+    import moerl.train.weight_sync as loop
     from moerl.config.schema import RolloutConfig
     from moerl.rollout.errors import RolloutServerDiedError
     from moerl.rollout.launcher import _Child
@@ -306,7 +306,7 @@ def test_trainer_weight_sync_with_every_server_restarting_records_the_version(tm
     a group built for the servers that died is torn down. Real sync_weights, no server at all."""
     from types import SimpleNamespace
 
-    import moerl.train.loop as loop
+    import moerl.train.weight_sync as loop
     from moerl.config.schema import RolloutConfig
     from moerl.rollout.launcher import _Child
 

@@ -136,7 +136,7 @@ def test_colocated_releases_other_nodes_servers_but_not_external_urls(cluster, t
     reference server; the external URL is a closed port, so any call to it would fail the phase."""
     from types import SimpleNamespace
 
-    import moerl.train.loop as loop
+    import moerl.train.weight_sync as loop
     from moerl.config.schema import RolloutConfig
     from moerl.rollout import sglang_launcher as sl
 
@@ -170,13 +170,15 @@ def test_colocated_trainer_hooks_wait_for_every_rank(tmp_path, monkeypatch):
     and no rank reloads before rank 0 released the servers (on its node or another)."""
     from types import SimpleNamespace
 
-    import moerl.train.loop as loop
+    import moerl.train.weight_sync as loop
     from moerl.config.schema import RolloutConfig
     from moerl.train.offload import ActorOffloader
 
     order = []
-    monkeypatch.setattr(loop, "_world", lambda: 2)
-    monkeypatch.setattr(loop.tdist, "barrier", lambda *a, **kw: order.append("barrier"))
+    from moerl.runtime import world
+
+    monkeypatch.setattr(world, "world_size", lambda: 2)
+    monkeypatch.setattr(world.tdist, "barrier", lambda *a, **kw: order.append("barrier"))
     monkeypatch.setattr(ActorOffloader, "offload", lambda self: order.append("offload") or 0)
     monkeypatch.setattr(ActorOffloader, "reload", lambda self: order.append("reload") or 0)
     ctx = SimpleNamespace(cfg=SimpleNamespace(rollout=RolloutConfig(placement="colocated")), run_dir=tmp_path,

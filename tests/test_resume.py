@@ -330,13 +330,13 @@ def test_save_every_minutes_saves_when_the_time_is_up(monkeypatch):
     from types import SimpleNamespace
 
     from moerl.observe.timers import Timers
-    from moerl.train import loop
+    from moerl.checkpoint import run_state as loop
 
     saved = []
     monkeypatch.setattr(loop, "save_checkpoint", lambda ctx, actor, state, samplers: saved.append(state.step))
     cfg = SimpleNamespace(train=SimpleNamespace(save_every=100, save_every_minutes=0.005))  # 0.3 s
     state = SimpleNamespace(step=0, phase="rl")
-    ckpt = loop._Checkpointer(SimpleNamespace(cfg=cfg), None, state, {}, Timers())
+    ckpt = loop.Checkpointer(SimpleNamespace(cfg=cfg), None, state, {}, Timers())
     due = []
     for step, wait in [(1, 0.0), (2, 0.35), (3, 0.0), (4, 0.35), (100, 0.0), (101, 0.0)]:
         time.sleep(wait)

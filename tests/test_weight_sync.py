@@ -321,10 +321,10 @@ def test_two_server_processes_all_three_modes(ckpts, trainer_sd, ref_b, tmp_path
 
 
 def _weight_sync(tmp_path, cluster, **rollout):
-    """moerl.train.loop.WeightSync over ``cluster`` (not started) with a recipe's rollout section."""
+    """moerl.train.weight_sync.WeightSync over ``cluster`` (not started) with a recipe's rollout section."""
     from types import SimpleNamespace
 
-    import moerl.train.loop as loop
+    import moerl.train.weight_sync as loop
 
     ctx = SimpleNamespace(cfg=SimpleNamespace(rollout=RolloutConfig(**rollout)), run_dir=tmp_path, hf_config=None)
     return loop.WeightSync(ctx, cluster, version=0)

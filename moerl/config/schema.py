@@ -297,12 +297,12 @@ class AlgorithmConfig(_Section):
     # loss when kl_coef > 0); costs one extra forward per step
     reference_policy: bool = True
     filter_uniform_groups: bool = True
-    # Off-policy correction between the behaviour policy (the rollout server's per-token log-probs, of
-    # the weight version that generated each token) and the proximal policy (the trainer's recomputed
-    # old_log_probs) (moerl.algorithms.off_policy; REFERENCE.md "decoupled PPO", "TIS"):
-    # none | decoupled (AReaL: loss weighted by min(pi_prox/mu, is_cap)) | tis (truncated IS,
-    # min(w, is_cap)) | mis (masked IS: drop tokens/sequences with w outside [is_lower, is_cap]) |
-    # icepop (mask tokens with w outside [1/icepop_beta, icepop_beta]).
+    # Off-policy correction between the behaviour policy mu (the rollout server's per-token log-probs, of
+    # the weight version that generated each token) and the proximal policy pi_prox (the trainer's
+    # recomputed old_log_probs), w = pi_prox / mu (moerl.algorithms.off_policy; REFERENCE.md, ASYNC.md):
+    # none | tis (truncated IS: loss x min(w, is_cap)) | decoupled (AReaL: loss x w, tokens with
+    # w > is_cap dropped) | mis (masked IS: w kept inside [is_lower, is_cap], 0 outside) | icepop (w kept
+    # inside [1/icepop_beta, icepop_beta], 0 outside). is_level: token | sequence | geo_mean.
     off_policy_correction: Literal["none", "decoupled", "tis", "mis", "icepop"] = "none"
     is_level: Literal["token", "sequence", "geo_mean"] = "token"  # where the IS weight is taken
     is_cap: float = Field(2.0, gt=0)  # C: upper cap (tis, decoupled) / upper bound (mis)
@@ -408,6 +408,9 @@ class LogConfig(_Section):
     tensorboard: bool = True
     wandb_project: Optional[str] = None
     log_every: int = Field(1, ge=1)
+    # one line per trained sample in <output_dir>/samples.jsonl: step, uid (draw-group-sample), reward,
+    # status, trainer version, per-token weight versions and loss mask (off: ~150 bytes per sample)
+    samples: bool = False
 
 
 class MoEConfig(_Section):

@@ -1,0 +1,580 @@
+"""RolloutManager: the one place that talks to the rollout servers for RL, in every train.mode.
+
+It draws prompt groups, generates their ``n_samples_per_prompt`` responses through the router (or, with
+routing replay R3, straight to the servers), scores them, and hands the trainer whole batches of groups;
+it also wraps every weight update (pause / drain, push, continue). sync, one_step_off and async are the
+same producer with a different *gate* (when may the next group start) and a different weight-update
+wrapper:
+
+==============  ==========================================  ===========================================
+train.mode      a group for batch b may start when          a weight update after step k
+==============  ==========================================  ===========================================
+sync            the trainer asked for batch b               pushes (nothing is in flight)
+one_step_off    b <= k_done + 1 + max_staleness             waits until no group is in flight, pushes
+async (wait)    b <= k_done + 1 + max_staleness             pauses the servers (abort), pushes, continues;
+                                                            cut responses resume from their prefix
+async (drop)    b <= k_done + 2 + max_staleness             same as async (wait)
+==============  ==========================================  ===========================================
+
+``k_done`` is the number of steps whose update has been pushed, and a group's batch b is bounded by
+``batches taken + groups ahead of it in the FIFO // rollout_batch_size + 1`` (every batch takes at least
+rollout_batch_size groups). A group that starts under version V_now therefore trains at a step whose
+weights are at most ``b - 1 - k_done <= max_staleness`` versions newer: the ``wait`` gate alone keeps the
+bound (AReaL's capacity rule, arXiv 2505.24298 sec. 5). ``drop`` runs one batch further ahead so the
+servers never wait for the trainer, and what exceeds the bound when it is taken is dropped. Both check
+every group when it is taken (staleness = trainer version - oldest version among its trained tokens;
+over the bound: dropped and counted), the last line of defence. A trainer that waits for a batch whose
+groups are not started yet always gets them started (they train at the current version: staleness 0).
+
+Groups are consumed in draw order (FIFO): batch b is the next rollout_batch_size groups (or, with
+rollout.dynamic_sampling, the next groups until rollout_batch_size of them have reward variance, at most
+max_oversample_factor * rollout_batch_size drawn). So the same seed gives the same batches in every mode
+up to which weights generated them, and async with max_staleness 0 reproduces sync step for step.
+
+Partial rollouts (async): a weight update aborts the running requests (SGLang ``/pause_generation``
+mode abort); each cut response is continued after ``/continue_generation`` from its prefix (prompt +
+tokens so far) with the remaining ``max_new_tokens`` budget. Every response token keeps the behaviour
+log-prob and the weight version of the segment that produced it (``Sample.token_versions``). With
+train.partial_rollout_mask_old tokens older than the response's newest version leave the loss. A response
+is scored only when it finished (stop token or length); a cut one is never scored as complete.
+
+Per-request sampling seeds are ``sampling_seed(seed, draw, group, sample)`` (the first segment, as the
+synchronous loop always used) and ``sampling_seed(seed, draw, group, sample, segment)`` for continuations;
+request ids ``s{draw}-g{group}-{sample}`` (+ ``-r{segment}``), unique, so a retried request (failover) is
+neither lost nor counted twice.
+
+Checkpoints (``state_dict``): the buffer and the requests in flight are NOT saved: a resume drops them
+and regenerates them from the oldest group not yet taken (the sampler state before its draw and its index
+in the draw are saved), with the same seeds. Sync mode has nothing in flight at a checkpoint, so kill -9 +
+resume is bit-identical there; in async mode the regenerated groups use the resumed weights, and no group
+is taken twice or skipped.
+
+Threads: the producer is an asyncio loop in one daemon thread of the trainer's rank 0; ``get_batch`` and
+``update_weights`` are called from the training thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+from moerl.rollout.client import SAMPLING_PARAM_FIELDS, parse_generate_item
+from moerl.types import Sample
+
+#: continuations allowed per response before its group is given up (counted, never trained)
+MAX_SEGMENTS = 16
+
+
+def sampling_seed(seed: int, *keys: int) -> int:
+    """A stable 31-bit per-request sampling seed from the run seed and integer keys (draw, group,
+    sample[, segment]): the same run reproduces the same samples whichever server serves a request."""
+    import hashlib
+
+    h = hashlib.sha256(("/".join(str(k) for k in (seed,) + keys)).encode()).digest()
+    return int.from_bytes(h[:4], "little") & 0x7FFFFFFF
+
+
+def _version_int(v: Any, fallback: int) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return fallback
+
+
+@dataclass
+class _Group:
+    draw: int  # 1-based draw of rollout_batch_size prompts (== step when every batch is one draw)
+    index: int  # group index inside its draw
+    row: dict
+    prompt_ids: list[int]
+    samples: Optional[list[Sample]] = None  # set when every response finished (or the group failed)
+    failed: Optional[str] = None  # why the group cannot be trained (e.g. MAX_SEGMENTS continuations)
+    started: float = 0.0
+
+    @property
+    def uid(self) -> str:
+        return f"{self.draw}-{self.index}"
+
+
+@dataclass
+class RolloutBatch:
+    """What ``RolloutManager.get_batch`` hands the trainer for one step.
+
+    groups: the taken groups, each a list of n_samples_per_prompt scored Samples (draw order);
+    trainer_version: the weight version the update starts from (int);
+    metrics: rollout metrics of this batch (python floats; see RolloutManager.get_batch).
+    """
+
+    groups: list[list[Sample]]
+    trainer_version: int
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [s for g in self.groups for s in g]
+
+    def write_jsonl(self, path, step: int) -> None:
+        """Append one line per sample to ``path`` (log.samples): step, uid (draw-group-sample), reward,
+        status, trainer version, per-token weight versions and loss mask, segments (1 + resumptions)."""
+        import json
+
+        with open(path, "a") as f:
+            for s in self.samples:
+                f.write(json.dumps({"step": step, "uid": s.metadata.get("uid"), "reward": s.reward,
+                                    "status": s.status, "trainer_version": self.trainer_version,
+                                    "token_versions": s.token_versions, "loss_mask": s.loss_mask,
+                                    "segments": s.metadata.get("segments", 1)}) + "\n")
+
+
+class RolloutManager:
+    """Buffer, producer, weight versions and pause/continue for every train.mode (module docstring).
+
+    Args:
+        client: RolloutClient on the router (``cluster`` is its failover-aware cluster or None).
+        cluster: RolloutCluster (or None): pause_generation / continue_generation / live_server_urls.
+        sampler: PromptSampler of the RL prompts (rollout_batch_size rows per draw).
+        encode, decode: prompt text -> token ids; response ids -> text.
+        reward_fn: (response text, label) -> float.
+        cfg: the RecipeConfig (rollout, train, algorithm, data sections are read).
+        eos_id: stop token id.
+        num_steps: last step that takes a batch (no group is drawn beyond it).
+        version: weight version of the servers now (int).
+        steps_done: steps already trained and pushed (resume).
+        state: ``state_dict()`` of a checkpoint, or None.
+        routing_shape: (num_hidden_layers, num_experts_per_tok) to record routed experts (R3), or None.
+        log: line printer.
+    Raises:
+        ValueError: train.mode async / one_step_off with rollout.placement colocated.
+    """
+
+    def __init__(self, *, client, cluster, sampler, encode: Callable[[str], list[int]],
+                 decode: Callable[[list[int]], str], reward_fn: Callable[[str, str], float], cfg, eos_id: int,
+                 num_steps: int, version: int, steps_done: int = 0, state: Optional[dict] = None,
+                 routing_shape: Optional[tuple[int, int]] = None, log: Callable[[str], None] = print):
+        tr, ro = cfg.train, cfg.rollout
+        if tr.mode != "sync" and ro.placement == "colocated":
+            raise ValueError(f"train.mode={tr.mode} overlaps rollout and training, which needs separate devices: "
+                             "set rollout.placement=disaggregated or train.mode=sync")
+        self.client, self.cluster, self.sampler = client, cluster, sampler
+        self.encode, self.decode, self.reward_fn, self.log = encode, decode, reward_fn, log
+        self.mode, self.policy = tr.mode, tr.staleness_policy
+        self.max_staleness = 0 if tr.mode == "sync" else tr.max_staleness
+        self.mask_old = tr.partial_rollout_mask_old
+        self.n, self.B = ro.n_samples_per_prompt, ro.rollout_batch_size
+        self.dynamic = ro.dynamic_sampling
+        self.max_draw = max(self.B, int(ro.max_oversample_factor * self.B)) if self.dynamic else self.B
+        self.prompt_key, self.label_key = cfg.data.prompt_key, cfg.data.label_key
+        self.seed, self.max_new = cfg.seed, ro.max_new_tokens
+        self.sampling_params = dict(temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
+                                    max_new_tokens=ro.max_new_tokens, stop_token_ids=[eos_id])
+        assert set(self.sampling_params) <= SAMPLING_PARAM_FIELDS
+        self.routing_shape = routing_shape
+        self.num_steps = num_steps
+        self.version = int(version)
+        self.steps_done = steps_done  # steps trained and pushed (k_done)
+        self.batches_taken = steps_done
+        self.requested = steps_done  # highest batch get_batch asked for
+        # FIFO of groups not yet taken (draw order); rows of the current draw not yet made groups
+        self._fifo: collections.deque[_Group] = collections.deque()
+        self._rows: collections.deque[tuple[int, int, dict]] = collections.deque()
+        self._draw = steps_done  # draws made so far (one per step unless dynamic sampling; see state)
+        self._snapshots: dict[int, dict] = {}  # draw -> sampler state before it (for the resume cursor)
+        if state:
+            sampler.load_state_dict(state["sampler"])
+            self._draw = int(state["draw"]) - 1
+            self._skip = int(state["skip"])
+        else:
+            self._skip = 0
+        self._cv = threading.Condition()
+        self._need = self.B  # groups the batch in progress (or the next one) still takes at least
+        self._waiting = False  # the trainer waits in get_batch
+        self._inflight = 0  # groups started and not finished
+        self._active_requests = 0
+        self._counters = collections.Counter()
+        self._busy_since: Optional[float] = None  # server-side activity (some request in flight)
+        self._busy_s = 0.0
+        self._t0 = time.monotonic()
+        self._error: Optional[BaseException] = None
+        self._closed = False
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._unpaused: Optional[asyncio.Event] = None
+        self._wake: Optional[asyncio.Event] = None
+        self._thread: Optional[threading.Thread] = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "RolloutManager":
+        """Start the producer thread (returns self)."""
+        ready = threading.Event()
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(loop)
+            self._loop = loop
+            self._unpaused, self._wake = asyncio.Event(), asyncio.Event()
+            self._unpaused.set()
+            ready.set()
+            try:
+                loop.run_until_complete(self._produce())
+            except BaseException as e:  # surfaces in get_batch
+                with self._cv:
+                    self._error = self._error or e
+                    self._cv.notify_all()
+            finally:
+                try:
+                    pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+                    for t in pending:
+                        t.cancel()
+                    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+                    closer = getattr(self.client, "aclose", None)
+                    if closer is not None:
+                        loop.run_until_complete(closer())
+                finally:
+                    loop.close()
+
+        self._thread = threading.Thread(target=run, name="moerl-rollout-producer", daemon=True)
+        self._thread.start()
+        ready.wait()
+        return self
+
+    def close(self) -> None:
+        """Stop the producer (requests in flight are abandoned; their groups are never trained)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._kick()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def __enter__(self) -> "RolloutManager":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _kick(self) -> None:
+        if self._loop is not None and self._wake is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._wake.set)
+            except RuntimeError:  # loop already closed
+                pass
+
+    # ------------------------------------------------------------------ gate
+    def _limit(self) -> int:
+        """Highest batch a new group may belong to under the staleness rule (module docstring)."""
+        if self.mode == "sync":
+            return self.requested
+        ahead = 1 if self.policy == "drop" and self.mode == "async" else 0
+        return self.steps_done + 1 + self.max_staleness + ahead
+
+    def _next_batch_bound(self) -> int:
+        """Under self._cv: the highest batch the next new group can end up in. The batch in progress
+        (batches_taken + 1) still takes at least ``self._need`` groups from the FIFO and every later
+        batch at least rollout_batch_size, so a group with ``ahead`` groups before it lands at most in
+        batch batches_taken + 1 + max(0, ahead - need + B) // B."""
+        ahead = len(self._fifo)
+        return self.batches_taken + 1 + max(0, ahead - self._need + self.B) // self.B
+
+    def _may_start(self) -> bool:
+        """Called under self._cv."""
+        demand = self._waiting and len(self._fifo) < self._need  # the trainer waits for unstarted groups
+        bound = self._next_batch_bound()
+        if bound > self.num_steps:
+            return demand
+        return bound <= self._limit() or demand
+
+    async def _produce(self) -> None:
+        held_since: Optional[float] = None  # the staleness gate holds the next group back since then
+        while True:
+            self._wake.clear()  # cleared before the check: a kick after it is never lost
+            with self._cv:
+                if self._closed:
+                    return
+                grp = None
+                if self._may_start():
+                    grp = self._next_group()
+                    self._fifo.append(grp)
+                    self._inflight += 1
+                    if held_since is not None:
+                        self._counters["waited_groups"] += 1
+                        self._counters["wait_s"] += time.monotonic() - held_since
+                        held_since = None
+                elif held_since is None and self._held_by_staleness():
+                    held_since = time.monotonic()
+            if grp is None:
+                await self._wake.wait()
+                continue
+            await self._unpaused.wait()
+            grp.started = time.monotonic()
+            asyncio.ensure_future(self._run_group(grp))
+
+    def _held_by_staleness(self) -> bool:
+        """Under self._cv: only the staleness bound (not sync demand or the end of the run) holds the
+        next group back."""
+        return self.mode != "sync" and self._next_batch_bound() <= self.num_steps
+
+    def _next_group(self) -> _Group:
+        while not self._rows:
+            self._draw += 1
+            self._snapshots[self._draw] = self.sampler.state_dict()
+            rows = self.sampler.next_batch()
+            skip, self._skip = self._skip, 0
+            self._rows.extend((self._draw, g, r) for g, r in enumerate(rows) if g >= skip)
+        draw, g, row = self._rows.popleft()
+        return _Group(draw, g, row, self.encode(row[self.prompt_key]))
+
+    # ------------------------------------------------------------------ generation
+    def _busy(self, delta: int) -> None:
+        now = time.monotonic()
+        with self._cv:
+            if self._active_requests == 0 and delta > 0:
+                self._busy_since = now
+            self._active_requests += delta
+            if self._active_requests == 0 and self._busy_since is not None:
+                self._busy_s += now - self._busy_since
+                self._busy_since = None
+
+    async def _post(self, body: dict, grp: _Group) -> dict:
+        self._busy(+1)
+        try:
+            if self.routing_shape is None:
+                return await self.client.post("/generate", body)
+            return await self._post_direct(body, grp)
+        finally:
+            self._busy(-1)
+
+    async def _post_direct(self, body: dict, grp: _Group) -> dict:
+        """R3: sglang-router drops return_routed_experts, so send to a live server (groups round-robin)."""
+        from moerl.rollout.client import RolloutClient
+
+        live = getattr(self.cluster, "live_server_urls", None)
+        urls = list(live() if callable(live) else getattr(self.cluster, "server_urls", None) or [])
+        if not urls:
+            return await self.client.post("/generate", body)
+        url = urls[(grp.draw * self.B + grp.index) % len(urls)]
+        if not hasattr(self, "_direct"):
+            self._direct: dict[str, Any] = {}
+        c = self._direct.get(url)
+        if c is None:
+            c = self._direct[url] = RolloutClient(url, timeout_s=self.client.timeout_s,
+                                                  max_retries=self.client.max_retries, cluster=self.cluster)
+        return await c.post("/generate", body)
+
+    async def _run_sample(self, grp: _Group, k: int) -> Sample:
+        tokens: list[int] = []
+        lps: list[float] = []
+        versions: list[int] = []
+        item = None
+        out: dict = {}
+        for segment in range(MAX_SEGMENTS):
+            await self._unpaused.wait()
+            sp = dict(self.sampling_params, max_new_tokens=self.max_new - len(tokens))
+            keys = (grp.draw, grp.index, k) + ((segment,) if segment else ())
+            sp["sampling_seed"] = sampling_seed(self.seed, *keys)
+            body = {"input_ids": grp.prompt_ids + tokens, "sampling_params": sp, "return_logprob": True,
+                    "rid": f"s{grp.draw}-g{grp.index}-{k}" + (f"-r{segment}" if segment else "")}
+            if self.routing_shape is not None:
+                body["return_routed_experts"] = True
+            out = await self._post(body, grp)
+            got = (out.get("meta_info") or {}).get("id")
+            if got is not None and got != body["rid"]:
+                raise RuntimeError(f"/generate for rid {body['rid']!r} returned the result of {got!r}")
+            item = parse_generate_item(out)
+            tokens += item.response_ids
+            lps += item.rollout_log_probs
+            versions += [_version_int(item.weight_version, self.version)] * len(item.response_ids)
+            if segment:
+                self._counters["resumed_segments"] += 1
+            if item.status != "aborted":
+                break
+            if len(tokens) >= self.max_new:  # cut exactly at the budget: it ended by length
+                item.status = "truncated"
+                break
+        else:
+            raise _GiveUp(f"response {grp.uid}-{k} was cut {MAX_SEGMENTS} times")
+        s = Sample(index=0, group_id=0, prompt=grp.row[self.prompt_key], label=str(grp.row[self.label_key]),
+                   prompt_ids=grp.prompt_ids, response_ids=tokens, rollout_log_probs=lps,
+                   loss_mask=[1] * len(tokens), weight_version=str(max(versions)) if versions else item.weight_version,
+                   status=item.status, metadata={"finish_reason": item.finish_reason, "uid": f"{grp.uid}-{k}",
+                                                 "segments": segment + 1})
+        s.token_versions = versions
+        if self.routing_shape is not None:
+            from moerl.train.rollout import _routed_experts_of
+
+            s.routed_experts = _routed_experts_of(out, s, self.routing_shape)
+        return s
+
+    async def _run_group(self, grp: _Group) -> None:
+        try:
+            samples = await asyncio.gather(*(self._run_sample(grp, k) for k in range(self.n)))
+            for s in samples:  # only finished responses reach here (stop token or length)
+                s.reward = float(self.reward_fn(self.decode(s.response_ids), s.label))
+            grp.samples = list(samples)
+        except _GiveUp as e:
+            grp.failed = str(e)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # a dead server (failover off), a malformed answer: surfaces in get_batch
+            with self._cv:
+                self._error = self._error or e
+                self._cv.notify_all()
+            return
+        with self._cv:
+            self._inflight -= 1
+            self._counters["generated_groups"] += 1
+            self._cv.notify_all()
+        self._kick()
+
+    # ------------------------------------------------------------------ trainer side
+    def get_batch(self, step: int) -> RolloutBatch:
+        """The groups of ``step`` (blocks until they are generated and scored).
+
+        Metrics (floats): reward_mean, accuracy, response_length, truncated_frac, num_samples;
+        rollout/{drawn_groups, dropped_stale_groups, dropped_no_signal_groups, failed_groups,
+        resumed_segments, waited_groups, wait_s, trainer_wait_s, server_busy_frac, buffer_groups};
+        staleness/{mean, max, hist_<v>} over trained tokens; token versions per sample are in
+        ``Sample.token_versions``.
+
+        Raises:
+            whatever stopped the producer (e.g. RolloutServerDiedError), and RuntimeError past num_steps.
+        """
+        if step > self.num_steps:
+            raise RuntimeError(f"batch {step} asked for, but the run has {self.num_steps} steps")
+        t0 = time.monotonic()
+        groups: list[list[Sample]] = []
+        drawn = stale = no_signal = failed = 0
+        with self._cv:
+            self.requested = max(self.requested, step)
+            self._kick()
+            try:
+                while True:
+                    if self._error is not None:
+                        raise self._error
+                    need = (self.B - len(groups)) if self.dynamic else (self.B - drawn)
+                    if self.dynamic:  # at most max_draw groups in all: need no more than are left to draw
+                        need = min(need, self.max_draw - drawn)
+                    self._need = need
+                    if need <= 0:
+                        break
+                    if not self._fifo or self._fifo[0].samples is None and self._fifo[0].failed is None:
+                        self._waiting = True
+                        self._kick()
+                        self._cv.wait(timeout=1.0)
+                        continue
+                    grp = self._fifo.popleft()
+                    drawn += 1
+                    if grp.failed is not None:
+                        failed += 1
+                        self.log(f"WARNING: group {grp.uid} dropped: {grp.failed}")
+                        continue
+                    samples = grp.samples
+                    self._mask_old(samples)
+                    age = max(self.version - min(self._trained_versions(s), default=self.version) for s in samples)
+                    if age > self.max_staleness:
+                        stale += 1
+                        continue
+                    if self.dynamic and len({s.reward for s in samples}) < 2:
+                        no_signal += 1
+                        continue
+                    groups.append(samples)
+            finally:
+                self._waiting = False
+                self._need = self.B
+            self.batches_taken = step
+            buffered = sum(g.samples is not None for g in self._fifo)
+            counters, self._counters = self._counters, collections.Counter()
+            busy = self._busy_s + ((time.monotonic() - self._busy_since) if self._busy_since else 0.0)
+            wall = time.monotonic() - self._t0
+            self._busy_s, self._t0 = 0.0, time.monotonic()
+            if self._busy_since is not None:
+                self._busy_since = self._t0
+        self._kick()
+        return self._finish_batch(step, groups, dict(
+            drawn_groups=drawn, dropped_stale_groups=stale, dropped_no_signal_groups=no_signal,
+            failed_groups=failed, resumed_segments=counters["resumed_segments"],
+            waited_groups=counters["waited_groups"], wait_s=counters["wait_s"],
+            trainer_wait_s=time.monotonic() - t0, server_busy_frac=busy / max(wall, 1e-9),
+            buffer_groups=buffered))
+
+    def _trained_versions(self, s: Sample) -> list[int]:
+        return [v for v, m in zip(s.token_versions, s.loss_mask) if m]
+
+    def _mask_old(self, samples: Sequence[Sample]) -> None:
+        if not self.mask_old:
+            return
+        for s in samples:
+            if s.token_versions:
+                newest = max(s.token_versions)
+                s.loss_mask = [m if v == newest else 0 for m, v in zip(s.loss_mask, s.token_versions)]
+
+    def _finish_batch(self, step: int, groups: list[list[Sample]], rollout: dict) -> RolloutBatch:
+        samples = [s for g in groups for s in g]
+        for gi, g in enumerate(groups):
+            for s in g:
+                s.group_id = gi
+        for i, s in enumerate(samples):
+            s.index = i
+        m: dict = {f"rollout/{k}": float(v) for k, v in rollout.items()}
+        m["num_samples"] = float(len(samples))
+        if samples:
+            m["reward_mean"] = sum(s.reward for s in samples) / len(samples)
+            m["accuracy"] = sum(s.reward >= 1.0 for s in samples) / len(samples)
+            m["response_length"] = sum(s.response_length for s in samples) / len(samples)
+            m["truncated_frac"] = sum(s.status == "truncated" for s in samples) / len(samples)
+            ages = [self.version - v for s in samples for v in self._trained_versions(s)]
+            if ages:
+                m["staleness/mean"] = sum(ages) / len(ages)
+                m["staleness/max"] = float(max(ages))
+                for a in sorted(set(ages)):
+                    m[f"staleness/tokens_{a}"] = float(sum(x == a for x in ages))
+        return RolloutBatch(groups, self.version, m)
+
+    def update_weights(self, push: Optional[Callable[[], Any]], step: int) -> None:
+        """Wrap one weight update after ``step`` (push() returns the new version, int or str; None: the
+        update was skipped, the weights did not change): sync pushes; one_step_off waits until no group
+        is in flight, then pushes; async pauses every server (abort: running requests return what they
+        have, and resume after continue), pushes, continues. Marks ``step`` done either way."""
+        if push is not None:
+            if self.mode == "one_step_off":
+                with self._cv:
+                    while self._inflight and self._error is None:
+                        self._cv.wait(timeout=1.0)
+            paused = self.mode == "async" and self.cluster is not None
+            if paused:
+                self._loop.call_soon_threadsafe(self._unpaused.clear)
+                self.cluster.pause_generation("abort")
+            try:
+                version = push()
+            finally:
+                if paused:
+                    self.cluster.continue_generation()
+                    self._loop.call_soon_threadsafe(self._unpaused.set)
+            with self._cv:
+                self.version = _version_int(version, self.version + 1)
+        with self._cv:
+            self.steps_done = max(self.steps_done, step)
+            self._cv.notify_all()
+        self._kick()
+
+    def state_dict(self) -> dict:
+        """Resume cursor: the sampler state before the draw of the oldest group not yet taken, and that
+        group's index in its draw (the buffer and in-flight requests are regenerated on resume)."""
+        with self._cv:
+            if self._fifo:
+                head = self._fifo[0]
+                draw, skip = head.draw, head.index
+            elif self._rows:
+                draw, skip = self._rows[0][0], self._rows[0][1]
+            else:
+                draw, skip = self._draw + 1, 0
+                self._snapshots[draw] = self.sampler.state_dict()
+            for d in [d for d in self._snapshots if d < draw]:
+                del self._snapshots[d]
+            return {"sampler": dict(self._snapshots[draw]), "draw": draw, "skip": skip}
+
+
+class _GiveUp(Exception):
+    """A response that could not be finished (cut MAX_SEGMENTS times): its group is dropped, counted."""

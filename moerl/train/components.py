@@ -1,0 +1,129 @@
+"""The pieces the main job assembles before RL: the Megatron actor (and MoE telemetry), the rollout
+servers, the warm-start phase and the frozen reference policy. Each is one function so that
+moerl.train.loop reads like the algorithm."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+from moerl.checkpoint.hf_io import load_hf_state_dict, save_hf_checkpoint
+from moerl.moe.config import moe_actor_kwargs
+from moerl.moe.telemetry import MoETelemetry
+from moerl.rollout.launcher import RolloutCluster
+from moerl.rollout.sglang_launcher import launch_sglang_rollout, resolve_host
+from moerl.runtime import world
+from moerl.runtime.world import broadcast_from_main, log
+from moerl.train.actor import MegatronActor, actor_parallel_kwargs
+from moerl.train.sft import evaluate, run_sft
+
+
+def actor_kwargs(cfg) -> dict:
+    """MegatronActor keyword arguments of the recipe's parallel layout, MoE and pipeline keys."""
+    mk = moe_actor_kwargs(cfg)  # balancing loss, z-loss, expert bias, routing, dispatcher (recipe keys)
+    pkw = actor_parallel_kwargs(cfg.parallel)
+    pkw["config_overrides"] = {**pkw.get("config_overrides", {}), **mk["config_overrides"]}
+    pkw["pipeline_schedule"] = cfg.train.pipeline_schedule  # 1f1b | dualpipe | dualpipev (moerl.pipeline)
+    pkw["pipeline_overlap"] = cfg.train.pipeline_overlap  # F&B on two CUDA streams (moerl.pipeline.overlap)
+    pkw["_moe"] = mk
+    return pkw
+
+
+def build_actor(ctx) -> tuple[MegatronActor, Optional[MoETelemetry], dict]:
+    """The trainable policy (init_from weights loaded when given), its expert-load telemetry (RL update
+    passes only; None with moe.telemetry=false) and the actor kwargs (for the reference policy)."""
+    cfg = ctx.cfg
+    pkw = actor_kwargs(cfg)
+    mk = pkw.pop("_moe")
+    actor = MegatronActor(
+        ctx.hf_config, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, adam_beta1=cfg.train.adam_beta1,
+        adam_beta2=cfg.train.adam_beta2, clip_grad=cfg.train.clip_grad,
+        moe_aux_loss_coeff=mk["moe_aux_loss_coeff"], moe_load_balancing_type=mk["moe_load_balancing_type"], **pkw,
+    )
+    telemetry = None
+    if cfg.moe.telemetry:
+        telemetry = MoETelemetry(
+            actor.model, jsonl_path=str(ctx.run_dir / "moe_telemetry.jsonl") if world.is_main() else None,
+            entropy_threshold=cfg.moe.entropy_threshold, dead_expert_steps=cfg.moe.dead_expert_steps, enabled=False,
+        )
+    if ctx.init_hf_state_dict is not None:
+        actor.load_hf_state_dict(ctx.init_hf_state_dict)
+    return actor, telemetry, pkw
+
+
+def rollout_servers(ctx, model_path: str):
+    """(node context, cluster context): entering them starts this job's rollout servers behind
+    sglang-router (reference servers on rank 0, or real SGLang on local rank 0 of every node; a
+    collective for sglang). The cluster context yields the RolloutCluster on rank 0, None elsewhere."""
+    cfg, ro = ctx.cfg, ctx.cfg.rollout
+    cluster_cm = node_cm = contextlib.nullcontext(None)
+    if ro.backend == "sglang":  # collective: local rank 0 of every node starts its node's servers
+        launched = launch_sglang_rollout(
+            model_path, rollout_gpu_ids=ro.gpu_ids, router_port=ro.router_port, base_port=ro.base_port, host=ro.host,
+            tp_size=ro.server_tp_size, dp_size=ro.server_dp_size, ep_size=ro.server_ep_size,
+            mem_fraction_static=ro.mem_fraction_static, colocated=ro.placement == "colocated",
+            external_urls=ro.external_urls, log_dir=str(ctx.run_dir / "logs"), router_policy=ro.router_policy,
+            failover=ro.failover, startup_timeout_s=ro.startup_timeout_s, random_seed=cfg.seed,
+            return_routed_experts=cfg.moe.routing_replay == "r3")
+        if world.is_main():
+            cluster_cm = launched
+        elif launched is not None:
+            node_cm = launched
+    elif world.is_main():
+        cluster_cm = RolloutCluster(
+            model_path=model_path, num_servers=ro.num_servers, host=resolve_host(ro.host), base_port=ro.base_port,
+            router_port=ro.router_port, router_policy=ro.router_policy, threads_per_server=ro.threads_per_server,
+            startup_timeout_s=ro.startup_timeout_s, log_dir=str(ctx.run_dir / "logs"),
+            failover=ro.failover, max_restarts=ro.max_restarts, extra_worker_urls=ro.external_urls,
+        )
+    return node_cm, cluster_cm
+
+
+def warm_start(ctx, actor, client, sync, logger, state, samplers, ckpt, resumed: bool) -> None:
+    """The SFT warm start (unless done or disabled), its HF export, and the greedy evaluation RL starts
+    from (state.summary["accuracy_after_warm_start"]); leaves the actor with RL's learning rate and fresh
+    Adam moments, and ``state.phase == "rl"``."""
+    cfg = ctx.cfg
+    eval_rows = ctx.eval_rows[: cfg.eval.num_prompts]
+    if state.phase == "sft":
+        if not state.sft_done:
+            if not resumed:
+                actor.set_lr(cfg.sft.lr)  # else load_checkpoint rebuilt it and loaded its state
+            run_sft(ctx, actor, client, sync, logger, state, samplers, ckpt)
+        state.summary.update({"sft_steps": state.sft_step, "sft_seconds": state.sft_seconds,
+                              "sft_accuracy": state.sft_accuracy})
+        warm = ctx.run_dir / "hf_warm_start"
+        with sync.trainer_loaded():
+            warm_sd = actor.export_hf_state_dict(dst=0)
+        if world.is_main():
+            save_hf_checkpoint(warm_sd, ctx.hf_config, warm, tokenizer=ctx.tokenizer)
+        log(f"warm-start weights saved to {warm} (reuse with model.init_from={warm} sft.enabled=false)")
+    if state.phase == "sft" or "accuracy_after_warm_start" not in state.summary:
+        sync(actor)
+        acc = evaluate(ctx, client, eval_rows)
+        state.summary["accuracy_after_warm_start"] = acc
+        log(f"EVAL after warm start: greedy accuracy {acc:.4f} on {len(eval_rows)} held-out prompts")
+        if logger is not None:
+            logger.log(0, {"eval/accuracy": acc})
+        state.phase = "rl"
+        with sync.trainer_loaded():
+            actor.set_lr(cfg.train.lr)  # fresh Adam moments for RL
+    state.phase = "rl"
+
+
+def build_reference(ctx, actor, sync, pkw: dict, resumed_rl: bool, init_sd) -> Optional[MegatronActor]:
+    """The frozen policy RL starts from (KL logged, in the loss when algorithm.kl_coef > 0), or None.
+    On a resume inside RL it is rebuilt from the warm-start export (or the init weights)."""
+    cfg = ctx.cfg
+    if not (cfg.algorithm.kl_coef > 0 or cfg.algorithm.reference_policy):
+        return None
+    ref = MegatronActor(ctx.hf_config, trainable=False, **pkw)
+    if resumed_rl:
+        ref_sd = (load_hf_state_dict(str(ctx.run_dir / "hf_warm_start")) if cfg.sft.enabled
+                  else broadcast_from_main(init_sd if world.is_main() else None))
+    else:
+        with sync.trainer_loaded():
+            ref_sd = actor.export_hf_state_dict()
+    ref.load_hf_state_dict(ref_sd)
+    sync.offload_with(ref, include_optimizer=False)  # weights only
+    return ref

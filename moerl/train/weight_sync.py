@@ -1,0 +1,109 @@
+"""The trainer side of weight sync: export the actor's weights and push them to every rollout server.
+
+Pushing goes through RolloutCluster.update_weights (retry on the survivors when a server dies during the
+push; restore a restarted server) with the transport of rollout.weight_sync (moerl.rollout.weight_sync:
+disk | tensor | distributed). Colocated placement (moerl.rollout.placement) releases / resumes server
+memory and offloads the trainer around it. In RL the RolloutManager wraps every push (pause / drain,
+push, continue).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+from moerl.rollout.launcher import RolloutCluster, failover_restorer
+from moerl.rollout.placement import RolloutPlacement
+from moerl.rollout.weight_sync import DistributedWeightUpdater, resolve_master_address, sync_weights
+from moerl.runtime import world
+from moerl.train.offload import ActorOffloader
+
+
+class WeightSync:
+    """Pushes the actor's weights to every rollout server and tracks weight_version.
+
+    Collective: every rank calls it (the HF export gathers the TP/EP/PP shards onto rank 0); only
+    rank 0, which holds ``cluster``, talks to the servers (``cluster`` is None elsewhere)."""
+
+    def __init__(self, ctx: RunContext, cluster: Optional[RolloutCluster], version: int = 0):
+        """Raises ValueError (before any push) when rollout.weight_sync=distributed and the servers'
+        rendezvous address (rollout.weight_sync_master_address, else rollout.host; "auto" resolved)
+        is loopback / wildcard while some server runs on another machine."""
+        self.ctx, self.cluster, self.version = ctx, cluster, version
+        ro = ctx.cfg.rollout
+        self.updater: Optional[DistributedWeightUpdater] = None  # rollout.weight_sync == "distributed"
+        self.master_address: Optional[str] = None
+        if cluster is not None and ro.weight_sync == "distributed":
+            self.master_address = resolve_master_address(ro.weight_sync_master_address, ro.host,
+                                                         list(cluster.server_urls) + list(cluster.extra_worker_urls))
+        # rollout.placement: colocated releases / resumes server memory around training (every rank
+        # calls the trainer offload hooks; rank 0 alone talks to the servers). Colocated: the actors
+        # given to offload_with() go to host memory while rollout runs (moerl.train.offload).
+        # Released / resumed: the live servers moerl started on every node (this cluster's and the
+        # other nodes', RolloutCluster.colocated_server_urls), never rollout.external_urls (not
+        # moerl's: they keep their memory and only get the weights). With several ranks a barrier
+        # follows every trainer offload and precedes every reload, so rank 0 resumes the servers only
+        # once every rank has offloaded, and no rank reloads before rank 0 released the servers.
+        off = self.offloader = ActorOffloader([], log=world.log) if ro.placement == "colocated" else None
+
+        def offload() -> None:
+            off.offload()
+            world.barrier()
+
+        def reload() -> None:
+            world.barrier()
+            off.reload()
+
+        self.placement = RolloutPlacement(ro.placement,
+                                          cluster.colocated_server_urls if cluster is not None else None,
+                                          offload_trainer=offload if off else None,
+                                          reload_trainer=reload if off else None)
+
+    def offload_with(self, actor, include_optimizer: bool = True) -> None:
+        """Colocated placement: offload ``actor`` with the trainer (weights only when
+        include_optimizer is False, e.g. the reference policy); no-op otherwise."""
+        if self.offloader is not None:
+            self.offloader.add(actor, include_optimizer)
+
+    def trainer_loaded(self):
+        """Context in which the offloaded actors are on the device (reloaded, offloaded again on
+        exit): checkpoints, exports and optimizer rebuilds between rollouts."""
+        return self.offloader.loaded() if self.offloader is not None else contextlib.nullcontext()
+
+    def __call__(self, actor: MegatronActor) -> str:
+        self.version += 1
+        version = str(self.version)
+        with self.trainer_loaded():
+            hf_sd = actor.export_hf_state_dict(dst=0)
+        self.placement.before_weight_sync()
+        if self.cluster is not None:
+            ro = self.ctx.cfg.rollout
+            bucket_bytes = int(ro.weight_sync_bucket_mb * (1 << 20))
+            out_root = self.ctx.run_dir / "weights"
+
+            def push(urls: list[str]) -> None:
+                if ro.weight_sync == "distributed" and (self.updater is None or self.updater.server_urls != urls):
+                    if self.updater is not None:
+                        self.updater.close()
+                        self.updater = None
+                    if urls:  # [] (failover: every server restarting): nothing to push, the restorer catches up
+                        self.updater = DistributedWeightUpdater(urls, master_address=self.master_address,
+                                                                backend=ro.weight_sync_backend)
+                try:
+                    sync_weights(ro.weight_sync, urls, hf_sd, version, bucket_bytes=bucket_bytes,
+                                 hf_config=self.ctx.hf_config, out_root=out_root, updater=self.updater)
+                except Exception:
+                    if self.updater is not None:  # the group may be out of step: rebuild it next time
+                        self.updater.close()
+                        self.updater = None
+                    raise
+
+            def restore(url: str) -> None:  # what a restarted server receives before it serves again;
+                # built when called, so disk mode finds (and reloads) the version directory push wrote
+                failover_restorer(ro.weight_sync, hf_sd, version, out_root, bucket_bytes=bucket_bytes)(url)
+
+            # A server that dies during the push (failover on) is restarted and restored later; the
+            # cluster retries the push once on the survivors (RolloutCluster.update_weights).
+            self.cluster.update_weights(version, push, restore=restore if ro.failover else None)
+        self.placement.before_rollout()
+        return version
