@@ -46,7 +46,7 @@ EXPECTED_TINY = {
         "weight_sync_backend": "gloo", "weight_sync_master_address": None, "backend": "reference",
         "placement": "disaggregated", "gpu_ids": [], "server_tp_size": 1, "server_dp_size": 1,
         "server_ep_size": 1, "mem_fraction_static": 0.8, "external_urls": [], "failover": True, "max_restarts": 3,
-        "dynamic_sampling": False, "max_oversample_factor": 3.0,
+        "dynamic_sampling": False, "max_oversample_factor": 3.0, "cpu_affinity": [],
     },
     "algorithm": {
         "advantage_estimator": "grpo", "policy_loss": "gspo", "loss_agg_mode": "seq-mean-token-mean",
@@ -66,7 +66,7 @@ EXPECTED_TINY = {
         "save_every_minutes": 0.0, "keep_checkpoints": 3, "pack": True,
         "max_tokens_per_micro_batch": 2048, "pack_balance": "tokens", "pipeline_schedule": "1f1b",
         "pipeline_overlap": False, "mode": "sync", "max_staleness": 1, "staleness_policy": "wait",
-        "partial_rollout_mask_old": False,
+        "partial_rollout_mask_old": False, "cpu_affinity": [],
     },
     "sft": {
         "enabled": True, "lr": 1.0e-3, "global_batch_size": 128, "micro_batch_size": 128, "max_steps": 3000,

@@ -5,6 +5,7 @@ moerl.train.loop reads like the algorithm."""
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Optional
 
 from moerl.checkpoint.hf_io import load_hf_state_dict, save_hf_checkpoint
@@ -76,7 +77,24 @@ def rollout_servers(ctx, model_path: str):
             startup_timeout_s=ro.startup_timeout_s, log_dir=str(ctx.run_dir / "logs"),
             failover=ro.failover, max_restarts=ro.max_restarts, extra_worker_urls=ro.external_urls,
         )
+    if ro.cpu_affinity:
+        cluster_cm, node_cm = pinned_start(cluster_cm, ro.cpu_affinity), pinned_start(node_cm, ro.cpu_affinity)
     return node_cm, cluster_cm
+
+
+@contextlib.contextmanager
+def pinned_start(cm, cores: list[int]):
+    """Enter ``cm`` (which starts server processes) with this process pinned to ``cores``, so the
+    processes it starts inherit that CPU affinity (rollout.cpu_affinity), then restore this process's
+    own affinity. A server restarted later by failover inherits the trainer's affinity instead."""
+    with contextlib.ExitStack() as stack:
+        mine = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, set(cores))
+        try:
+            entered = stack.enter_context(cm)
+        finally:
+            os.sched_setaffinity(0, mine)
+        yield entered
 
 
 def warm_start(ctx, actor, client, sync, logger, state, samplers, ckpt, resumed: bool) -> None:

@@ -48,6 +48,8 @@ def train(cfg) -> dict:
     """Run the main job for a validated RecipeConfig; returns the final summary dict (also written
     to <output_dir>/summary.json by rank 0). Works in one process and under torchrun."""
     t_start = time.time()
+    if cfg.train.cpu_affinity:  # emulate a trainer device (rollout.cpu_affinity pins the servers)
+        os.sched_setaffinity(0, set(cfg.train.cpu_affinity))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
     dist = init_distributed(tp_size=cfg.parallel.tp_size, pp_size=cfg.parallel.pp_size, ep_size=cfg.parallel.ep_size,
                             etp_size=cfg.parallel.etp_size, seed=cfg.seed,
