@@ -1,0 +1,280 @@
+"""RolloutManager (moerl.rollout.manager) against a simulated SGLang server pool: the staleness bound
+holds for every trained token in every mode and policy, async with max_staleness 0 reproduces sync,
+one_step_off trains on the previous version, weight updates cut and resume responses (per-token
+versions and behaviour log-probs kept, partial_rollout_mask_old honoured), a cut response is never
+scored as complete, dynamic sampling counts what it draws and drops, and a resume from the cursor
+neither loses nor repeats a group.
+
+The simulated servers are independent of the manager: each token is a deterministic function of the
+request's rid and position, its log-prob encodes the weight version that produced it, and a pause
+(mode abort) cuts every running request after the tokens it has produced so far, like SGLang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from moerl.data.dataset import PromptSampler
+from moerl.rollout.manager import MAX_SEGMENTS, RolloutManager
+
+PROMPT_LEN = 4
+STOP = 1
+
+
+def _h(*keys) -> int:
+    return int.from_bytes(hashlib.sha256("/".join(map(str, keys)).encode()).digest()[:4], "little")
+
+
+class FakeServers:
+    """An SGLang-like server pool: /generate with per-token delay, pause (abort) / continue, versions.
+
+    A response's full length is ``2 + _h(base rid) % (max_new - 1)`` tokens (the last one the stop token
+    when it fits); token j of response ``base rid`` is ``10 + _h(base rid, j) % 50``, whatever segment
+    produces it; its log-prob is ``-(version + 1) / 100 - j / 1000``, so a test can read which version
+    produced each token.
+    """
+
+    def __init__(self, token_s: float = 0.002, max_new: int = 8, abort_first: int = 0, abort_after: int = 1):
+        self.version = 0
+        self.token_s = token_s
+        self.max_new = max_new
+        self.paused = False
+        self._lock = threading.Lock()
+        self._running: dict[int, dict] = {}
+        self.pauses = 0
+        self.requests: list[str] = []
+        self.abort_first = abort_first  # answer the first N segments of every response with an abort ...
+        self.abort_after = abort_after  # ... after this many tokens
+
+    async def post(self, path: str, body: dict) -> dict:
+        assert path == "/generate"
+        while self.paused:
+            await asyncio.sleep(0.001)
+        rid = body["rid"]
+        base = rid.split("-r")[0]
+        with self._lock:
+            self.requests.append(rid)
+            req = {"abort": False}
+            self._running[id(req)] = req
+            version = self.version
+        done = len(body["input_ids"]) - PROMPT_LEN
+        total = 2 + _h(base) % (self.max_new - 1)
+        budget = body["sampling_params"]["max_new_tokens"]
+        toks, lps, finish = [], [], None
+        segment = int(rid.split("-r")[1]) if "-r" in rid else 0
+        try:
+            for j in range(done, done + budget):
+                await asyncio.sleep(self.token_s)
+                if req["abort"] or (segment < self.abort_first and j >= done + self.abort_after):
+                    finish = {"type": "abort", "message": "Abort request"}
+                    break
+                tok = STOP if j == total - 1 else 10 + _h(base, j) % 50
+                toks.append(tok)
+                lps.append(-(version + 1) / 100 - j / 1000)
+                if tok == STOP:
+                    finish = {"type": "stop", "matched": STOP}
+                    break
+            if finish is None:
+                finish = {"type": "length", "length": budget}
+        finally:
+            with self._lock:
+                self._running.pop(id(req), None)
+        return {"text": "", "output_ids": toks,
+                "meta_info": {"id": rid, "finish_reason": finish, "weight_version": str(version),
+                              "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, toks)]}}
+
+    # cluster side (called from the trainer thread)
+    def pause_generation(self, mode: str = "abort"):
+        assert mode == "abort"
+        self.pauses += 1
+        self.paused = True
+        with self._lock:
+            for req in self._running.values():
+                req["abort"] = True
+        while True:  # SGLang answers once the aborted requests are out
+            with self._lock:
+                if not self._running:
+                    return []
+            time.sleep(0.001)
+
+    def continue_generation(self):
+        self.paused = False
+        return []
+
+    def push(self) -> int:
+        self.version += 1
+        return self.version
+
+
+def _cfg(mode="async", max_staleness=1, policy="wait", B=4, n=2, max_new=8, mask_old=False, dynamic=False,
+         factor=3.0):
+    return SimpleNamespace(
+        seed=7,
+        train=SimpleNamespace(mode=mode, max_staleness=max_staleness, staleness_policy=policy,
+                              partial_rollout_mask_old=mask_old),
+        rollout=SimpleNamespace(n_samples_per_prompt=n, rollout_batch_size=B, dynamic_sampling=dynamic,
+                                max_oversample_factor=factor, max_new_tokens=max_new, temperature=1.0, top_p=1.0,
+                                top_k=-1, placement="disaggregated"),
+        data=SimpleNamespace(prompt_key="prompt", label_key="label"))
+
+
+def _manager(servers, cfg, num_steps, state=None, steps_done=0, reward=None):
+    rows = [{"prompt": f"p{i}", "label": str(i)} for i in range(50)]
+    reward = reward or (lambda text, label: float(_h(text, label) % 2))
+    return RolloutManager(client=servers, cluster=servers, sampler=PromptSampler(rows, cfg.rollout.rollout_batch_size, 3),
+                          encode=lambda t: [2] * PROMPT_LEN, decode=lambda ids: " ".join(map(str, ids)),
+                          reward_fn=reward, cfg=cfg, eos_id=STOP, num_steps=num_steps, version=servers.version,
+                          steps_done=steps_done, state=state, log=lambda m: None)
+
+
+def _run(servers, cfg, num_steps, train_s=0.01, manager=None, first=1, stop_after=None):
+    """Simulated trainer: take each batch, 'train', push. Returns (batches, manager)."""
+    mgr = manager or _manager(servers, cfg, num_steps)
+    out = []
+    with mgr:
+        for step in range(first, num_steps + 1):
+            batch = mgr.get_batch(step)
+            out.append(batch)
+            time.sleep(train_s * (1 + step % 3))
+            mgr.update_weights(servers.push, step)
+            if stop_after == step:
+                return out, mgr
+    return out, mgr
+
+
+def _check_versions(batch, servers_version_before_push):
+    """Per-token versions are the ones the simulated server encoded in the log-probs."""
+    for s in batch.samples:
+        assert len(s.token_versions) == len(s.response_ids) == len(s.rollout_log_probs) == len(s.loss_mask)
+        for j, (v, lp) in enumerate(zip(s.token_versions, s.rollout_log_probs)):
+            assert lp == pytest.approx(-(v + 1) / 100 - j / 1000)
+        assert batch.trainer_version == servers_version_before_push
+
+
+@pytest.mark.parametrize("policy", ["wait", "drop"])
+@pytest.mark.parametrize("eta", [1, 2, 4])
+def test_staleness_bound_holds_for_every_trained_token(eta, policy):
+    servers = FakeServers(token_s=0.003)
+    batches, _ = _run(servers, _cfg(max_staleness=eta, policy=policy), num_steps=14, train_s=0.01)
+    ages, uids, resumed, dropped = [], [], 0, 0
+    for step, b in enumerate(batches, start=1):
+        _check_versions(b, step - 1)
+        for s in b.samples:
+            trained = [b.trainer_version - v for v, m in zip(s.token_versions, s.loss_mask) if m]
+            assert trained and max(trained) <= eta, (step, s.metadata["uid"], s.token_versions)
+            ages += trained
+            uids.append(s.metadata["uid"])
+        resumed += b.metrics["rollout/resumed_segments"]
+        dropped += b.metrics["rollout/dropped_stale_groups"]
+        # every group of the batch is accounted for: trained or dropped as stale
+        assert b.metrics["rollout/drawn_groups"] == 4 == len(b.groups) + b.metrics["rollout/dropped_stale_groups"]
+    assert len(uids) == len(set(uids))  # no sample trained twice
+    assert max(ages) >= 1  # the run really was off-policy
+    assert resumed > 0 and servers.pauses == 14  # weight updates landed in flight and cut responses
+    if policy == "wait":
+        assert dropped == 0  # the gate alone keeps the bound
+
+
+def test_async_with_staleness_0_reproduces_sync():
+    runs = {}
+    for mode in ("sync", "async"):
+        servers = FakeServers()
+        batches, _ = _run(servers, _cfg(mode=mode, max_staleness=0), num_steps=6)
+        runs[mode] = [[(s.metadata["uid"], s.response_ids, s.rollout_log_probs, s.token_versions, s.reward,
+                        s.loss_mask) for s in b.samples] + [b.trainer_version] for b in batches]
+        assert all(v == b.trainer_version for b in batches for s in b.samples for v in s.token_versions)
+    assert runs["async"] == runs["sync"]
+
+
+def test_one_step_off_trains_each_batch_one_version_late_and_never_cuts():
+    servers = FakeServers()
+    batches, _ = _run(servers, _cfg(mode="one_step_off", max_staleness=1), num_steps=6, train_s=0.02)
+    assert servers.pauses == 0 and not any("-r" in r for r in servers.requests)
+    for step, b in enumerate(batches, start=1):
+        want = 0 if step == 1 else 1  # batch k+1 was generated while step k trained
+        assert {b.trainer_version - v for s in b.samples for v in s.token_versions} == {want}, step
+
+
+@pytest.mark.parametrize("mask_old", [False, True])
+def test_resumed_responses_keep_per_token_versions_and_mask_old(mask_old):
+    servers = FakeServers(token_s=0.004)
+    batches, _ = _run(servers, _cfg(max_staleness=2, mask_old=mask_old), num_steps=8, train_s=0.01)
+    mixed = [s for b in batches for s in b.samples if len(set(s.token_versions)) > 1]
+    assert mixed, "no response spanned two versions"
+    for s in mixed:
+        newest = max(s.token_versions)
+        # each token's version is the one of the segment that produced it (versions never decrease)
+        assert s.token_versions == sorted(s.token_versions) and s.metadata["segments"] > 1
+        want = [int(v == newest) if mask_old else 1 for v in s.token_versions]
+        assert s.loss_mask == want
+        # the whole response is the one the server would give uncut (same tokens, in order)
+        base = s.metadata["uid"]
+        d, g, k = base.split("-")
+        total = 2 + _h(f"s{d}-g{g}-{k}") % 7
+        assert len(s.response_ids) == total and s.response_ids[-1] == STOP and s.status == "completed"
+
+
+def test_a_cut_response_is_continued_before_it_is_scored_and_given_up_after_max_segments():
+    scored = []
+
+    def reward(text, label):
+        scored.append(text)
+        return 1.0
+
+    servers = FakeServers(abort_first=2)  # every response is cut after 1 token, twice, then finishes
+    cfg = _cfg(mode="sync", n=2, B=2)
+    batches, _ = _run(servers, cfg, num_steps=2, manager=_manager(servers, cfg, 2, reward=reward))
+    for b in batches:
+        for s in b.samples:
+            assert s.metadata["segments"] == min(3, len(s.response_ids)) >= 2
+            assert s.status == "completed" and s.response_ids[-1] == STOP
+    full = {" ".join(map(str, s.response_ids)) for b in batches for s in b.samples}
+    assert set(scored) == full and len(scored) == 8  # only whole responses were scored, each once
+    servers = FakeServers(abort_first=MAX_SEGMENTS + 1, abort_after=0)  # never finishes: the group is dropped, counted
+    mgr = _manager(servers, _cfg(mode="sync", n=2, B=2), num_steps=1, reward=reward)
+    with mgr:
+        b = mgr.get_batch(1)
+    assert b.groups == [] and b.metrics["rollout/failed_groups"] == 2
+
+
+def test_dynamic_sampling_collects_groups_with_signal_and_counts_the_rest():
+    servers = FakeServers()
+    cfg = _cfg(mode="sync", B=4, n=4, dynamic=True, factor=2.0)
+    batches, _ = _run(servers, cfg, num_steps=5)
+    for b in batches:
+        m = b.metrics
+        assert all(len({s.reward for s in g}) == 2 for g in b.groups)  # every kept group has variance
+        assert m["rollout/drawn_groups"] == len(b.groups) + m["rollout/dropped_no_signal_groups"]
+        assert m["rollout/drawn_groups"] <= 8  # max_oversample_factor * rollout_batch_size
+        assert len(b.groups) == 4 or m["rollout/drawn_groups"] == 8
+    assert sum(b.metrics["rollout/dropped_no_signal_groups"] for b in batches) > 0
+
+
+def test_resume_from_the_cursor_loses_and_repeats_no_group():
+    cfg = _cfg(max_staleness=2, policy="wait")
+    servers = FakeServers()
+    first, mgr = _run(servers, cfg, num_steps=10, stop_after=4)  # killed after step 4 (buffer full)
+    state = mgr.state_dict()
+    assert state["draw"] == 5 and state["skip"] == 0
+    mgr2 = _manager(servers, cfg, num_steps=10, state=state, steps_done=4)
+    rest, _ = _run(servers, cfg, num_steps=10, manager=mgr2, first=5)
+    uids = [s.metadata["uid"] for b in first + rest for s in b.samples]
+    assert len(uids) == len(set(uids)) == 10 * 4 * 2
+    assert {u.rsplit("-", 2)[0] for u in uids} == {str(d) for d in range(1, 11)}  # draws 1..10, in order
+    # the resumed run draws the prompts the uninterrupted run would have
+    servers3 = FakeServers()
+    whole, _ = _run(servers3, cfg, num_steps=10)
+    assert [s.prompt for b in whole for s in b.samples] == [s.prompt for b in first + rest for s in b.samples]
+
+
+def test_colocated_placement_is_refused_outside_sync():
+    cfg = _cfg(mode="async")
+    cfg.rollout.placement = "colocated"
+    with pytest.raises(ValueError, match="rollout.placement"):
+        _manager(FakeServers(), cfg, num_steps=1)
