@@ -301,14 +301,18 @@ def test_server_returns_routed_experts_equal_to_a_transformers_forward(tmp_path)
         engine.close()
 
 
-def test_generate_rollout_stores_the_servers_routing(tmp_path):
-    """moerl.train.rollout.generate_rollout with routing_shape: each Sample.routed_experts is the server's
-    routing ([prompt + response - 1, L, K]), equal to a transformers recomputation."""
+def test_rollout_manager_stores_the_servers_routing(tmp_path):
+    """moerl.rollout.manager.RolloutManager with routing_shape (moe.routing_replay=r3): each
+    Sample.routed_experts is the server's routing ([prompt + response - 1, L, K]), equal to a
+    transformers recomputation."""
+    from types import SimpleNamespace
+
     from transformers import AutoModelForCausalLM
 
+    from moerl.data.dataset import PromptSampler
+    from moerl.rollout.manager import RolloutManager
     from moerl.rollout.server import ReferenceEngine
     from moerl.rollout.testing import make_tiny_moe_checkpoint
-    from moerl.train.rollout import generate_rollout
 
     make_tiny_moe_checkpoint(str(tmp_path), seed=2)
     ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
@@ -316,15 +320,25 @@ def test_generate_rollout_stores_the_servers_routing(tmp_path):
     engine = ReferenceEngine(str(tmp_path))
 
     class Client:  # no cluster: requests go to this one engine
-        def generate_many(self, requests):
-            assert all(b.get("return_routed_experts") is True for b in requests)
-            return [engine.generate(b) for b in requests]
+        async def post(self, path, body):
+            assert path == "/generate" and body.get("return_routed_experts") is True
+            return engine.generate(body)
 
+    recipe = SimpleNamespace(
+        seed=1, train=SimpleNamespace(mode="sync", max_staleness=0, staleness_policy="wait",
+                                      partial_rollout_mask_old=False),
+        rollout=SimpleNamespace(n_samples_per_prompt=2, rollout_batch_size=2, dynamic_sampling=False,
+                                max_oversample_factor=1.0, max_new_tokens=5, temperature=1.0, top_p=1.0, top_k=-1,
+                                placement="disaggregated"),
+        data=SimpleNamespace(prompt_key="prompt", label_key="label"))
+    rows = [{"prompt": "1+2=", "label": "3"}, {"prompt": "4+4=", "label": "8"}]
+    manager = RolloutManager(client=Client(), cluster=None, sampler=PromptSampler(rows, 2, 0),
+                             encode=lambda t: [3 + "0123456789+=".index(c) for c in t], decode=str,
+                             reward_fn=lambda text, label: 0.0, cfg=recipe, eos_id=1, num_steps=1, version=0,
+                             routing_shape=(cfg.num_hidden_layers, cfg.num_experts_per_tok))
     try:
-        rows = [{"prompt": "1+2=", "label": "3"}, {"prompt": "4+4=", "label": "8"}]
-        samples = generate_rollout(Client(), rows, lambda t: [3 + "0123456789+=".index(c) for c in t],
-                                   n_samples_per_prompt=2, sampling_params={"max_new_tokens": 5, "temperature": 1.0},
-                                   seed=1, step=1, routing_shape=(cfg.num_hidden_layers, cfg.num_experts_per_tok))
+        with manager:
+            samples = manager.get_batch(1).samples
     finally:
         engine.close()
     assert len(samples) == 4

@@ -36,7 +36,8 @@ def step_line(step: int, total: int, m: dict, eta: float) -> str:
         f"step {step}/{total} reward {g('reward_mean')} acc {g('accuracy')} "
         f"kl {g('train/kl', '{:.2e}')} entropy {g('train/entropy')} aux {g('train/aux_loss', '{:.4f}')} "
         f"resp_len {g('response_length', '{:.2f}')} lp_diff {g('logprob_abs_diff_mean', '{:.1e}')} "
-        f"ratio {g('train/ratio_mean', '{:.6f}')} pack_util {g('train/pack_utilisation')} | {t} | eta {eta:.0f}s"
+        f"ratio {g('train/ratio_mean', '{:.6f}')} pack_util {g('train/pack_utilisation')} "
+        f"stale {g('staleness/mean', '{:.2f}')} | {t} | eta {eta:.0f}s"
     )
     if "eval/accuracy" in m:
         line += f" | EVAL greedy acc {m['eval/accuracy']:.4f}"

@@ -402,9 +402,7 @@ class RolloutManager:
                                                  "segments": segment + 1})
         s.token_versions = versions
         if self.routing_shape is not None:
-            from moerl.train.rollout import _routed_experts_of
-
-            s.routed_experts = _routed_experts_of(out, s, self.routing_shape)
+            s.routed_experts = routed_experts_of(out, s, self.routing_shape)
         return s
 
     async def _run_group(self, grp: _Group) -> None:
@@ -574,6 +572,32 @@ class RolloutManager:
             for d in [d for d in self._snapshots if d < draw]:
                 del self._snapshots[d]
             return {"sampler": dict(self._snapshots[draw]), "draw": draw, "skip": skip}
+
+
+def routed_experts_of(out: dict, sample: Sample, routing_shape: tuple[int, int]):
+    """Decode meta_info.routed_experts of one /generate item (moerl.moe.routing_replay wire format).
+
+    Raises:
+        RolloutRequestError: missing (the server was not started with routing recording: real SGLang
+            needs --enable-return-routed-experts) or of the wrong length.
+    """
+    from moerl.moe.routing_replay import decode_routed_experts
+    from moerl.rollout.errors import RolloutRequestError
+
+    payload = out.get("meta_info", {}).get("routed_experts")
+    if payload is None:
+        raise RolloutRequestError("moe.routing_replay=r3 but the server returned no meta_info.routed_experts "
+                                  "(SGLang must run with --enable-return-routed-experts; sglang-router 0.3.2 drops "
+                                  "the request field, so send R3 requests to the servers directly)")
+    try:
+        routed = decode_routed_experts(payload, *routing_shape)
+    except ValueError as e:
+        raise RolloutRequestError(str(e)) from None
+    want = len(sample.prompt_ids) + len(sample.response_ids) - 1
+    if routed.shape[0] != want:
+        raise RolloutRequestError(f"meta_info.routed_experts has {routed.shape[0]} positions, expected "
+                                  f"prompt + completion - 1 = {want}")
+    return routed
 
 
 class _GiveUp(Exception):
