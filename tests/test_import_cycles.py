@@ -310,3 +310,12 @@ if __name__ == "__main__":  # python tests/test_import_cycles.py: print the cycl
     g, es = build_graph()
     cs = find_cycles(g)
     print(describe_cycles(cs, g, es) if cs else f"no import cycles among {len(g)} modules")
+
+
+def test_rl_loop_reads_like_the_algorithm_in_at_most_250_lines():
+    """moerl/train/loop.py holds the algorithm only (rollout -> reward -> advantages -> log-probs ->
+    update -> weight sync -> log); checkpointing, weight-sync plumbing, batch assembly and the rollout
+    manager live in their own modules (shared/design/ARCHITECTURE.md)."""
+    loop = Path(__file__).resolve().parents[1] / "moerl" / "train" / "loop.py"
+    n = len(loop.read_text().splitlines())
+    assert n <= 250, f"moerl/train/loop.py has {n} lines (budget 250): move plumbing to its own module"
