@@ -10,8 +10,10 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
+import httpx
 import psutil
 import pytest
 
@@ -88,6 +90,18 @@ def test_cluster_generate_kill_and_shutdown(ckpt, tmp_path):
                 [{"input_ids": [4, 5], "sampling_params": {"max_new_tokens": 2}}])
             assert len(r[0]["output_ids"]) <= 2
 
+        # pause / continue: sglang-router does not forward them (404), the cluster calls each server
+        for path in ("/pause_generation", "/continue_generation"):
+            assert httpx.post(cluster.router_url + path, json={}, timeout=30).status_code == 404
+        assert cluster.pause_generation("abort") == cluster.server_urls
+        waiting = threading.Thread(target=lambda: outs.append(client.generate_many(reqs[:1])))
+        waiting.start()
+        time.sleep(0.5)
+        assert waiting.is_alive()  # paused servers hold the request
+        assert cluster.continue_generation() == cluster.server_urls
+        waiting.join(60)
+        assert outs[-1][0]["output_ids"] == outs[0]["output_ids"]
+
         # kill -9 server 1: check_alive and the client name it
         victim = pids[1]
         os.kill(victim, signal.SIGKILL)
@@ -102,6 +116,8 @@ def test_cluster_generate_kill_and_shutdown(ckpt, tmp_path):
         assert "server 1" in str(err) and "SIGKILL" in str(err) and str(victim) in str(err)
         with pytest.raises(RolloutServerDiedError, match="server 1"):
             client.generate_many(reqs[:2])
+        with pytest.raises(RolloutServerDiedError, match="server 1"):  # without failover a dead server is named
+            cluster.pause_generation("retract")
     # shutdown (by the with block) leaves no child process behind
     for pid in pids:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
@@ -502,3 +518,56 @@ def test_port_check_resolves_rollout_host_auto():
         s.listen(1)
         with pytest.raises(PortInUseError, match=rf"port {base} on .* rollout.base_port"):
             check_ports_free(SimpleNamespace(host="auto", base_port=base, num_servers=1, router_port=router))
+
+
+class _Proc:
+    """A server process stand-in whose poll() reports SIGKILL from monotonic time ``dies_at`` on (None: never)."""
+
+    def __init__(self, dies_at=None):
+        self.dies_at, self.pid, self.returncode = dies_at, 1, None
+
+    def poll(self):
+        if self.dies_at is not None and time.monotonic() >= self.dies_at:
+            self.returncode = -9
+        return self.returncode
+
+
+def test_pause_and_continue_reach_every_server_and_tolerate_a_dead_one(ckpt, tmp_path):
+    """pause_generation / continue_generation go to the cluster's live servers and to its external
+    URLs (in-process reference servers here). A server that dies meanwhile (connection refused a moment
+    before its process can be reaped) is skipped with failover (it comes back unpaused after its restart)
+    and named without; a live server or external URL that fails is named."""
+    from moerl.rollout.errors import RolloutError
+    from moerl.rollout.inprocess import serve_in_thread
+    from moerl.rollout.launcher import _Child
+
+    base, router = _free_ports(2)
+    own, ext = ReferenceEngine(ckpt), ReferenceEngine(ckpt)
+    try:
+        with serve_in_thread(own, port=base) as u0, serve_in_thread(ext) as ue:
+            for failover in (True, False):
+                c = RolloutCluster(ckpt, num_servers=2, base_port=base, router_port=router, failover=failover,
+                                   extra_worker_urls=[ue])
+                u1 = c.server_urls[1]  # nothing listens there: the server is dying
+                c._servers = [_Child("server 0", 0, u0, "", _Proc(), None),
+                              _Child("server 1", 1, u1, "", _Proc(time.monotonic() + 0.3), None)]
+                with pytest.raises(ValueError, match="mode must be one of"):
+                    c.pause_generation("halt")
+                if not failover:
+                    with pytest.raises(RolloutServerDiedError, match=rf"server 1 \({u1}"):
+                        c.pause_generation()
+                    continue
+                assert c.pause_generation("retract") == [u0, ue] and own.paused and ext.paused
+                assert c.continue_generation() == [u0, ue] and not own.paused and not ext.paused
+            # an external URL that does not answer is an error naming it (it is no server of this cluster)
+            dead_ext = f"http://127.0.0.1:{router}"
+            c = RolloutCluster(ckpt, num_servers=1, base_port=base, router_port=router + 1, failover=True,
+                               extra_worker_urls=[dead_ext])
+            c._servers = [_Child("server 0", 0, u0, "", _Proc(), None)]
+            with pytest.raises(RolloutError, match=rf"/pause_generation failed on 1 of 2 servers:\n.*{dead_ext}"):
+                c.pause_generation()
+            assert own.paused  # the live server was paused all the same
+            own.continue_generation()
+    finally:
+        own.close()
+        ext.close()

@@ -193,6 +193,51 @@ def test_response_fields_exist(sglang_src):
     assert api.UPDATE_RESPONSE_FIELDS <= out
 
 
+def _literal_default(tree: ast.Module, cls: str, field: str) -> tuple[tuple, object]:
+    """(values of ``field: Literal[...]``, its default) in class ``cls``."""
+    for n in _classes(tree)[cls].body:
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and n.target.id == field:
+            ann = n.annotation
+            assert isinstance(ann, ast.Subscript) and getattr(ann.value, "id", None) == "Literal", ast.dump(ann)
+            elts = ann.slice.elts if isinstance(ann.slice, ast.Tuple) else [ann.slice]
+            return tuple(e.value for e in elts), (n.value.value if isinstance(n.value, ast.Constant) else None)
+    raise KeyError(f"{cls}.{field}")
+
+
+def _response_content(tree: ast.Module, func: str) -> dict:
+    """The constant ``content={...}`` dict an http_server endpoint answers with."""
+    for n in ast.walk(function(tree, func)):
+        if isinstance(n, ast.keyword) and n.arg == "content" and isinstance(n.value, ast.Dict):
+            return {k.value: v.value for k, v in zip(n.value.keys, n.value.values)
+                    if isinstance(k, ast.Constant) and isinstance(v, ast.Constant)}
+    raise KeyError(f"no content={{...}} in {func}")
+
+
+def test_pause_and_continue_generation_contract(sglang_src):
+    """/pause_generation's ``mode`` takes exactly moerl's PAUSE_MODES (default "abort"),
+    /continue_generation has no field of its own (moerl sends {}), and both answer the
+    {"message", "status"} moerl declares."""
+    io = sglang_src["io_struct"]
+    modes, default = _literal_default(io, "PauseGenerationReqInput", "mode")
+    assert modes == api.PAUSE_MODES and default == api.DEFAULT_PAUSE_MODE == "abort"
+    assert api.SGLANG_ENDPOINTS["/pause_generation"] == ("PauseGenerationReqInput", frozenset({"mode"}))
+    assert api.SGLANG_ENDPOINTS["/continue_generation"] == ("ContinueGenerationReqInput", frozenset())
+    for func, cls in (("pause_generation", "PauseGenerationReqInput"), ("continue_generation",
+                                                                        "ContinueGenerationReqInput")):
+        # FastAPI reads the request class from the body: SGLang needs a JSON body (moerl sends one)
+        annotations = {ast.unparse(a.annotation) for a in function(sglang_src["http_server"], func).args.args
+                       if a.annotation is not None}
+        assert any(cls in a for a in annotations), (func, annotations)
+    assert class_fields(io, "ContinueGenerationReqInput") == class_fields(io, "BaseReq")
+    for func in ("pause_generation", "continue_generation"):
+        content = _response_content(sglang_src["http_server"], func)
+        assert set(content) == api.PAUSE_RESPONSE_FIELDS and content["status"] == "ok", content
+    # abort mode is handled by the tokenizer manager (abort_all until idle), the others by the scheduler
+    tm = function(sglang_src["tokenizer_manager"], "pause_generation")
+    assert any(isinstance(n, ast.Constant) and n.value == "abort" for n in ast.walk(tm))
+    assert "abort_request" in {n.attr for n in ast.walk(tm) if isinstance(n, ast.Attribute)}
+
+
 # ----------------------------------------------------------------------------- moerl's code stays inside the lists
 
 _SCANNED = ["moerl/rollout/client.py", "moerl/rollout/weight_sync.py", "moerl/rollout/launcher.py",
@@ -266,6 +311,13 @@ def test_reference_server_implements_only_sglang_names(sglang_src, tmp_path):
         assert ours - upstream == set(), f"reference-server endpoints missing in sglang: {sorted(ours - upstream)}"
         out = engine.generate({"input_ids": [4, 5, 6], "return_logprob": True, "rid": "x",
                                "sampling_params": {"max_new_tokens": 3, "sampling_seed": 1}})
+        from fastapi.testclient import TestClient
+
+        client = TestClient(app)
+        for path, func, body in (("/pause_generation", "pause_generation", {"mode": "retract"}),
+                                 ("/continue_generation", "continue_generation", {})):
+            r = client.post(path, json=body)  # the very answer SGLang gives
+            assert r.status_code == 200 and r.json() == _response_content(sglang_src["http_server"], func)
     finally:
         engine.close()
     top, meta = response_keys(sglang_src["tokenizer_manager"])

@@ -15,10 +15,12 @@ from __future__ import annotations
 import asyncio
 import random
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Awaitable, Callable, Optional, Union
 
 import httpx
 
+from moerl.rollout.common import (  # noqa: F401 - PAUSE_MODES re-exported (the contract)
+    DEFAULT_PAUSE_MODE, PAUSE_MODES, check_pause_mode)
 from moerl.rollout.errors import RolloutRequestError
 
 _RETRY_STATUS = {408, 429, 500, 502, 503, 504}
@@ -64,7 +66,7 @@ SGLANG_ENDPOINTS: dict[str, tuple[Optional[str], frozenset]] = {
     "/resume_memory_occupation": ("ResumeMemoryOccupationReqInput", frozenset({"tags"})),
     "/abort_request": ("AbortReq", frozenset({"rid", "abort_all"})),
     "/pause_generation": ("PauseGenerationReqInput", frozenset({"mode"})),
-    "/continue_generation": (None, frozenset()),
+    "/continue_generation": ("ContinueGenerationReqInput", frozenset()),  # a JSON body ({}) is required
     "/flush_cache": (None, frozenset()),
     "/health": (None, frozenset()),
     "/health_generate": (None, frozenset()),
@@ -74,6 +76,11 @@ SGLANG_ENDPOINTS: dict[str, tuple[Optional[str], frozenset]] = {
 }
 #: fields moerl reads from the JSON answers of control endpoints.
 UPDATE_RESPONSE_FIELDS = frozenset({"success", "message"})
+#: /pause_generation and /continue_generation answer {"message": ..., "status": "ok"} (sglang
+#: http_server.pause_generation / continue_generation); /pause_generation's ``mode`` is one of
+#: PAUSE_MODES (sglang PauseGenerationReqInput.mode, default "abort"). sglang-router does not
+#: forward either endpoint: they go to each server's own URL.
+PAUSE_RESPONSE_FIELDS = frozenset({"message", "status"})
 MODEL_INFO_FIELDS = frozenset({"weight_version", "model_path"})
 #: memory-occupation tags (sglang.srt.constants GPU_MEMORY_TYPE_*).
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
@@ -267,22 +274,71 @@ class RolloutClient:
         Raises:
             RuntimeError: called from inside a running event loop (await agenerate_many there).
         """
+        return self._run_sync(
+            "generate_many", max(1, min(max_concurrency, self.max_connections, len(requests))),
+            lambda pools: self.agenerate_many(requests, max_concurrency=max_concurrency, pools=pools))
+
+    def _run_sync(self, name: str, connections: int, fn: Callable[[_Pools], Awaitable[Any]]) -> Any:
+        """Run ``await fn(pools)`` in a new event loop with its own pools of ``connections`` (closed after).
+
+        Raises:
+            RuntimeError: called from inside a running event loop (await the ``a``-prefixed method there).
+        """
         try:
             asyncio.get_running_loop()
         except RuntimeError:
             pass
         else:
-            raise RuntimeError("RolloutClient.generate_many() cannot run inside an event loop; "
-                               "await RolloutClient.agenerate_many(...) instead")
+            raise RuntimeError(f"RolloutClient.{name}() cannot run inside an event loop; "
+                               f"await RolloutClient.a{name}(...) instead")
 
         async def main():
-            pools = self._new_pools(max(1, min(max_concurrency, self.max_connections, len(requests))))
+            pools = self._new_pools(connections)
             try:
-                return await self.agenerate_many(requests, max_concurrency=max_concurrency, pools=pools)
+                return await fn(pools)
             finally:
                 await pools.aclose()
 
         return asyncio.run(main())
+
+    # ------------------------------------------------------------------ pause / continue (ONE server)
+
+    async def apause_generation(self, mode: str = DEFAULT_PAUSE_MODE,
+                                http: Optional[httpx.AsyncClient] = None) -> dict:
+        """POST /pause_generation {"mode": mode} to this client's URL, which must be ONE server
+        (sglang-router does not forward it; :meth:`RolloutCluster.pause_generation
+        <moerl.rollout.launcher.RolloutCluster.pause_generation>` calls every server).
+
+        Modes (SGLang PauseGenerationReqInput): "abort" (default) answers every running request with
+        the tokens generated so far (finish_reason abort) and every queued one with none, then holds
+        scheduling; "retract" / "in_place" hold scheduling (SGLang suspends the running batch, the
+        moerl reference server lets it finish first). New /generate requests wait until
+        /continue_generation. The server answers once paused: returns its JSON ``{"message",
+        "status": "ok"}``. Idempotent, so the retry policy of :meth:`post` applies.
+
+        Raises:
+            ValueError: ``mode`` not in PAUSE_MODES (before anything is sent).
+            RolloutRequestError: refused or unreachable (see :meth:`post`).
+        """
+        return await self.post("/pause_generation", {"mode": check_pause_mode(mode)}, http=http)
+
+    async def acontinue_generation(self, http: Optional[httpx.AsyncClient] = None) -> dict:
+        """POST /continue_generation to this client's URL (ONE server): scheduling resumes and the
+        requests that waited start. Returns the server's ``{"message", "status": "ok"}``.
+
+        Raises:
+            RolloutRequestError: refused or unreachable (see :meth:`post`).
+        """
+        return await self.post("/continue_generation", {}, http=http)
+
+    def pause_generation(self, mode: str = DEFAULT_PAUSE_MODE) -> dict:
+        """Synchronous :meth:`apause_generation` (own event loop; RuntimeError inside one)."""
+        check_pause_mode(mode)
+        return self._run_sync("pause_generation", 1, lambda pools: self.apause_generation(mode, http=pools.pick()))
+
+    def continue_generation(self) -> dict:
+        """Synchronous :meth:`acontinue_generation` (own event loop; RuntimeError inside one)."""
+        return self._run_sync("continue_generation", 1, lambda pools: self.acontinue_generation(http=pools.pick()))
 
 
 def run_generate_requests(router_url: str, requests: list[dict], *, max_concurrency: int = 256,

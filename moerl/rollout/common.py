@@ -9,6 +9,7 @@ moerl.rollout.server.
 
 Contents:
   * weight versions: :data:`DEFAULT_WEIGHT_VERSION`, :func:`version_dirname`;
+  * /pause_generation modes: :data:`PAUSE_MODES`, :func:`check_pause_mode`;
   * hosts: :func:`resolve_host` ("auto" -> this node's address), :func:`is_loopback_or_wildcard`,
     :func:`url_host`, :func:`remote_server_urls`, :func:`resolve_master_address`;
   * JSON value checks: :func:`is_int`, :func:`is_num` (bool is not a number in SGLang's fields).
@@ -21,6 +22,22 @@ from typing import Optional, Sequence
 
 #: weight_version a server reports before its first update (SGLang ``ServerArgs.weight_version`` default).
 DEFAULT_WEIGHT_VERSION = "default"
+
+#: /pause_generation modes (SGLang io_struct ``PauseGenerationReqInput.mode``:
+#: Literal["abort", "retract", "in_place"], default "abort").
+PAUSE_MODES = ("abort", "retract", "in_place")
+DEFAULT_PAUSE_MODE = "abort"
+
+
+def check_pause_mode(mode) -> str:
+    """``mode`` if it is one of :data:`PAUSE_MODES`.
+
+    Raises:
+        ValueError: any other value; the message names the field ``mode`` and the allowed values.
+    """
+    if not isinstance(mode, str) or mode not in PAUSE_MODES:
+        raise ValueError(f"mode must be one of {list(PAUSE_MODES)} (SGLang PauseGenerationReqInput), got {mode!r}")
+    return mode
 
 
 # ----------------------------------------------------------------------------- JSON values

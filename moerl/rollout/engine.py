@@ -45,6 +45,13 @@ Semantics the trainer relies on:
     /generate meta_info (the version whose weights produced the whole response).
   * abort: ``rid`` matches an item id or the ``rid`` a batched request was sent with; aborted
     running items return finish_reason abort with the tokens generated so far (and their log-probs).
+  * pause / continue (SGLang /pause_generation {"mode": "abort" | "retract" | "in_place"},
+    /continue_generation): no batch starts while paused; "abort" first aborts everything running or
+    queued; "retract" / "in_place" let the running batch finish (SGLang suspends it instead; see
+    :meth:`ReferenceEngine.pause_generation`). New requests queue up meanwhile; weight updates run.
+    A partial response (finish_reason abort, k tokens) is continued by sending prompt + its k tokens
+    with max_new_tokens = the remaining budget; :meth:`ReferenceEngine.pause_after_steps` interrupts
+    after exactly k decode steps (tests).
 """
 
 from __future__ import annotations
@@ -57,10 +64,12 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from moerl.rollout.common import (  # noqa: F401 - PAUSE_MODES re-exported
+    DEFAULT_PAUSE_MODE, PAUSE_MODES, check_pause_mode)
 from moerl.rollout.common import is_int as _is_int
 from moerl.rollout.common import is_num as _is_num
 from moerl.rollout.engine_weights import WeightUpdater
@@ -289,11 +298,19 @@ class _RowSampler:
 
 class _RowStop:
     """transformers StoppingCriteria: row i is done after one of its stop tokens, at its
-    max_new_tokens, or when its item was aborted. Returns a BoolTensor [B]."""
+    max_new_tokens, or when its item was aborted. Returns a BoolTensor [B].
 
-    def __init__(self, sampler: _RowSampler, items: list["_Item"]):
+    Called by ``model.generate`` once per decode step, after the step's tokens were chosen; first
+    ``on_step(step, rids)`` runs (step = tokens generated per row so far, 1-based; rids = the batch's
+    item ids), so an abort it makes (``ReferenceEngine.step_hook``) takes effect at this very step.
+    An item aborted at step k keeps exactly its first k tokens.
+    """
+
+    def __init__(self, sampler: _RowSampler, items: list["_Item"],
+                 on_step: Optional[Callable[[int, list[str]], None]] = None):
         self.sampler = sampler
         self.items = items
+        self.on_step = on_step
         S = max(1, max(len(it.spec.stop_ids) for it in items))
         self.stop_ids = torch.full((len(items), S), -1, dtype=torch.long)
         for i, it in enumerate(items):
@@ -301,16 +318,20 @@ class _RowStop:
                 self.stop_ids[i, : len(it.spec.stop_ids)] = torch.tensor(it.spec.stop_ids)
         self.max_new_rows = torch.tensor([it.max_new for it in items], dtype=torch.long)
         self.abort_step: list[Optional[int]] = [None] * len(items)
+        self.finished = [False] * len(items)  # row stopped at an earlier step (an abort then is moot)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
         t = self.sampler.steps - 1
+        if self.on_step is not None:
+            self.on_step(t + 1, [it.rid for it in self.items])
         last = self.sampler.tokens[:, t]
         done = (last[:, None] == self.stop_ids).any(1) | (t + 1 >= self.max_new_rows)
         for i, it in enumerate(self.items):
-            if it.aborted and self.abort_step[i] is None:
+            if it.aborted and self.abort_step[i] is None and not self.finished[i]:
                 self.abort_step[i] = t + 1
         if any(a is not None for a in self.abort_step):
             done |= torch.tensor([a is not None for a in self.abort_step])
+        self.finished = [f or bool(d) for f, d in zip(self.finished, done.tolist())]
         return done
 
 
@@ -367,17 +388,26 @@ class ReferenceEngine(WeightUpdater):
         batch_wait_s, max_batch_wait_s: before forming a batch, wait until no request arrived for
             batch_wait_s seconds (at most max_batch_wait_s), so that a burst of concurrent requests
             lands in one batch.
+        step_hook: optional ``f(step, rids)`` (also settable later as :attr:`step_hook`), a test hook
+            called from the scheduler thread after every decode step of every batch: ``step`` =
+            tokens generated per row so far (1, 2, ...), ``rids`` = item ids of the batch's rows
+            (rows that already stopped included). An :meth:`abort` or :meth:`pause_generation` it
+            calls takes effect at this step (aborted rows keep exactly ``step`` tokens); an exception
+            it raises fails the batch. :meth:`pause_after_steps` arms a one-shot pause this way.
     The model is loaded in fp32, eval mode, without gradients, on CPU.
 
     Scheduling: every prompt of every /generate request becomes an item in one FIFO queue. A
     scheduler thread repeatedly takes the oldest item and all queued items whose prompt has the
     same length (up to max_batch_size) and runs them as one ``model.generate`` batch under the model
-    lock; weight updates take the same lock between batches. Equal prompt lengths mean no padding,
-    so a row's numerics (and hence its tokens, given its seed) do not depend on its batch mates.
+    lock; weight updates (inherited from moerl.rollout.engine_weights.WeightUpdater) take the same
+    lock between batches. Equal prompt lengths mean no padding, so a row's numerics (and hence its
+    tokens, given its seed) do not depend on its batch mates. :meth:`pause_generation` /
+    :meth:`continue_generation` hold / resume the scheduler (SGLang's RL pause, see there).
     """
 
     def __init__(self, model_path: str, tokenizer_path: Optional[str] = None, max_batch_size: int = 256,
-                 batch_wait_s: float = 0.01, max_batch_wait_s: float = 0.2):
+                 batch_wait_s: float = 0.01, max_batch_wait_s: float = 0.2,
+                 step_hook: Optional[Callable[[int, list[str]], None]] = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         self.model_path = model_path
@@ -408,6 +438,8 @@ class ReferenceEngine(WeightUpdater):
         self._pending: list[_Item] = []
         self._running: list[_Item] = []
         self._closed = False
+        self._paused = False  # pause_generation() .. continue_generation(): no batch starts
+        self.step_hook = step_hook
         self._sysrand = secrets.SystemRandom()
         self._warned_fields: set[str] = set()
         self._scheduler = threading.Thread(target=self._schedule_loop, name="moerl-batcher", daemon=True)
@@ -604,18 +636,22 @@ class ReferenceEngine(WeightUpdater):
     def _schedule_loop(self) -> None:
         while True:
             with self._cv:
-                while not self._pending and not self._closed:
-                    self._cv.wait()
-                if self._closed:
-                    return
-                # Let a burst of concurrent requests arrive before forming the batch: wait until
-                # no item arrived for batch_wait_s (at most max_batch_wait_s, or a full batch).
-                t_first = time.monotonic()
-                while len(self._pending) < self.max_batch_size:
-                    n = len(self._pending)
-                    self._cv.wait(self.batch_wait_s)
-                    if len(self._pending) == n or time.monotonic() - t_first > self.max_batch_wait_s:
+                while True:
+                    while (not self._pending or self._paused) and not self._closed:
+                        self._cv.wait()
+                    if self._closed:
+                        return
+                    # Let a burst of concurrent requests arrive before forming the batch: wait until
+                    # no item arrived for batch_wait_s (at most max_batch_wait_s, or a full batch).
+                    t_first = time.monotonic()
+                    while len(self._pending) < self.max_batch_size and not (self._paused or self._closed):
+                        n = len(self._pending)
+                        self._cv.wait(self.batch_wait_s)
+                        if len(self._pending) == n or time.monotonic() - t_first > self.max_batch_wait_s:
+                            break
+                    if self._pending and not (self._paused or self._closed):
                         break
+                    # paused, closed or every queued item aborted meanwhile: wait again
                 length = len(self._pending[0].prompt)
                 batch = [it for it in self._pending if len(it.prompt) == length][: self.max_batch_size]
                 taken = set(map(id, batch))
@@ -635,10 +671,14 @@ class ReferenceEngine(WeightUpdater):
                 logger.exception("generate batch failed")
                 error = e
             finally:
-                with self._cv:
-                    self._running = []
-                for it in batch:
-                    it.request.item_done(error)
+                try:
+                    for it in batch:
+                        it.request.item_done(error)
+                finally:
+                    # after the answers: pause_generation() returns once the batch is answered
+                    with self._cv:
+                        self._running = []
+                        self._cv.notify_all()
 
     def close(self) -> None:
         """Stop the scheduler thread (queued requests fail with RuntimeError)."""
@@ -678,7 +718,7 @@ class ReferenceEngine(WeightUpdater):
             input_ids[i, L - n:] = torch.tensor(it.prompt, dtype=torch.long)
             attention_mask[i, L - n:] = 1
         sampler = _RowSampler(specs, seeds, prompt_len=L, max_new=max_new)
-        stopper = _RowStop(sampler, items)
+        stopper = _RowStop(sampler, items, on_step=self._on_decode_step)
         gen_cfg = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new,
                                    pad_token_id=self.pad_id, use_cache=True)
         # return_routed_experts: forward hooks on the MoE gates record every call's top-k ids
@@ -703,7 +743,7 @@ class ReferenceEngine(WeightUpdater):
             if cut is not None:
                 rows.append((toks[:cut], lps[:cut], {"type": "stop", "matched": toks[cut - 1]}))
             elif aborted:
-                rows.append((toks, lps, {"type": "abort", "message": "Abort request"}))
+                rows.append((toks, lps, {"type": "abort", "message": "Aborted"}))  # SGLang FINISH_ABORT()
             else:
                 rows.append((toks, lps, {"type": "length", "length": it.max_new}))
             if routes is not None and it.return_routed_experts:
@@ -713,11 +753,120 @@ class ReferenceEngine(WeightUpdater):
         return rows
 
     def abort(self, rid: Optional[str] = None, abort_all: bool = False) -> None:
-        """Abort queued or running items: ``rid`` is an item id or the rid a request was sent with."""
+        """Abort queued or running items: ``rid`` is an item id or the rid a request was sent with.
+
+        Queued items are answered at once (no tokens, finish_reason {"type": "abort", "message":
+        "Abort in waiting queue"}, as SGLang's scheduler pops them from its waiting queue); running
+        items stop after their next decode step and return the tokens generated so far with their
+        log-probs (finish_reason {"type": "abort", "message": "Aborted"}). Also while paused.
+        """
         with self._cv:
-            for it in self._pending + self._running:
-                if abort_all or (rid is not None and rid in (it.rid, it.base_rid)):
-                    it.aborted = True
+            queued = self._abort_locked(lambda it: abort_all or (rid is not None and rid in (it.rid, it.base_rid)))
+        self._answer_aborted_in_queue(queued)
+
+    def _abort_locked(self, match: Callable[[_Item], bool]) -> list[_Item]:
+        """Under ``self._cv``: flag the matching running items aborted and take the matching queued
+        items out of the queue; returns the latter (answer them with _answer_aborted_in_queue)."""
+        for it in self._running:
+            if match(it):
+                it.aborted = True
+        queued = [it for it in self._pending if match(it)]
+        if queued:
+            gone = set(map(id, queued))
+            self._pending = [it for it in self._pending if id(it) not in gone]
+            self._cv.notify_all()
+        return queued
+
+    def _answer_aborted_in_queue(self, items: list[_Item]) -> None:
+        for it in items:
+            it.aborted = True
+            it.result = ([], [], {"type": "abort", "message": "Abort in waiting queue"}, self.weight_version)
+            it.request.item_done()
+
+    # ------------------------------------------------------------------ pause / continue (SGLang RL API)
+
+    @property
+    def paused(self) -> bool:
+        """True between :meth:`pause_generation` and :meth:`continue_generation`."""
+        return self._paused
+
+    def pause_generation(self, mode: str = DEFAULT_PAUSE_MODE) -> None:
+        """SGLang's /pause_generation: stop scheduling generate batches until :meth:`continue_generation`.
+
+        Modes (SGLang PauseGenerationReqInput.mode; TokenizerManager.pause_generation and
+        Scheduler.pause_generation of sglang 0.5.9):
+          * "abort" (default): every running item stops at its next decode step and is answered with
+            the tokens generated so far, their log-probs and finish_reason {"type": "abort",
+            "message": "Aborted"}; every queued item is answered at once with no tokens and
+            finish_reason {"type": "abort", "message": "Abort in waiting queue"}. Then scheduling
+            stays held. (SGLang: abort_all repeatedly until no request is in flight.)
+          * "retract" / "in_place": no new batch starts; queued items wait. DIFFERENCE FROM SGLANG:
+            SGLang suspends its running batch at the next step (in_place keeps its KV cache,
+            retract moves its requests back to the waiting queue and recomputes their KV cache
+            after continue; either way they finish after continue, possibly under new weights).
+            This engine cannot suspend a running transformers ``generate`` call, so the running
+            batch runs to its end (with the weights it started with) and is answered before this
+            returns; both modes are therefore the same here.
+        While paused, new /generate requests are accepted and queued (SGLang holds them before its
+        scheduler), :meth:`abort` answers queued items at once, and weight updates run (nothing holds
+        the model lock). Idempotent: pausing a paused engine is allowed ("abort" then aborts what is
+        queued; "retract" / "in_place" change nothing).
+
+        Returns once no batch is running (for "abort": after the aborted items were answered), so a
+        weight update right after it cannot race a running batch. Called from the scheduler thread
+        itself (a :attr:`step_hook`), it returns at once and the running batch stops at this step.
+
+        Raises:
+            ValueError: ``mode`` is not one of PAUSE_MODES (the message names ``mode`` and them).
+        """
+        check_pause_mode(mode)
+        with self._cv:
+            self._paused = True
+            queued = self._abort_locked(lambda it: True) if mode == "abort" else []
+            self._cv.notify_all()
+        self._answer_aborted_in_queue(queued)
+        if threading.current_thread() is self._scheduler:
+            return
+        with self._cv:
+            self._cv.wait_for(lambda: not self._running or self._closed)
+
+    def continue_generation(self) -> None:
+        """SGLang's /continue_generation: resume scheduling (queued items start); no-op when not paused."""
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    def pause_after_steps(self, k: int, mode: str = DEFAULT_PAUSE_MODE) -> None:
+        """Test hook: deterministic interruption. Arms a one-shot :attr:`step_hook` that calls
+        ``pause_generation(mode)`` when a generate batch has just done decode step ``k``, i.e.
+        exactly as if /pause_generation had arrived then. With "abort" every row of that batch
+        that was still generating returns exactly its first ``k`` tokens (finish_reason abort, with
+        their log-probs), queued items are aborted, and the engine stays paused until
+        :meth:`continue_generation`. Rows that stop earlier (stop token, max_new_tokens) are
+        unaffected; batches shorter than ``k`` steps do not fire it (it stays armed). When it fires
+        it puts back the step_hook that was set before.
+
+        Raises:
+            ValueError: ``k`` < 1 or a bad ``mode``.
+        """
+        if not _is_int(k) or k < 1:
+            raise ValueError(f"k must be an integer >= 1 (decode steps), got {k!r}")
+        check_pause_mode(mode)
+        previous = self.step_hook
+
+        def hook(step: int, rids: list[str]) -> None:
+            if previous is not None:
+                previous(step, rids)
+            if step == k and self.step_hook is hook:
+                self.step_hook = previous
+                self.pause_generation(mode)
+
+        self.step_hook = hook
+
+    def _on_decode_step(self, step: int, rids: list[str]) -> None:
+        hook = self.step_hook
+        if hook is not None:
+            hook(step, rids)
 
     # ------------------------------------------------------------------ info
 

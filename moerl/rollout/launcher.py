@@ -27,6 +27,12 @@ update (:meth:`RolloutCluster.update_weights` / :meth:`set_weight_restorer`) and
 weight_version on /get_model_info, and only then is added back to the router (POST /workers
 {"url"}), so it never serves a request with stale weights. ``max_restarts`` restarts per server; one
 more death (or a restart that fails) makes :meth:`check_alive` raise RolloutServerDiedError.
+
+Pause / continue (async RL, weight updates while requests are in flight):
+:meth:`RolloutCluster.pause_generation` / :meth:`RolloutCluster.continue_generation` POST SGLang's
+/pause_generation {"mode"} / /continue_generation to every live server and every extra worker URL
+(sglang-router 0.3.2 answers 404 to both: it does not forward them); a restarted server comes back
+unpaused.
 """
 
 from __future__ import annotations
@@ -50,9 +56,10 @@ from typing import Callable, Optional, Sequence
 
 import httpx
 
-from moerl.rollout.common import version_dirname
-from moerl.rollout.errors import (HealthTimeoutError, PortInUseError, RolloutError, RolloutServerDiedError,
-                                  RolloutStartupError, ServerExitedError, WeightSyncError)
+from moerl.rollout.client import RolloutClient
+from moerl.rollout.common import DEFAULT_PAUSE_MODE, check_pause_mode, version_dirname
+from moerl.rollout.errors import (HealthTimeoutError, PortInUseError, RolloutError, RolloutRequestError,
+                                  RolloutServerDiedError, RolloutStartupError, ServerExitedError, WeightSyncError)
 
 _PR_SET_PDEATHSIG = 1
 ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
@@ -712,6 +719,73 @@ class RolloutCluster:
                         raise
             self.set_weight_restorer(weight_version, restore)
             return urls
+
+    # ------------------------------------------------------------------ pause / continue generation
+
+    def pause_generation(self, mode: str = DEFAULT_PAUSE_MODE, timeout_s: float = 600.0) -> list[str]:
+        """SGLang's POST /pause_generation {"mode": mode} to every server this cluster knows, in
+        parallel: its live servers (all of ``server_urls`` without failover) and every
+        ``extra_worker_urls`` (other nodes' servers, external URLs), as :meth:`update_weights` pushes
+        to them. sglang-router does not forward /pause_generation, so the router is not asked.
+
+        Each server answers once it is paused (see moerl.rollout.client.RolloutClient
+        .apause_generation for the modes): with "abort" its running requests have been answered
+        (the tokens so far, finish_reason abort) and its queued ones aborted; with "retract" /
+        "in_place" no new batch starts (SGLang suspends the running one; the reference server
+        finishes it first). New /generate requests wait on every server until
+        :meth:`continue_generation`, so a weight update in between cannot race a generation.
+        Idempotent. A server that died (failover on) is skipped the way :meth:`update_weights`
+        skips it: it is restarted later and comes back UNPAUSED (restored to the current weights
+        before it rejoins the router), so requests it gets then run at once.
+
+        Args:
+            mode: "abort" (default) | "retract" | "in_place".
+            timeout_s: per server (a pause waits for the running batch of "retract" / "in_place").
+        Returns: the URLs that were paused.
+        Raises:
+            ValueError: a bad ``mode`` (nothing is sent).
+            RolloutServerDiedError: a server died (failover off, or failover gave up on it).
+            RolloutError: a live server (or an external URL) refused or did not answer; names each.
+        """
+        return self._control_servers("/pause_generation", check_pause_mode(mode), timeout_s)
+
+    def continue_generation(self, timeout_s: float = 60.0) -> list[str]:
+        """SGLang's POST /continue_generation to the same servers as :meth:`pause_generation`;
+        scheduling resumes and the requests that waited start. Returns the URLs continued; a dead
+        server is tolerated (failover) or named (RolloutServerDiedError) as there; RolloutError
+        names a live server that refused."""
+        return self._control_servers("/continue_generation", None, timeout_s)
+
+    def _control_servers(self, path: str, mode: Optional[str], timeout_s: float) -> list[str]:
+        """POST ``path`` (pause with ``mode``, or continue when None) to every server, in parallel;
+        see :meth:`pause_generation` for which servers, the failover rule and the errors."""
+        managed = self.live_server_urls() if self.failover else list(self.server_urls)
+        urls = managed + [u for u in self.extra_worker_urls if u not in managed]
+
+        def one(url: str) -> Optional[str]:
+            client = RolloutClient(url, timeout_s=timeout_s, max_retries=0)
+            try:
+                if mode is None:
+                    client.continue_generation()
+                else:
+                    client.pause_generation(mode)
+            except RolloutRequestError as e:
+                return str(e)
+            return None
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(urls))) as pool:
+            errors = dict(zip(urls, pool.map(one, urls)))
+        failed = [u for u in urls if errors[u]]
+        if failed:
+            # a SIGKILLed server's sockets close a moment before it can be reaped (see update_weights)
+            own = [u for u in failed if u in managed]
+            died = self.wait_for_dead(own) if own else []
+            self.check_alive()  # a dead server is named (failover off / given up)
+            refused = [u for u in failed if u not in died]
+            if refused:
+                raise RolloutError(f"{path} failed on {len(refused)} of {len(urls)} servers:\n"
+                                   + "\n".join(errors[u] for u in refused))
+        return [u for u in urls if u not in failed]
 
     def wait_for_dead(self, urls: Sequence[str], timeout_s: float = 5.0) -> list[str]:
         """The servers among ``urls`` that are no longer live, waiting up to ``timeout_s`` for one to

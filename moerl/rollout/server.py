@@ -28,6 +28,16 @@ Endpoints (SGLang names; see http_server.py / io_struct.py of sglang):
     GET /get_weight_version, GET /get_server_info, POST /abort_request {rid, abort_all}
     POST /release_memory_occupation, /resume_memory_occupation {tags: null | [weights, kv_cache,
         cuda_graph]}  (CPU: nothing is freed; /generate answers 503 while any tag is released)
+    POST /pause_generation {mode?: "abort" (default) | "retract" | "in_place"} -> {"message":
+        "Generation paused successfully.", "status": "ok"} once no batch runs (an empty body means
+        the default; a bad mode: HTTP 400 naming ``mode`` and the allowed values, where SGLang's
+        pydantic body answers 422); POST /continue_generation -> {"message": "Generation continued
+        successfully.", "status": "ok"}. Semantics (and the difference from SGLang for "retract" /
+        "in_place": the running batch finishes instead of being suspended):
+        :meth:`ReferenceEngine.pause_generation`. While paused /generate requests wait in the queue,
+        weight updates and /abort_request work, /health_generate answers 200 without generating
+        (SGLang's waits until its health-check timeout, then answers 503). sglang-router does not forward these two
+        endpoints: call every server (RolloutCluster.pause_generation / continue_generation).
     --request-log FILE: one JSON line per request (arrival and answer), see
         _install_request_log_and_memory
 """
@@ -47,7 +57,7 @@ import torch
 from fastapi import Request  # module level: the endpoint annotations are resolved from globals
 
 # Re-exported: tests, tools and moerl.cli import these from moerl.rollout.server.
-from moerl.rollout.common import DEFAULT_WEIGHT_VERSION  # noqa: F401
+from moerl.rollout.common import DEFAULT_PAUSE_MODE, DEFAULT_WEIGHT_VERSION, PAUSE_MODES, check_pause_mode  # noqa: F401
 from moerl.rollout.engine import (  # noqa: F401
     _GREEDY_EPS, _REQUEST_IGNORED, _REQUEST_KEYS, _REQUEST_NOOP, _SAMPLING_DEFAULTS, _SAMPLING_NOOP, ReferenceEngine,
     SamplingSpec, _is_int, _is_num, _Item, _Request, _RowSampler, _RowStop, parse_sampling_params)
@@ -62,7 +72,8 @@ logger = logging.getLogger("moerl.rollout.server")
 # SGLang's memory-occupation tags (sglang.srt.constants GPU_MEMORY_TYPE_*).
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 # Body fields copied into the request log (small ones only; never tensors).
-_LOGGED_FIELDS = ("rid", "tags", "weight_version", "model_path", "abort_all", "group_name", "flush_cache")
+_LOGGED_FIELDS = ("rid", "tags", "weight_version", "model_path", "abort_all", "group_name", "flush_cache",
+                  "mode")
 
 
 def _install_request_log_and_memory(app, engine: "ReferenceEngine", request_log: Optional[str]) -> None:
@@ -255,6 +266,26 @@ def create_app(engine: ReferenceEngine, server_args: Optional[dict] = None):
             body.get("group_name", "weight_update_group"), body.get("weight_version"))
         return JSONResponse({"success": ok, "message": msg}, status_code=200 if ok else 400)
 
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request):
+        # SGLang http_server.pause_generation: body PauseGenerationReqInput {"mode"}, default "abort";
+        # answers {"message": "Generation paused successfully.", "status": "ok"} once paused.
+        raw = await request.body()
+        body = await body_of(request) if raw.strip() else {}
+        if not isinstance(body, dict):
+            return error('the /pause_generation body must be a JSON object {"mode": ...}')
+        try:
+            mode = check_pause_mode(body.get("mode", DEFAULT_PAUSE_MODE))
+        except ValueError as e:
+            return error(str(e))
+        await run_in_threadpool(engine.pause_generation, mode)
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.post("/continue_generation")
+    async def continue_generation():
+        engine.continue_generation()
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
         # No cross-request cache here (the KV cache lives within one generate call).
@@ -266,6 +297,8 @@ def create_app(engine: ReferenceEngine, server_args: Optional[dict] = None):
 
     @app.get("/health_generate")
     async def health_generate():
+        if engine.paused:  # a paused server is healthy but generates nothing until continued
+            return Response(status_code=200)
         try:
             await run_in_threadpool(engine.generate, {
                 "input_ids": [engine.pad_id], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})

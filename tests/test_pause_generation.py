@@ -1,0 +1,253 @@
+"""SGLang's /pause_generation and /continue_generation on the CPU reference server (tiny model, in-process).
+
+SGLang facts these tests pin (sglang 0.5.9: io_struct.PauseGenerationReqInput, http_server.py,
+TokenizerManager / Scheduler .pause_generation): body {"mode": "abort" | "retract" | "in_place"},
+default "abort"; answer {"message": "Generation paused successfully.", "status": "ok"}; "abort" answers
+running requests with the tokens so far (finish_reason type "abort") and queued ones with none;
+new /generate requests wait while paused; weight updates run while paused. The reference server
+differs for "retract" / "in_place": it finishes the running batch instead of suspending it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+from fastapi.testclient import TestClient  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from moerl.rollout.client import PAUSE_MODES, RolloutClient  # noqa: E402
+from moerl.rollout.inprocess import serve_in_thread  # noqa: E402
+from moerl.rollout.server import ReferenceEngine, create_app  # noqa: E402
+from moerl.rollout.testing import make_tiny_moe_checkpoint  # noqa: E402
+
+PAUSED = {"message": "Generation paused successfully.", "status": "ok"}
+CONTINUED = {"message": "Generation continued successfully.", "status": "ok"}
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    a = str(tmp_path_factory.mktemp("model_a"))
+    b = str(tmp_path_factory.mktemp("model_b"))
+    make_tiny_moe_checkpoint(a, seed=0)
+    make_tiny_moe_checkpoint(b, seed=1)
+    return a, b
+
+
+@pytest.fixture(scope="module")
+def ref_models(ckpts):
+    """Independent transformers models (transformers' own loader) for teacher-forced forwards."""
+    return tuple(AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for p in ckpts)
+
+
+@pytest.fixture
+def served(ckpts):
+    """A fresh engine on model A and a TestClient of its app; the engine is closed afterwards."""
+    engine = ReferenceEngine(ckpts[0])
+    yield engine, TestClient(create_app(engine))
+    engine.continue_generation()
+    engine.close()
+
+
+def _logprobs_at(model, prompt, response, temperature):
+    """Teacher-forced log_softmax(logits / T)[y_t] of each response token: [len(response)]."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + response])).logits[0].float()
+    logits = logits[len(prompt) - 1: len(prompt) - 1 + len(response)]
+    return torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(response)[:, None]).squeeze(1)
+
+
+def _lps(out):
+    return torch.tensor([e[0] for e in out["meta_info"]["output_token_logprobs"]])
+
+
+def _in_thread(fn):
+    """Run fn() in a thread; returns (thread, result dict filled with "r" or "e")."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["r"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised by the test
+            box["e"] = e
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th, box
+
+
+def _started_hook(at_step: int, delay_s: float = 0.002):
+    """A step hook that sets an Event once a batch reached ``at_step`` and slows every step down a
+    little, so that a pause sent after the event lands while the batch still runs."""
+    event = threading.Event()
+
+    def hook(step, rids):
+        if step >= at_step:
+            event.set()
+        time.sleep(delay_s)
+
+    return hook, event
+
+
+# ----------------------------------------------------------------------------- (a) abort while running
+
+
+def test_abort_pause_answers_running_rows_with_tokens_so_far_and_queued_ones_with_none(served, ref_models):
+    engine, client = served
+    hook, started = _started_hook(3)
+    engine.step_hook = hook
+    T = 0.8
+    running = engine.submit({"input_ids": [[4, 5, 13], [6, 7, 8]], "return_logprob": True, "rid": "long",
+                             "sampling_params": {"temperature": T, "max_new_tokens": 200, "ignore_eos": True,
+                                                 "sampling_seed": 5}})
+    assert started.wait(30)
+    queued = engine.submit({"input_ids": [9, 10], "return_logprob": True,  # another length: its own batch
+                            "sampling_params": {"max_new_tokens": 4}})
+    r = client.post("/pause_generation", json={"mode": "abort"})
+    assert r.status_code == 200 and r.json() == PAUSED
+    # pause returned after the aborted items were answered: a weight update now cannot race them
+    assert running.future.done() and queued.future.done() and engine.paused
+    outs = engine.response(running)
+    for prompt, out in zip([[4, 5, 13], [6, 7, 8]], outs):
+        meta, toks = out["meta_info"], out["output_ids"]
+        assert meta["finish_reason"] == {"type": "abort", "message": "Aborted"}
+        assert 3 <= len(toks) < 200 and meta["completion_tokens"] == len(toks)
+        assert [e[1] for e in meta["output_token_logprobs"]] == toks
+        ref = _logprobs_at(ref_models[0], prompt, toks, T)
+        assert torch.allclose(_lps(out), ref, atol=1e-5, rtol=0), (_lps(out) - ref).abs().max()
+    assert len(outs[0]["output_ids"]) == len(outs[1]["output_ids"])  # one batch, stopped at one step
+    q = engine.response(queued)
+    assert q["output_ids"] == [] and q["meta_info"]["output_token_logprobs"] == []
+    assert q["meta_info"]["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
+
+
+# ----------------------------------------------------------------------------- (b) exactly k steps, then resume
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_interrupt_after_exactly_k_steps_then_resubmit_the_partial(served, ref_models, temperature):
+    """pause_after_steps(k) stops every row after exactly k tokens; prompt + partial with the remaining
+    budget continues: greedy reproduces the uninterrupted response, and the partial of a seeded
+    sample is the uninterrupted sample's prefix; every log-prob is the teacher-forced one."""
+    engine, client = served
+    prompts, k, budget = [[4, 5, 13], [6, 7, 8]], 5, 12
+    sp = {"temperature": temperature, "max_new_tokens": budget, "ignore_eos": True, "sampling_seed": 3}
+    whole = engine.generate({"input_ids": prompts, "return_logprob": True, "sampling_params": sp})
+
+    engine.pause_after_steps(k)
+    part = engine.generate({"input_ids": prompts, "return_logprob": True, "sampling_params": sp})
+    assert engine.paused and engine.step_hook is None  # one-shot: the previous (no) hook is back
+    assert client.post("/continue_generation").json() == CONTINUED and not engine.paused
+    T = temperature if temperature > 0 else 1.0
+    for prompt, w, p in zip(prompts, whole, part):
+        assert p["meta_info"]["finish_reason"]["type"] == "abort" and len(p["output_ids"]) == k
+        assert p["output_ids"] == w["output_ids"][:k]
+        assert torch.allclose(_lps(p), _lps(w)[:k], atol=1e-5, rtol=0)
+        rest = engine.generate({"input_ids": prompt + p["output_ids"], "return_logprob": True,
+                                "sampling_params": {**sp, "max_new_tokens": budget - k}})
+        assert rest["meta_info"]["finish_reason"] == {"type": "length", "length": budget - k}
+        resp = p["output_ids"] + rest["output_ids"]
+        lps = torch.cat([_lps(p), _lps(rest)])
+        assert torch.allclose(lps, _logprobs_at(ref_models[0], prompt, resp, T), atol=1e-5, rtol=0)
+        if temperature == 0.0:
+            assert resp == w["output_ids"]
+
+
+# ----------------------------------------------------------------------------- (c) requests wait while paused
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_running_batch_finishes_and_new_requests_wait_until_continue(served, mode):
+    engine, client = served
+    hook, started = _started_hook(2)
+    engine.step_hook = hook
+    running = engine.submit({"input_ids": [4, 5, 13], "sampling_params": {"temperature": 0.0,
+                                                                           "max_new_tokens": 40, "ignore_eos": True}})
+    assert started.wait(30)
+    assert client.post("/pause_generation", json={"mode": mode}).json() == PAUSED
+    # the reference engine cannot suspend a running generate call: it ran to its end before pause returned
+    assert running.future.done()
+    assert engine.response(running)["meta_info"]["finish_reason"] == {"type": "length", "length": 40}
+    engine.step_hook = None
+    th, box = _in_thread(lambda: client.post("/generate", json={"input_ids": [6, 7], "sampling_params": {
+        "max_new_tokens": 3, "ignore_eos": True}}))
+    time.sleep(0.3)
+    assert th.is_alive() and len(engine._pending) == 1  # accepted and queued, not run
+    assert client.post("/pause_generation", json={"mode": mode}).json() == PAUSED  # idempotent
+    assert client.get("/health_generate").status_code == 200  # healthy, though it generates nothing now
+    assert client.post("/continue_generation").json() == CONTINUED
+    th.join(30)
+    assert box["r"].status_code == 200
+    assert box["r"].json()["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+    assert client.post("/continue_generation").json() == CONTINUED  # continuing twice is harmless
+
+
+# ----------------------------------------------------------------------------- (d) weight update while paused
+
+
+def test_weight_update_between_pause_and_continue_serves_the_new_version(served, ckpts, ref_models):
+    engine, client = served
+    assert client.post("/pause_generation", json={}).json() == PAUSED  # {} = the default mode, abort
+    body = {"input_ids": [4, 5, 13, 6], "return_logprob": True,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}}
+    th, box = _in_thread(lambda: client.post("/generate", json=body))
+    r = client.post("/update_weights_from_disk", json={"model_path": ckpts[1], "weight_version": "v1"})
+    assert r.status_code == 200 and r.json()["success"], r.text
+    assert client.get("/get_weight_version").json() == {"weight_version": "v1"}
+    time.sleep(0.1)
+    assert th.is_alive()
+    assert client.post("/continue_generation").json() == CONTINUED
+    th.join(30)
+    out = box["r"].json()
+    assert out["meta_info"]["weight_version"] == "v1" and len(out["output_ids"]) == 6
+    with torch.no_grad():  # greedy under model B
+        expect = []
+        for _ in range(6):
+            logits = ref_models[1](input_ids=torch.tensor([body["input_ids"] + expect])).logits
+            expect.append(int(logits[0, -1].argmax()))
+    assert out["output_ids"] == expect
+    assert torch.allclose(_lps(out), _logprobs_at(ref_models[1], body["input_ids"], expect, 1.0), atol=1e-5, rtol=0)
+
+
+# ----------------------------------------------------------------------------- (e) validation, client helpers
+
+
+@pytest.mark.parametrize("body", [{"mode": "pause"}, {"mode": None}, {"mode": 1}, ["abort"]])
+def test_bad_mode_is_refused_with_400_naming_the_field(served, body):
+    engine, client = served
+    r = client.post("/pause_generation", json=body)
+    assert r.status_code == 400 and not engine.paused
+    msg = r.json()["error"]["message"]
+    assert ("mode must be one of ['abort', 'retract', 'in_place']" in msg) or "JSON object" in msg
+    with pytest.raises(ValueError, match="mode must be one of"):
+        engine.pause_generation("pause")
+
+
+def test_rollout_client_pauses_and_continues_one_server(served):
+    engine, _ = served
+    assert PAUSE_MODES == ("abort", "retract", "in_place")
+    with serve_in_thread(engine) as url:
+        client = RolloutClient(url, timeout_s=30, max_retries=0)
+        with pytest.raises(ValueError, match="mode must be one of"):
+            client.pause_generation("stop")  # refused before anything is sent
+        assert not engine.paused
+        assert client.pause_generation() == PAUSED and engine.paused
+        assert client.continue_generation() == CONTINUED and not engine.paused
+
+        async def both():
+            try:
+                assert await client.apause_generation("in_place") == PAUSED and engine.paused
+                with pytest.raises(RuntimeError, match="await RolloutClient.apause_generation"):
+                    client.pause_generation()  # the sync helper refuses to run inside an event loop
+                assert await client.acontinue_generation() == CONTINUED and not engine.paused
+            finally:
+                await client.aclose()
+
+        asyncio.run(both())
