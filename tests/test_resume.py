@@ -81,11 +81,11 @@ def reference(tmp_path_factory):
     return _export(run_dir)
 
 
-def _kill_at(run_dir: Path, pattern: str, extra_delay: float) -> None:
+def _kill_at(run_dir: Path, pattern: str, extra_delay: float, *overrides: str) -> None:
     """Start a run, SIGKILL it extra_delay seconds after a stdout line matching ``pattern``."""
     # its own session, so that the cleanup below takes the whole job even if a child were to
     # survive (test_kill9_of_trainer_alone_leaves_no_child checks that none does)
-    proc = subprocess.Popen(_cmd(run_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(_cmd(run_dir, *overrides), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=_env(), cwd=REPO, start_new_session=True)
     try:
         deadline = time.time() + 300
@@ -121,6 +121,35 @@ def test_kill9_then_resume_auto_is_bit_identical(tmp_path, reference, seed):
     # (step_6) was complete: then the resumed run has no step left and only exports
     assert "step 6/6" in out or re.search(r"RESUME from \S+/step_6: ", out), out[-2000:]
     _assert_bit_identical(_export(run_dir), reference)
+
+
+@pytest.mark.slow
+def test_kill9_then_resume_auto_in_async_mode_loses_and_repeats_no_sample(tmp_path):
+    """train.mode=async (max_staleness 2, the producer runs ahead, weight updates land in flight):
+    kill -9 in the middle of RL, resume=auto. The buffer and the requests in flight are dropped and
+    regenerated from the checkpoint's cursor, so the trajectory the resumed run ends with trains every
+    sample of draws 1..6 exactly once and keeps the staleness bound (log.samples: one line per trained
+    sample; a step re-run after the resume replaces the killed run's lines of that step)."""
+    run_dir = tmp_path / "run"
+    mode = ["train.mode=async", "train.max_staleness=2", "log.samples=true"]
+    _kill_at(run_dir, r"\] step 3/6", 0.3, *mode)
+    out = _run(run_dir, "resume=auto", *mode)
+    assert "RESUME from" in out and "step 6/6" in out, out[-2000:]
+    by_step: dict[int, list[dict]] = {}
+    last = None
+    for line in (run_dir / "samples.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if (rec["step"], rec["pid"]) != last:  # a step written again after the resume replaces the killed run's
+            by_step[rec["step"]] = []
+        by_step[rec["step"]].append(rec)
+        last = (rec["step"], rec["pid"])
+    assert len({r["pid"] for recs in by_step.values() for r in recs}) == 2  # both runs trained steps
+    assert sorted(by_step) == list(range(1, 7))
+    uids = [r["uid"] for recs in by_step.values() for r in recs]
+    assert len(uids) == len(set(uids)), "a sample was trained twice"
+    assert set(uids) == {f"{d}-{g}-{k}" for d in range(1, 7) for g in range(4) for k in range(4)}
+    ages = [r["trainer_version"] - v for recs in by_step.values() for r in recs for v in r["token_versions"]]
+    assert max(ages) <= 2
 
 
 @pytest.mark.slow

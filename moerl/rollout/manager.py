@@ -119,15 +119,17 @@ class RolloutBatch:
 
     def write_jsonl(self, path, step: int) -> None:
         """Append one line per sample to ``path`` (log.samples): step, uid (draw-group-sample), reward,
-        status, trainer version, per-token weight versions and loss mask, segments (1 + resumptions)."""
+        status, trainer version, per-token weight versions and loss mask, segments (1 + resumptions), pid
+        (the process: a resumed run writes its steps again under another pid)."""
         import json
+        import os
 
         with open(path, "a") as f:
             for s in self.samples:
                 f.write(json.dumps({"step": step, "uid": s.metadata.get("uid"), "reward": s.reward,
                                     "status": s.status, "trainer_version": self.trainer_version,
                                     "token_versions": s.token_versions, "loss_mask": s.loss_mask,
-                                    "segments": s.metadata.get("segments", 1)}) + "\n")
+                                    "segments": s.metadata.get("segments", 1), "pid": os.getpid()}) + "\n")
 
 
 class RolloutManager:
