@@ -241,7 +241,8 @@ def test_pause_and_continue_generation_contract(sglang_src):
 # ----------------------------------------------------------------------------- moerl's code stays inside the lists
 
 _SCANNED = ["moerl/rollout/client.py", "moerl/rollout/weight_sync.py", "moerl/rollout/launcher.py",
-            "moerl/rollout/sglang_launcher.py", "moerl/rollout/placement.py", "moerl/train/rollout.py"]
+            "moerl/rollout/sglang_launcher.py", "moerl/rollout/placement.py", "moerl/train/rollout.py",
+            "moerl/rollout/manager.py"]
 _PATH_RE = re.compile(r"^/[a-z_]+(/\{[a-z_]+\})?$")
 
 

@@ -695,7 +695,7 @@ class RolloutCluster:
         error, see :meth:`wait_for_dead`), it is retried once on the servers still alive; the dead
         one gets ``restore`` when it restarts. Then records ``weight_version`` and ``restore`` (see
         :meth:`set_weight_restorer`). Returns the URLs that were updated. The trainer's weight sync
-        (moerl.train.loop.WeightSync) goes through here.
+        (moerl.train.weight_sync.WeightSync) goes through here.
 
         Raises:
             the push's exception when no server died (or failover is off, or the retry failed too);

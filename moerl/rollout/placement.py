@@ -22,7 +22,7 @@ server moerl started, on every node -- global rank 0's own live servers and the 
 ``--enable-memory-saver``). ``rollout.external_urls`` servers are not moerl's: they are never
 released or resumed (they keep their memory and only receive weight updates), so they must not share
 GPUs with the trainer. Only global rank 0 talks to the servers; with several trainer ranks the
-trainer (moerl.train.loop.WeightSync) puts a barrier after each offload and before each reload.
+trainer (moerl.train.weight_sync.WeightSync) puts a barrier after each offload and before each reload.
 
 Every call is recorded in :attr:`RolloutPlacement.events` (phase, action, time). On CPU the trainer
 offload / reload hooks default to no-ops that are still called and recorded.

@@ -39,7 +39,7 @@ from typing import Iterable, Iterator, Mapping, Optional, Sequence
 import httpx
 import torch
 
-from moerl.rollout.common import (  # noqa: F401 - re-exported (moerl.train.loop imports them from here)
+from moerl.rollout.common import (  # noqa: F401 - re-exported (moerl.train.weight_sync imports them from here)
     is_loopback_or_wildcard, remote_server_urls, resolve_master_address, url_host)
 from moerl.rollout.common import this_machines_addresses as _this_machines_addresses  # noqa: F401
 from moerl.rollout.common import version_dirname as _version_dirname
