@@ -26,19 +26,10 @@ from moerl.rollout.client import RolloutClient  # noqa: E402
 from moerl.rollout.inprocess import serve_in_thread  # noqa: E402
 from moerl.rollout.manager import RolloutManager  # noqa: E402
 from moerl.rollout.server import ReferenceEngine  # noqa: E402
-from moerl.rollout.testing import make_tiny_moe_checkpoint  # noqa: E402
 
 TEMPERATURE = 0.8
 PROMPT = [5, 9, 14, 3, 7]
 
-
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    a = str(tmp_path_factory.mktemp("model_a"))
-    b = str(tmp_path_factory.mktemp("model_b"))
-    make_tiny_moe_checkpoint(a, seed=0)
-    make_tiny_moe_checkpoint(b, seed=1)
-    return a, b
 
 
 class _Servers:

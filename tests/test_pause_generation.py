@@ -21,30 +21,15 @@ import torch
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 from fastapi.testclient import TestClient  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
 
 from moerl.rollout.client import PAUSE_MODES, RolloutClient  # noqa: E402
 from moerl.rollout.inprocess import serve_in_thread  # noqa: E402
 from moerl.rollout.server import ReferenceEngine, create_app  # noqa: E402
-from moerl.rollout.testing import make_tiny_moe_checkpoint  # noqa: E402
 
 PAUSED = {"message": "Generation paused successfully.", "status": "ok"}
 CONTINUED = {"message": "Generation continued successfully.", "status": "ok"}
 
 
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    a = str(tmp_path_factory.mktemp("model_a"))
-    b = str(tmp_path_factory.mktemp("model_b"))
-    make_tiny_moe_checkpoint(a, seed=0)
-    make_tiny_moe_checkpoint(b, seed=1)
-    return a, b
-
-
-@pytest.fixture(scope="module")
-def ref_models(ckpts):
-    """Independent transformers models (transformers' own loader) for teacher-forced forwards."""
-    return tuple(AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for p in ckpts)
 
 
 @pytest.fixture

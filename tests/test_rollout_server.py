@@ -11,29 +11,15 @@ import torch
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 from fastapi.testclient import TestClient  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
 
 from moerl.rollout.server import ReferenceEngine, create_app, load_safetensors_dir  # noqa: E402
-from moerl.rollout.testing import make_tiny_moe_checkpoint  # noqa: E402
 from moerl.rollout.weight_sync import (  # noqa: E402
     WeightSyncError, serialize_bucket, sync_weights_from_disk, sync_weights_from_tensor)
 
 EOS = 1
 
 
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    a = str(tmp_path_factory.mktemp("model_a"))
-    b = str(tmp_path_factory.mktemp("model_b"))
-    make_tiny_moe_checkpoint(a, seed=0)
-    make_tiny_moe_checkpoint(b, seed=1)
-    return a, b
-
-
-@pytest.fixture(scope="module")
-def ref_models(ckpts):
-    """Independent transformers models (loaded by transformers' own loader) for reference forwards."""
-    return tuple(AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for p in ckpts)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ builds its own share; losses use global denominators (moerl.algorithms.policy_lo
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
@@ -15,6 +15,9 @@ from moerl.parallel.packing import flops_linear_coeff, pack_micro_batches
 from moerl.runtime import world
 from moerl.train.batching import make_micro_batch, split_micro_batches, split_packed_micro_batches
 from moerl.types import Sample
+
+if TYPE_CHECKING:  # annotations only (no import at run time)
+    from moerl.train.setup import RunContext
 
 
 def sft_samples(ctx: RunContext, rows) -> list[Sample]:

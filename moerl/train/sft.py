@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from moerl.runtime import world
 from moerl.runtime.world import broadcast_from_main, log
@@ -10,8 +11,11 @@ from moerl.train.losses import sft_loss
 from moerl.train.micro_batches import dp_padded_micro_batches, sft_samples
 from moerl.train.rollout import evaluate_accuracy
 
+if TYPE_CHECKING:  # annotations only (no import at run time)
+    from moerl.train.setup import RunContext
 
-def evaluate(ctx: "RunContext", client, rows) -> float:
+
+def evaluate(ctx: RunContext, client, rows) -> float:
     """Greedy accuracy on ``rows``, computed by rank 0 (which holds the client) and broadcast."""
     acc = None
     if client is not None:
@@ -23,7 +27,7 @@ def evaluate(ctx: "RunContext", client, rows) -> float:
     return float(broadcast_from_main(acc))
 
 
-def run_sft(ctx: "RunContext", actor, client, sync, logger, state,
+def run_sft(ctx: RunContext, actor, client, sync, logger, state,
             samplers: dict, ckpt) -> None:
     """Warm start: supervised steps until greedy accuracy on sft.eval_prompts held-out prompts first
     reaches sft.target_accuracy (checked every sft.eval_every steps), or sft.max_steps. Continues

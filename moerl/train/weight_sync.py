@@ -10,13 +10,17 @@ push, continue).
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from moerl.rollout.launcher import RolloutCluster, failover_restorer
 from moerl.rollout.placement import RolloutPlacement
 from moerl.rollout.weight_sync import DistributedWeightUpdater, resolve_master_address, sync_weights
 from moerl.runtime import world
 from moerl.train.offload import ActorOffloader
+
+if TYPE_CHECKING:  # annotations only (no import at run time)
+    from moerl.train.setup import RunContext
+    from moerl.train.actor import MegatronActor
 
 
 class WeightSync:
