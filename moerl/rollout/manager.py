@@ -542,7 +542,7 @@ class RolloutManager:
                 with self._cv:
                     while self._inflight and self._error is None:
                         self._cv.wait(timeout=1.0)
-            paused = self.mode == "async" and self.cluster is not None
+            paused = self.mode == "async" and self.cluster is not None and self._producing()
             if paused:
                 self._loop.call_soon_threadsafe(self._unpaused.clear)
                 self.cluster.pause_generation("abort")
@@ -551,13 +551,18 @@ class RolloutManager:
             finally:
                 if paused:
                     self.cluster.continue_generation()
-                    self._loop.call_soon_threadsafe(self._unpaused.set)
+                    if self._producing():
+                        self._loop.call_soon_threadsafe(self._unpaused.set)
             with self._cv:
                 self.version = _version_int(version, self.version + 1)
         with self._cv:
             self.steps_done = max(self.steps_done, step)
             self._cv.notify_all()
         self._kick()
+
+    def _producing(self) -> bool:
+        return self._loop is not None and not self._loop.is_closed() and self._thread is not None \
+            and self._thread.is_alive()
 
     def state_dict(self) -> dict:
         """Resume cursor: the sampler state before the draw of the oldest group not yet taken, and that
