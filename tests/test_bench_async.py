@@ -1,0 +1,161 @@
+"""tools/bench_async.py: the pure parts (RL window, idle measures, staleness, time model, cluster
+table, targets, /proc parsing) on hand-worked numbers; no training runs."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_SPEC = importlib.util.spec_from_file_location(
+    "bench_async", Path(__file__).resolve().parents[1] / "tools" / "bench_async.py")
+ba = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(ba)
+
+
+def _step(k, t_log, R, L, U, W, **extra):
+    return {"step": k, "t_log": t_log, "time/rollout": R, "time/log_prob": L, "time/update": U,
+            "time/weight_sync": W, **extra}
+
+
+# three sync steps: 0.6 + 0.2 + 0.1 + 0.1 = 1.0 s of phases, 0.05 s unmeasured between steps;
+# step 1 starts at t = 100.0 and its events are written at 101.0; step 3 also evaluates for 2 s
+STEPS = [
+    _step(1, 101.00, 0.6, 0.2, 0.1, 0.1, **{"rollout/server_busy_frac": 1.0}),
+    _step(2, 102.05, 0.6, 0.2, 0.1, 0.1, **{"rollout/server_busy_frac": 0.5}),
+    _step(3, 105.10, 0.6, 0.2, 0.1, 0.1, **{"time/eval": 2.0, "rollout/server_busy_frac": 0.25}),
+]
+
+
+def test_rl_window_and_wall_exclude_the_final_eval():
+    t0, t1 = ba.rl_window(STEPS)
+    assert t0 == pytest.approx(100.0)  # 101.0 - 1.0 s of step-1 phases
+    assert t1 == pytest.approx(103.1)  # 105.1 - 2.0 s eval
+    assert ba.rl_wall(STEPS) == pytest.approx(3.1)
+    # an eval in the middle (eval.every_steps) is taken out too
+    mid = [dict(STEPS[0]), dict(STEPS[1], **{"time/eval": 0.5}), dict(STEPS[2], t_log=105.6)]
+    assert ba.rl_wall(mid) == pytest.approx(3.1)
+    with pytest.raises(ValueError):
+        ba.rl_window([])
+
+
+def test_phase_means_other_is_the_unmeasured_rest():
+    ph = ba.phase_means(STEPS)
+    assert ph["R"] == pytest.approx(0.6) and ph["L"] == pytest.approx(0.2)
+    assert ph["U"] == pytest.approx(0.1) and ph["W"] == pytest.approx(0.1)
+    assert ph["O"] == pytest.approx(3.1 / 3 - 1.0)  # 0.0333: the 2 x 0.05 s gaps over 3 steps
+
+
+def test_time_weighted_busy():
+    # batches handed over at 100.6, 101.65, 102.70 (t_log - (L + U + W [+ eval])) after the start at 100.0:
+    # intervals 0.6, 1.05, 1.05 with busy fractions 1.0, 0.5, 0.25
+    want = (0.6 * 1.0 + 1.05 * 0.5 + 1.05 * 0.25) / 2.7
+    assert ba.time_weighted_busy(STEPS) == pytest.approx(want)
+
+
+def test_staleness_summary_is_token_weighted():
+    steps = [{"staleness/mean": 0.0, "staleness/max": 0.0, "staleness/tokens_0": 100.0},
+             {"staleness/mean": 0.5, "staleness/max": 1.0, "staleness/tokens_0": 150.0, "staleness/tokens_1": 150.0},
+             {"staleness/mean": 2.0, "staleness/max": 2.0, "staleness/tokens_2": 100.0}]
+    mean, mx = ba.staleness_summary(steps)
+    assert mean == pytest.approx((0 + 0.5 * 300 + 2.0 * 100) / 500)  # 0.7
+    assert mx == 2.0
+    assert ba.staleness_summary([{}]) == (0.0, 0.0)
+
+
+def test_interp():
+    s = [(10.0, 1.0), (12.0, 3.0), (14.0, 3.0)]
+    assert ba.interp(s, 11.0) == pytest.approx(2.0)
+    assert ba.interp(s, 9.0) == 1.0 and ba.interp(s, 20.0) == 3.0
+    assert ba.interp(s, 13.5) == pytest.approx(3.0)
+    assert ba.interp([], 1.0) == 0.0
+
+
+def test_overlapped_step_pairs_and_buffered():
+    R, T = [0.4, 0.8], [0.5, 0.5]
+    # pairs: max(0.4, 0.5) = 0.5 twice, max(0.8, 0.5) = 0.8 twice -> mean 0.65, plus W
+    assert ba.overlapped_step(R, T, 0.1, buffered=False) == pytest.approx(0.75)
+    # buffered: max(mean R 0.6, mean T 0.5) + W
+    assert ba.overlapped_step(R, T, 0.1, buffered=True) == pytest.approx(0.7)
+    with pytest.raises(ValueError):
+        ba.overlapped_step([], T, 0.1, buffered=True)
+
+
+def test_time_model_hand_worked():
+    # phases R 0.6, L 0.2, U 0.1, W 0.1, O 0.0333; sync step = 3.1 / 3 = 1.0333
+    m = ba.time_model(STEPS, producer_cpu_per_step=0.05)
+    O = 3.1 / 3 - 1.0
+    assert m["sync_step"] == pytest.approx(3.1 / 3)
+    T = 0.2 + 0.1 + O + 0.05  # 0.3833 < R = 0.6: the rollout side bounds the overlapped step
+    assert T < 0.6
+    assert m["steps"]["async_s1"] == pytest.approx(0.1 + 0.6)
+    assert m["steps"]["one_step_off"] == pytest.approx(0.7)
+    assert m["steps"]["async_s2"] == pytest.approx(0.7)
+    # wall: step 1 is a whole sync step, then 2 overlapped steps
+    assert m["walls"]["async_s1"] == pytest.approx(3.1 / 3 + 2 * 0.7)
+    assert m["ratios"]["async_s1"] == pytest.approx(3.1 / (3.1 / 3 + 1.4))
+    assert m["steady_ratios"]["async_s1"] == pytest.approx((3.1 / 3) / 0.7)
+    w = m["what_if_ratios"]  # steady state from the means: R 0.6, T = L+U+O 0.3333, W 0.1, P 0.05
+    assert w["as measured"] == pytest.approx((3.1 / 3) / 0.7)
+    assert w["producer off the trainer core"] == pytest.approx((3.1 / 3) / 0.7)
+    assert w["push does not pause generation"] == pytest.approx((3.1 / 3) / 0.6)  # max(0.6, 0.4833)
+    assert w["both"] == pytest.approx((3.1 / 3) / 0.6)
+    # a trainer-bound case: producer CPU large enough to exceed R
+    m2 = ba.time_model(STEPS, producer_cpu_per_step=0.5)
+    assert m2["steps"]["async_s2"] == pytest.approx(0.1 + 0.2 + 0.1 + O + 0.5)
+
+
+def test_own_producer_step():
+    m = ba.time_model(STEPS, producer_cpu_per_step=0.05)
+    O = 3.1 / 3 - 1.0
+    # the mode's own producer CPU 0.4: trainer side 0.2 + 0.1 + O + 0.4 = 0.7333 > R 0.6
+    assert ba.own_producer_step(m, {"producer_cpu_per_step": 0.4}) == pytest.approx(0.1 + 0.7 + O)
+    assert ba.own_producer_step(m, {"producer_cpu_per_step": 0.0}) == pytest.approx(0.7)
+    assert ba.own_producer_step(m, {}) is None
+
+
+def test_rel_error():
+    assert ba.rel_error(1.5, 1.25) == pytest.approx(0.2)
+    assert ba.rel_error(1.0, 1.25) == pytest.approx(0.2)
+
+
+def test_cluster_rows():
+    # one-device times R = 6, T = 2, push W = 0.5 on N = 8 devices
+    r = ba.cluster_row(6.0, 2.0, 0.5, 8, 0.75)
+    assert (r["rollout_devices"], r["trainer_devices"]) == (6, 2)
+    assert r["sync_step"] == pytest.approx(1.0 + 1.0 + 0.5)
+    assert r["async_step"] == pytest.approx(0.5 + 1.0)
+    assert r["speedup"] == pytest.approx(2.5 / 1.5)
+    assert r["colocated_sync_step"] == pytest.approx(8.0 / 8 + 0.5)
+    assert r["speedup_vs_colocated"] == pytest.approx(1.5 / 1.5)
+    r = ba.cluster_row(6.0, 2.0, 0.5, 8, 0.25)  # 2 rollout devices: rollout-bound
+    assert r["async_step"] == pytest.approx(0.5 + 3.0) and r["sync_step"] == pytest.approx(3.0 + 2 / 6 + 0.5)
+    # at least one device per side
+    assert ba.cluster_row(1.0, 1.0, 0.0, 2, 0.9)["rollout_devices"] == 1
+    assert ba.balanced_fraction(6.0, 2.0) == pytest.approx(0.75)
+
+
+def test_verdicts():
+    v = ba.verdicts(sync_wall=16.0, async_wall=10.0, sync_acc=0.60, async_acc=0.575, predicted_ratio=1.8)
+    by = {t["name"].split()[0]: t for t in v}
+    assert by["speed-up"]["value"] == pytest.approx(1.6) and by["speed-up"]["pass"]
+    assert by["accuracy"]["value"] == pytest.approx(-2.5) and by["accuracy"]["pass"]
+    assert by["model"]["value"] == pytest.approx(0.125) and by["model"]["pass"]
+    v = ba.verdicts(sync_wall=15.0, async_wall=10.0, sync_acc=0.60, async_acc=0.56, predicted_ratio=1.9)
+    assert [t["pass"] for t in v] == [False, False, False]
+
+
+def test_proc_parsers():
+    line = "4242 (python -m x) S 4200 4242 4242 0 -1 4194560 100 0 0 0 250 30 0 0 20 0 3 0 1000 0 0"
+    assert ba.parse_task_stat(line) == (4200, 280)
+    stat = ("cpu  10 0 10 100 0 0 0 0 0 0\n"
+            "cpu0 5 1 2 50 9 1 1 1 0 0\n"
+            "cpu1 5 0 8 50 0 0 0 0 0 0\n"
+            "intr 1 2 3\n")
+    assert ba.parse_proc_stat(stat) == {0: 5 + 1 + 2 + 1 + 1 + 1, 1: 13}
+
+
+def test_fmt_table():
+    t = ba.fmt_table(["a", "bb"], [["1", "22"], ["333", "4"]])
+    assert t.splitlines() == ["|   a | bb |", "|-----|----|", "|   1 | 22 |", "| 333 |  4 |"]
