@@ -24,7 +24,8 @@ setup(
         "sglang-router==0.3.2",
         "fastapi>=0.115,<1",
         "uvicorn>=0.30,<1",
-        "httpx>=0.27,<0.29",
+        "httpx>=0.27,<0.29",  # synchronous control calls (weight sync, health checks)
+        "aiohttp>=3.9,<4",  # RolloutClient: ~7x less client CPU than httpx for 128 concurrent /generate
         "pydantic>=2.7,<3",
         "pyyaml>=6.0,<7",
         "tensorboard>=2.16,<3",
