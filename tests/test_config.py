@@ -47,6 +47,7 @@ EXPECTED_TINY = {
         "placement": "disaggregated", "gpu_ids": [], "server_tp_size": 1, "server_dp_size": 1,
         "server_ep_size": 1, "mem_fraction_static": 0.8, "external_urls": [], "failover": True, "max_restarts": 3,
         "dynamic_sampling": False, "max_oversample_factor": 3.0, "cpu_affinity": [],
+        "pause_mode": "auto",
     },
     "algorithm": {
         "advantage_estimator": "grpo", "policy_loss": "gspo", "loss_agg_mode": "seq-mean-token-mean",
@@ -329,3 +330,22 @@ def test_resolve_vocab_size():
 def test_repo_configs_all_load():
     for p in sorted((REPO / "configs").glob("*.yaml")):
         assert isinstance(load_config(p), RecipeConfig), os.fspath(p)
+
+
+def test_async_keys_are_checked():
+    """The async-RL keys: in_place pauses are refused with real SGLang (it would mix two weight versions
+    inside one response unseen), one_step_off needs staleness >= 1, pinned cores must exist."""
+    import os
+
+    from moerl.config.schema import RolloutConfig, TrainConfig
+
+    with pytest.raises(ValueError, match="rollout.pause_mode=in_place"):
+        RolloutConfig(backend="sglang", gpu_ids=[0], pause_mode="in_place")
+    RolloutConfig(backend="sglang", gpu_ids=[0], pause_mode="abort")
+    with pytest.raises(ValueError, match="train.max_staleness"):
+        TrainConfig(mode="one_step_off", max_staleness=0)
+    missing = max(os.sched_getaffinity(0)) + 1
+    with pytest.raises(ValueError, match="rollout.cpu_affinity"):
+        RolloutConfig(cpu_affinity=[missing])
+    with pytest.raises(ValueError, match="train.cpu_affinity"):
+        TrainConfig(cpu_affinity=[0, 0])

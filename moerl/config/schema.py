@@ -248,13 +248,25 @@ class RolloutConfig(_Section):
     # per step (moerl.rollout.manager). Off: a step trains on the rollout_batch_size groups it drew.
     dynamic_sampling: bool = False
     max_oversample_factor: float = Field(3.0, ge=1.0)
-    # CPU cores the servers and the router moerl starts are pinned to (os.sched_setaffinity; [] = not
+    # CPU cores the servers and router moerl starts, and the RolloutManager producer thread, are pinned to
+    # (os.sched_setaffinity; [] = not
     # pinned). With train.cpu_affinity this emulates separate rollout and training devices on one machine.
     cpu_affinity: list[int] = Field(default_factory=list)
+    # train.mode=async: how a weight update pauses the servers (SGLang /pause_generation mode). abort cuts
+    # the running responses, which resume from their prefix under the new weights (partial rollouts, exact
+    # per-token versions); in_place lets the reference server finish its running batch first (every
+    # response has one version, no resumes). Real SGLang's in_place would continue running requests on the
+    # new weights with the old KV cache and report one version for tokens of two: refused with sglang.
+    # auto = in_place with the reference server, abort with sglang.
+    pause_mode: Literal["auto", "abort", "in_place"] = "auto"
 
     @model_validator(mode="after")
     def _cross_fields(self) -> "RolloutConfig":
         _check_cores("rollout.cpu_affinity", self.cpu_affinity)
+        if self.pause_mode == "in_place" and self.backend == "sglang":
+            raise ValueError("rollout.pause_mode=in_place with rollout.backend=sglang would attribute tokens of two "
+                             "weight versions to one (SGLang keeps the running requests and their KV cache): use "
+                             "rollout.pause_mode=abort")
         last = self.base_port + self.num_servers - 1
         if not (PORT_MIN <= self.base_port and last <= PORT_MAX):
             raise ValueError(

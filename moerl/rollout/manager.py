@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -175,6 +176,17 @@ class RolloutManager:
                                     max_new_tokens=ro.max_new_tokens, stop_token_ids=[eos_id])
         assert set(self.sampling_params) <= SAMPLING_PARAM_FIELDS
         self.routing_shape = routing_shape
+        # how a weight update pauses the servers in async mode (rollout.pause_mode): abort cuts running
+        # responses (resumed from their prefix: partial rollouts); in_place lets the reference server
+        # finish its running batch first (every response then has one version; SGLang's in_place would
+        # mix versions inside a response unseen, so the schema refuses it with backend sglang); auto =
+        # in_place with the reference backend, abort with sglang
+        self.pause_mode = getattr(ro, "pause_mode", "abort")
+        if self.pause_mode == "auto":
+            self.pause_mode = "in_place" if getattr(ro, "backend", "reference") == "reference" else "abort"
+        # rollout.cpu_affinity: the producer thread runs on the rollout cores (the trainer's host CPU
+        # work of the rollout side, kept off an emulated training device)
+        self.cpu_affinity = list(getattr(ro, "cpu_affinity", None) or [])
         self.num_steps = num_steps
         self.version = int(version)
         self.steps_done = steps_done  # steps trained and pushed (k_done)
@@ -215,6 +227,8 @@ class RolloutManager:
         def run() -> None:
             loop = asyncio.new_event_loop()
             asyncio.set_event_loop(loop)
+            if self.cpu_affinity and hasattr(os, "sched_setaffinity"):
+                os.sched_setaffinity(0, set(self.cpu_affinity))  # this thread only (Linux: pid 0 = caller)
             self._loop = loop
             self._unpaused, self._wake = asyncio.Event(), asyncio.Event()
             self._unpaused.set()
@@ -545,7 +559,7 @@ class RolloutManager:
             paused = self.mode == "async" and self.cluster is not None and self._producing()
             if paused:
                 self._loop.call_soon_threadsafe(self._unpaused.clear)
-                self.cluster.pause_generation("abort")
+                self.cluster.pause_generation(self.pause_mode)
             try:
                 version = push()
             finally:

@@ -374,8 +374,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                               "max_batch_size": args.max_batch_size, "tp_size": 1, "dp_size": 1,
                               "request_log": args.request_log})
     logger.info("serving on http://%s:%d", args.host, args.port)
+    # keep idle connections open longer than sglang-router's pool keeps them (reqwest: 90 s), so the
+    # router never sends on a connection this server is closing (uvicorn's default is 5 s)
     uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False,
-                log_level=args.log_level)
+                log_level=args.log_level, timeout_keep_alive=120)
     return 0
 
 
