@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from moerl.rollout.common import free_port_block  # noqa: F401 - tests import it from here
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,23 +64,6 @@ def gspo_micro_batches(n: int, vocab: int, *, batch: int = 2, seq: int = 10, pro
     return out
 
 
-def free_port_block(n: int = 3) -> int:
-    """A base port with n consecutive free ports below Linux's ephemeral range (32768+), so that
-    client sockets of other processes cannot take them between this check and the servers' bind."""
-    rng = random.Random(os.getpid() * 7919 + time.time_ns())
-    for _ in range(500):
-        base = rng.randrange(20000, 32000 - n)
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free port block")
 
 
 def free_port() -> int:

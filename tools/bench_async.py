@@ -84,16 +84,16 @@ import argparse
 import itertools
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Optional, Sequence
+
+from moerl.rollout.common import free_port_block
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = "configs/tiny_arith.yaml"
@@ -419,22 +419,6 @@ def read_steps(tb_dir: Path) -> list[dict]:
     return [steps[k] for k in sorted(steps)]
 
 
-def free_port_block(n: int) -> int:
-    """A base port with n consecutive free ports below Linux's ephemeral range."""
-    rng = random.Random(os.getpid() * 7919 + time.time_ns())
-    for _ in range(500):
-        base = rng.randrange(20000, 32000 - n)
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free port block")
 
 
 def run_train(overrides: list[str], run_dir: Path, num_servers: int, timeout_s: float,

@@ -178,3 +178,32 @@ def resolve_master_address(master_address: Optional[str], host: str, server_urls
                 + (", or rollout.host=auto when this node's hostname resolves to such an address"
                    if given != "auto" else ""))
     return addr
+
+
+def free_port_block(n: int = 3) -> int:
+    """A base port with ``n`` consecutive free ports on 127.0.0.1 below Linux's ephemeral range
+    (32768+), so that client sockets of other processes cannot take them between this check and the
+    servers' bind (tests and benchmarks that start servers and a router).
+
+    Raises:
+        RuntimeError: no free block found in 500 tries.
+    """
+    import os
+    import random
+    import socket
+    import time
+
+    rng = random.Random(os.getpid() * 7919 + time.time_ns())
+    for _ in range(500):
+        base = rng.randrange(20000, 32000 - n)
+        ok = True
+        for p in range(base, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no free port block")
