@@ -349,3 +349,12 @@ def test_async_keys_are_checked():
         RolloutConfig(cpu_affinity=[missing])
     with pytest.raises(ValueError, match="train.cpu_affinity"):
         TrainConfig(cpu_affinity=[0, 0])
+    # combinations, refused by the recipe before any work
+    from moerl.config.loader import ConfigError, load_config
+
+    for overrides, needle in [(["train.mode=async", "rollout.placement=colocated"], "rollout.placement"),
+                              (["train.cpu_affinity=[0]", "rollout.cpu_affinity=[0]"], "share cores"),
+                              (["algorithm.off_policy_correction=mis", "algorithm.is_lower=3", "algorithm.is_cap=2"],
+                               "algorithm.is_lower")]:
+        with pytest.raises(ConfigError, match=needle):
+            load_config(TINY, overrides)

@@ -190,7 +190,7 @@ def test_loss_and_grad_hand_values(policy, mode, correction, level, opts, c, mas
     assert m["is_masked_frac"] == pytest.approx(masked, abs=1e-15)
     assert m["is_weight_max"] == pytest.approx(max(map(max, RAW[level])), rel=1e-12)
     assert m["behav_prox_kl"] == pytest.approx(BEHAV_PROX_KL, rel=1e-12)
-    assert "stale_token_frac" not in m
+    assert "over_bound_token_frac" not in m
 
 
 def test_decoupled_and_tis_differ_only_on_tokens_above_the_cap():
@@ -222,7 +222,7 @@ def test_stale_token_removed_from_loss_and_kl(policy):
     assert loss.item() == pytest.approx(pg + 0.5 * kl_loss, rel=1e-12)
     torch.testing.assert_close(lp.grad, torch.tensor(grad, dtype=F64), rtol=1e-12, atol=1e-15)
     assert lp.grad[0, 2].item() == 0.0
-    assert m["stale_token_frac"] == pytest.approx(1 / 5, rel=1e-12)
+    assert m["over_bound_token_frac"] == pytest.approx(1 / 5, rel=1e-12)
     assert m["kl_loss"] == pytest.approx(kl_loss, rel=1e-12)
     assert m["kl"] == pytest.approx(0.1, rel=1e-12)  # logged over all loss tokens
 
@@ -239,14 +239,14 @@ def test_staleness_defence_without_correction():
         lp.grad, torch.tensor([[-1.1 / 5, 0, 0, 0], [0, 1.1 / 5, 0, 0], [0] * 4, [0] * 4], dtype=F64),
         rtol=1e-12, atol=1e-15,
     )
-    assert m["stale_token_frac"] == pytest.approx(0.2) and "is_weight_mean" not in m
+    assert m["over_bound_token_frac"] == pytest.approx(0.2) and "is_weight_mean" not in m
     # max_staleness 3: nothing is stale, nothing changes
     lp2, *_ = _batch()
     loss3, m3 = compute_policy_loss(lp2, old, adv, mask, policy_loss="ppo", eps_clip_low=EPS_LOW,
                                     eps_clip_high=EPS_HIGH, loss_agg_mode="token-mean",
                                     token_staleness=stale, max_staleness=3)
     assert loss3.item() == pytest.approx((-1.1 - 1.28 - 0.9 + 0.8 + 1.1) / 5, rel=1e-12)
-    assert m3["stale_token_frac"] == 0.0
+    assert m3["over_bound_token_frac"] == 0.0
 
 
 @pytest.mark.parametrize("policy", ["ppo", "gspo"])
@@ -269,7 +269,7 @@ def test_empty_and_aborted_rows_contribute_nothing(policy):
                      token_staleness=z + 7, max_staleness=0)
     loss3.backward()
     assert loss3.item() == 0.0 and torch.equal(lp3.grad, z)
-    assert m3["stale_token_frac"] == 0.0 and m3["is_weight_max"] == 0.0
+    assert m3["over_bound_token_frac"] == 0.0 and m3["is_weight_max"] == 0.0
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
@@ -394,7 +394,7 @@ def test_closure_passes_extras_and_reduces_metrics_over_micro_batches():
     assert m["is_weight_max"] == pytest.approx(3.0, rel=1e-12)  # max over micro-batches, not a share sum
     assert [o["is_weight_max"] for o in outs] == pytest.approx([3.0, 2.5], rel=1e-12)
     assert m["is_masked_frac"] == pytest.approx(3 / 5, rel=1e-12)
-    assert m["stale_token_frac"] == pytest.approx(1 / 5, rel=1e-12)
+    assert m["over_bound_token_frac"] == pytest.approx(1 / 5, rel=1e-12)
     assert m["behav_prox_kl"] == pytest.approx(BEHAV_PROX_KL, rel=1e-12)
 
 
@@ -406,7 +406,7 @@ def test_closure_without_behaviour_extra():
         policy_loss(_algo(), global_num_tokens=N_TOKENS, global_num_seqs=N_SEQS)(lp, torch.zeros_like(lp), mb)
     _, out = policy_loss(_algo(off_policy_correction="none"), global_num_tokens=N_TOKENS,
                          global_num_seqs=N_SEQS)(lp, torch.zeros_like(lp), mb)
-    assert "is_weight_mean" not in out and "stale_token_frac" not in out
+    assert "is_weight_mean" not in out and "over_bound_token_frac" not in out
     with pytest.raises(ValueError, match="token_staleness"):
         policy_loss(_algo(off_policy_correction="none"), global_num_tokens=N_TOKENS, global_num_seqs=N_SEQS,
                     max_staleness=1)(lp, torch.zeros_like(lp), mb)

@@ -150,6 +150,9 @@ def test_kill9_then_resume_auto_in_async_mode_loses_and_repeats_no_sample(tmp_pa
     assert set(uids) == {f"{d}-{g}-{k}" for d in range(1, 7) for g in range(4) for k in range(4)}
     ages = [r["trainer_version"] - v for recs in by_step.values() for r in recs for v in r["token_versions"]]
     assert max(ages) <= 2
+    # one weight version per step across the resume too (the resumed run republishes the checkpoint's version)
+    first = by_step[1][0]["trainer_version"]
+    assert [recs[0]["trainer_version"] for _, recs in sorted(by_step.items())] == [first + s for s in range(6)]
 
 
 @pytest.mark.slow

@@ -172,8 +172,9 @@ def test_staleness_bound_holds_for_every_trained_token(eta, policy):
             uids.append(s.metadata["uid"])
         resumed += b.metrics["rollout/resumed_segments"]
         dropped += b.metrics["rollout/dropped_stale_groups"]
-        # every group of the batch is accounted for: trained or dropped as stale
-        assert b.metrics["rollout/drawn_groups"] == 4 == len(b.groups) + b.metrics["rollout/dropped_stale_groups"]
+        # the batch stays full; every drawn group is accounted for: trained or dropped as stale
+        assert len(b.groups) == 4
+        assert b.metrics["rollout/drawn_groups"] == 4 + b.metrics["rollout/dropped_stale_groups"]
     assert len(uids) == len(set(uids))  # no sample trained twice
     assert max(ages) >= 1  # the run really was off-policy
     assert resumed > 0 and servers.pauses == 14  # weight updates landed in flight and cut responses
@@ -240,7 +241,7 @@ def test_a_cut_response_is_continued_before_it_is_scored_and_given_up_after_max_
     mgr = _manager(servers, _cfg(mode="sync", n=2, B=2), num_steps=1, reward=reward)
     with mgr:
         b = mgr.get_batch(1)
-    assert b.groups == [] and b.metrics["rollout/failed_groups"] == 2
+    assert b.groups == [] and b.metrics["rollout/failed_groups"] == 8  # each replaced, up to 4 x rollout_batch_size
 
 
 def test_dynamic_sampling_collects_groups_with_signal_and_counts_the_rest():
@@ -278,3 +279,14 @@ def test_colocated_placement_is_refused_outside_sync():
     cfg.rollout.placement = "colocated"
     with pytest.raises(ValueError, match="rollout.placement"):
         _manager(FakeServers(), cfg, num_steps=1)
+
+
+def test_drop_policy_keeps_every_batch_full_and_counts_what_it_drops():
+    """staleness_policy=drop runs one batch ahead; what is over the bound when taken is dropped and
+    replaced by the next group, so every step trains rollout_batch_size groups (no empty steps)."""
+    servers = FakeServers(token_s=0.003)
+    batches, _ = _run(servers, _cfg(max_staleness=0, policy="drop"), num_steps=8, train_s=0.01)
+    for b in batches:
+        assert len(b.groups) == 4
+        assert all(b.trainer_version == v for s in b.samples for v in s.token_versions)
+    assert sum(b.metrics["rollout/dropped_stale_groups"] for b in batches) > 0

@@ -345,7 +345,7 @@ def compute_policy_loss(
 
     Staleness defence: with ``max_staleness`` set, loss tokens whose ``token_staleness`` exceeds it
     are removed from the loss (from the policy-gradient and the KL term; denominators unchanged) and
-    counted in ``stale_token_frac``. The data pipeline is meant to guarantee this never happens; this
+    counted in ``over_bound_token_frac``. The data pipeline is meant to guarantee this never happens; this
     is the last line of defence. Sequence-level IS weights and the GSPO ratio are still computed over
     the whole ``loss_mask`` row.
 
@@ -384,7 +384,7 @@ def compute_policy_loss(
         when ``behaviour_log_probs`` is given: ``is_weight_mean``, ``is_masked_frac``,
         ``behav_prox_kl`` (local means) and ``is_weight_max`` (a local MAX: reduce it with max, not
         a sum; see :func:`moerl.algorithms.off_policy.off_policy_weights`); when ``max_staleness`` is
-        set: ``stale_token_frac`` (local mean); ``num_tokens`` (loss tokens of this micro-batch, to
+        set: ``over_bound_token_frac`` (local mean); ``num_tokens`` (loss tokens of this micro-batch, to
         weight local means when averaging).
 
     Raises:
@@ -432,7 +432,7 @@ def compute_policy_loss(
                 f"{tuple(log_probs.shape)}"
             )
         stale = mask & (token_staleness.detach() > max_staleness)
-        metrics["stale_token_frac"] = float(stale.sum()) / max(int(mask.sum()), 1)
+        metrics["over_bound_token_frac"] = float(stale.sum()) / max(int(mask.sum()), 1)
     agg = dict(
         global_num_tokens=global_num_tokens,
         global_num_seqs=global_num_seqs,

@@ -327,7 +327,8 @@ class AlgorithmConfig(_Section):
     filter_uniform_groups: bool = True
     # Off-policy correction between the behaviour policy mu (the rollout server's per-token log-probs, of
     # the weight version that generated each token) and the proximal policy pi_prox (the trainer's
-    # recomputed old_log_probs), w = pi_prox / mu (moerl.algorithms.off_policy; REFERENCE.md, ASYNC.md):
+    # recomputed old_log_probs), w = pi_prox / mu (moerl.algorithms.off_policy: AReaL arXiv 2505.24298,
+    # Yao et al. 2025 TIS, IcePop):
     # none | tis (truncated IS: loss x min(w, is_cap)) | decoupled (AReaL: loss x w, tokens with
     # w > is_cap dropped) | mis (masked IS: w kept inside [is_lower, is_cap], 0 outside) | icepop (w kept
     # inside [1/icepop_beta, icepop_beta], 0 outside). is_level: token | sequence | geo_mean.
@@ -507,6 +508,22 @@ class RecipeConfig(_Section):
 
         validate_routing_replay(self.moe.routing_replay, pp_size=self.parallel.pp_size,
                                 recompute=self.parallel.recompute)
+        return self
+
+    @model_validator(mode="after")
+    def _async_rules(self) -> "RecipeConfig":
+        """train.mode / rollout / algorithm keys of asynchronous RL that only make sense together."""
+        tr, ro, algo = self.train, self.rollout, self.algorithm
+        if tr.mode != "sync" and ro.placement == "colocated":
+            raise ValueError(f"train.mode={tr.mode} overlaps rollout and training, which needs separate devices: "
+                             "set rollout.placement=disaggregated or train.mode=sync")
+        overlap = sorted(set(tr.cpu_affinity) & set(ro.cpu_affinity))
+        if overlap:
+            raise ValueError(f"train.cpu_affinity {tr.cpu_affinity} and rollout.cpu_affinity {ro.cpu_affinity} share "
+                             f"cores {overlap}: give the trainer and the rollout servers separate cores")
+        if algo.off_policy_correction == "mis" and algo.is_lower > algo.is_cap:
+            raise ValueError(f"algorithm.is_lower ({algo.is_lower}) must be <= algorithm.is_cap ({algo.is_cap}) for "
+                             "algorithm.off_policy_correction=mis (the kept band is [is_lower, is_cap])")
         return self
 
     @model_validator(mode="after")

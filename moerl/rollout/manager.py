@@ -20,10 +20,12 @@ async (drop)    b <= k_done + 2 + max_staleness             same as async (wait)
 ``batches taken + groups ahead of it in the FIFO // rollout_batch_size + 1`` (every batch takes at least
 rollout_batch_size groups). A group that starts under version V_now therefore trains at a step whose
 weights are at most ``b - 1 - k_done <= max_staleness`` versions newer: the ``wait`` gate alone keeps the
-bound (AReaL's capacity rule, arXiv 2505.24298 sec. 5). ``drop`` runs one batch further ahead so the
-servers never wait for the trainer, and what exceeds the bound when it is taken is dropped. Both check
-every group when it is taken (staleness = trainer version - oldest version among its trained tokens;
-over the bound: dropped and counted), the last line of defence. A trainer that waits for a batch whose
+bound (AReaL's capacity rule, arXiv 2505.24298 sec. 5). ``drop`` lets the producer run one batch further
+ahead (the servers wait less for the trainer); what exceeds the bound when it is taken is dropped and
+replaced by the next group in the FIFO, so every step still trains rollout_batch_size groups, at the cost
+of the dropped generations (counted). Both check every group when it is taken (staleness = trainer
+version - oldest version among its trained tokens; over the bound: dropped and counted), the last line
+of defence. A trainer that waits for a batch whose
 groups are not started yet always gets them started (they train at the current version: staleness 0).
 
 Groups are consumed in draw order (FIFO): batch b is the next rollout_batch_size groups (or, with
@@ -39,7 +41,8 @@ train.partial_rollout_mask_old tokens older than the response's newest version l
 is scored only when it finished (stop token or length); a cut one is never scored as complete.
 
 Per-request sampling seeds are ``sampling_seed(seed, draw, group, sample)`` (the first segment, as the
-synchronous loop always used) and ``sampling_seed(seed, draw, group, sample, segment)`` for continuations;
+synchronous loop always used) and ``sampling_seed(seed, draw, group, sample, prefix_length)`` for
+continuations of a response that already has tokens;
 request ids ``s{draw}-g{group}-{sample}`` (+ ``-r{segment}``), unique, so a retried request (failover) is
 neither lost nor counted twice.
 
@@ -162,6 +165,12 @@ class RolloutManager:
         if tr.mode != "sync" and ro.placement == "colocated":
             raise ValueError(f"train.mode={tr.mode} overlaps rollout and training, which needs separate devices: "
                              "set rollout.placement=disaggregated or train.mode=sync")
+        algo = getattr(cfg, "algorithm", None)
+        if tr.mode != "sync" and getattr(algo, "off_policy_correction", "none") == "none":
+            log(f"WARNING: train.mode={tr.mode} trains on tokens up to {tr.max_staleness} versions old without an "
+                "importance correction (algorithm.off_policy_correction=none); on the demo that cost 5-7 points of "
+                "greedy accuracy at staleness 1 (tools/bench_async.py); consider algorithm.off_policy_correction="
+                "decoupled or tis")
         self.client, self.cluster, self.sampler = client, cluster, sampler
         self.encode, self.decode, self.reward_fn, self.log = encode, decode, reward_fn, log
         self.mode, self.policy = tr.mode, tr.staleness_policy
@@ -169,7 +178,8 @@ class RolloutManager:
         self.mask_old = tr.partial_rollout_mask_old
         self.n, self.B = ro.n_samples_per_prompt, ro.rollout_batch_size
         self.dynamic = ro.dynamic_sampling
-        self.max_draw = max(self.B, int(ro.max_oversample_factor * self.B)) if self.dynamic else self.B
+        # groups one batch may draw: dynamic sampling's cap, else room to replace stale / failed groups
+        self.max_draw = max(self.B, int(ro.max_oversample_factor * self.B)) if self.dynamic else 4 * self.B
         self.prompt_key, self.label_key = cfg.data.prompt_key, cfg.data.label_key
         self.seed, self.max_new = cfg.seed, ro.max_new_tokens
         self.sampling_params = dict(temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
@@ -245,9 +255,10 @@ class RolloutManager:
                     for t in pending:
                         t.cancel()
                     loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-                    closer = getattr(self.client, "aclose", None)
-                    if closer is not None:
-                        loop.run_until_complete(closer())
+                    for c in [self.client, *getattr(self, "_direct", {}).values()]:
+                        closer = getattr(c, "aclose", None)
+                        if closer is not None:
+                            loop.run_until_complete(closer())
                 finally:
                     loop.close()
 
@@ -262,6 +273,8 @@ class RolloutManager:
             self._closed = True
             self._cv.notify_all()
         self._kick()
+        if self._producing():  # a producer parked on a pause must see the close too
+            self._loop.call_soon_threadsafe(self._unpaused.set)
         if self._thread is not None:
             self._thread.join(timeout=30)
 
@@ -388,7 +401,8 @@ class RolloutManager:
         for segment in range(MAX_SEGMENTS):
             await self._unpaused.wait()
             sp = dict(self.sampling_params, max_new_tokens=self.max_new - len(tokens))
-            keys = (grp.draw, grp.index, k) + ((segment,) if segment else ())
+            # keyed by the prefix length: a request cut before its first token is drawn again as if uncut
+            keys = (grp.draw, grp.index, k) + ((len(tokens),) if tokens else ())
             sp["sampling_seed"] = sampling_seed(self.seed, *keys)
             body = {"input_ids": grp.prompt_ids + tokens, "sampling_params": sp, "return_logprob": True,
                     "rid": f"s{grp.draw}-g{grp.index}-{k}" + (f"-r{segment}" if segment else "")}
@@ -402,7 +416,7 @@ class RolloutManager:
             tokens += item.response_ids
             lps += item.rollout_log_probs
             versions += [_version_int(item.weight_version, self.version)] * len(item.response_ids)
-            if segment:
+            if segment and len(tokens) > len(item.response_ids):  # continued a response that had tokens
                 self._counters["resumed_segments"] += 1
             if item.status != "aborted":
                 break
@@ -467,9 +481,9 @@ class RolloutManager:
                 while True:
                     if self._error is not None:
                         raise self._error
-                    need = (self.B - len(groups)) if self.dynamic else (self.B - drawn)
-                    if self.dynamic:  # at most max_draw groups in all: need no more than are left to draw
-                        need = min(need, self.max_draw - drawn)
+                    # a group dropped as stale or failed is replaced by the next one (the batch stays full);
+                    # at most max_draw groups in all (dynamic sampling: max_oversample_factor * B)
+                    need = min(self.B - len(groups), self.max_draw - drawn)
                     self._need = need
                     if need <= 0:
                         break
@@ -557,22 +571,34 @@ class RolloutManager:
                     while self._inflight and self._error is None:
                         self._cv.wait(timeout=1.0)
             paused = self.mode == "async" and self.cluster is not None and self._producing()
-            if paused:
-                self._loop.call_soon_threadsafe(self._unpaused.clear)
-                self.cluster.pause_generation(self.pause_mode)
             try:
-                version = push()
-            finally:
                 if paused:
+                    self._loop.call_soon_threadsafe(self._unpaused.clear)
+                    self.cluster.pause_generation(self.pause_mode)
+                version = push()
+            except BaseException:
+                if paused:  # best effort: the push's error is the one to report
+                    try:
+                        self.cluster.continue_generation()
+                    except Exception:
+                        pass
+                    self._resume_producer()
+                raise
+            if paused:
+                try:
                     self.cluster.continue_generation()
-                    if self._producing():
-                        self._loop.call_soon_threadsafe(self._unpaused.set)
+                finally:
+                    self._resume_producer()
             with self._cv:
                 self.version = _version_int(version, self.version + 1)
         with self._cv:
             self.steps_done = max(self.steps_done, step)
             self._cv.notify_all()
         self._kick()
+
+    def _resume_producer(self) -> None:
+        if self._producing():
+            self._loop.call_soon_threadsafe(self._unpaused.set)
 
     def _producing(self) -> bool:
         return self._loop is not None and not self._loop.is_closed() and self._thread is not None \

@@ -99,7 +99,7 @@ def _train(ctx, t_start: float) -> dict:
         sync.offload_with(actor)
         ckpt.loaded = sync.trainer_loaded
         if resume_path is not None:
-            sync(actor)  # the fresh servers hold the initial weights
+            sync.republish(actor)  # the fresh servers hold the initial weights
         resumed_rl = resume_path is not None and state.phase == "rl" and state.rl_step > 0
         warm_start(ctx, actor, client, sync, logger, state, samplers, ckpt, resumed=resume_path is not None)
         ref = build_reference(ctx, actor, sync, pkw, resumed_rl, init_sd)

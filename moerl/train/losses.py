@@ -71,7 +71,7 @@ def policy_loss(
     that generated it).
 
     ``max_staleness`` (``train.max_staleness``; None = no check): loss tokens whose
-    "token_staleness" exceeds it are removed from the loss (``stale_token_frac`` counts them). Pass
+    "token_staleness" exceeds it are removed from the loss (``over_bound_token_frac`` counts them). Pass
     it only when the micro-batches carry "token_staleness" (compute_policy_loss raises otherwise).
 
     Metric reduction rule: metrics are already divided by the global counts, so summing them over

@@ -74,6 +74,12 @@ class WeightSync:
         exit): checkpoints, exports and optimizer rebuilds between rollouts."""
         return self.offloader.loaded() if self.offloader is not None else contextlib.nullcontext()
 
+    def republish(self, actor: MegatronActor) -> str:
+        """Push the weights again under the CURRENT version (fresh servers after a resume: the weights
+        are the ones that version named when the checkpoint was taken). Collective like a push."""
+        self.version -= 1
+        return self(actor)
+
     def __call__(self, actor: MegatronActor) -> str:
         self.version += 1
         version = str(self.version)
