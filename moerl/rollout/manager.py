@@ -11,8 +11,9 @@ train.mode      a group for batch b may start when          a weight update afte
 ==============  ==========================================  ===========================================
 sync            the trainer asked for batch b               pushes (nothing is in flight)
 one_step_off    b <= k_done + 1 + max_staleness             waits until no group is in flight, pushes
-async (wait)    b <= k_done + 1 + max_staleness             pauses the servers (abort), pushes, continues;
-                                                            cut responses resume from their prefix
+async (wait)    b <= k_done + 1 + max_staleness             pauses the servers (rollout.pause_mode), pushes,
+                                                            continues; with abort, cut responses resume
+                                                            from their prefix
 async (drop)    b <= k_done + 2 + max_staleness             same as async (wait)
 ==============  ==========================================  ===========================================
 
