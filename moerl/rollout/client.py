@@ -256,11 +256,7 @@ class RolloutClient:
         async def one(body: dict):
             async with sem:
                 out = await self.post("/generate", body, http=pools.pick() if pools else None)
-            rid = body.get("rid")
-            if isinstance(rid, str) and isinstance(out, dict):
-                got = (out.get("meta_info") or {}).get("id")
-                if got != rid:
-                    raise RolloutRequestError(f"/generate for rid {rid!r} returned the result of {got!r}")
+            check_result_id(body, out)
             return out
 
         tasks = [asyncio.ensure_future(one(b)) for b in requests]
@@ -343,6 +339,20 @@ class RolloutClient:
     def continue_generation(self) -> dict:
         """Synchronous :meth:`acontinue_generation` (own event loop; RuntimeError inside one)."""
         return self._run_sync("continue_generation", 1, lambda pools: self.acontinue_generation(http=pools.pick()))
+
+
+def check_result_id(body: dict, out: Any) -> None:
+    """A /generate body with a string ``rid`` must get back the result whose ``meta_info.id`` is that rid
+    (a retried request, e.g. after failover, can then neither be lost nor counted twice).
+
+    Raises:
+        RolloutRequestError: the result carries another request's id.
+    """
+    rid = body.get("rid")
+    if isinstance(rid, str) and isinstance(out, dict):
+        got = (out.get("meta_info") or {}).get("id")
+        if got != rid:
+            raise RolloutRequestError(f"/generate for rid {rid!r} returned the result of {got!r}")
 
 
 def run_generate_requests(router_url: str, requests: list[dict], *, max_concurrency: int = 256,

@@ -68,8 +68,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from moerl.rollout.common import (  # noqa: F401 - PAUSE_MODES re-exported
-    DEFAULT_PAUSE_MODE, PAUSE_MODES, check_pause_mode)
+from moerl.rollout.common import DEFAULT_PAUSE_MODE, check_pause_mode
 from moerl.rollout.common import is_int as _is_int
 from moerl.rollout.common import is_num as _is_num
 from moerl.rollout.engine_weights import WeightUpdater

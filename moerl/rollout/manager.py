@@ -61,13 +61,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import os
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from moerl.rollout.client import SAMPLING_PARAM_FIELDS, parse_generate_item
+from moerl.rollout.client import SAMPLING_PARAM_FIELDS, RolloutClient, check_result_id, parse_generate_item
 from moerl.types import Sample
 
 #: continuations allowed per response before its group is given up (counted, never trained)
@@ -98,7 +99,6 @@ class _Group:
     prompt_ids: list[int]
     samples: Optional[list[Sample]] = None  # set when every response finished (or the group failed)
     failed: Optional[str] = None  # why the group cannot be trained (e.g. MAX_SEGMENTS continuations)
-    started: float = 0.0
 
     @property
     def uid(self) -> str:
@@ -126,9 +126,6 @@ class RolloutBatch:
         """Append one line per sample to ``path`` (log.samples): step, uid (draw-group-sample), reward,
         status, trainer version, per-token weight versions and loss mask, segments (1 + resumptions), pid
         (the process: a resumed run writes its steps again under another pid)."""
-        import json
-        import os
-
         with open(path, "a") as f:
             for s in self.samples:
                 f.write(json.dumps({"step": step, "uid": s.metadata.get("uid"), "reward": s.reward,
@@ -187,6 +184,7 @@ class RolloutManager:
                                     max_new_tokens=ro.max_new_tokens, stop_token_ids=[eos_id])
         assert set(self.sampling_params) <= SAMPLING_PARAM_FIELDS
         self.routing_shape = routing_shape
+        self._direct: dict[str, RolloutClient] = {}  # R3: one client per server URL (closed with the producer)
         # how a weight update pauses the servers in async mode (rollout.pause_mode): abort cuts running
         # responses (resumed from their prefix: partial rollouts); in_place lets the reference server
         # finish its running batch first (every response then has one version; SGLang's in_place would
@@ -256,7 +254,7 @@ class RolloutManager:
                     for t in pending:
                         t.cancel()
                     loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-                    for c in [self.client, *getattr(self, "_direct", {}).values()]:
+                    for c in [self.client, *self._direct.values()]:
                         closer = getattr(c, "aclose", None)
                         if closer is not None:
                             loop.run_until_complete(closer())
@@ -338,7 +336,6 @@ class RolloutManager:
                 await self._wake.wait()
                 continue
             await self._unpaused.wait()
-            grp.started = time.monotonic()
             asyncio.ensure_future(self._run_group(grp))
 
     def _held_by_staleness(self) -> bool:
@@ -378,15 +375,11 @@ class RolloutManager:
 
     async def _post_direct(self, body: dict, grp: _Group) -> dict:
         """R3: sglang-router drops return_routed_experts, so send to a live server (groups round-robin)."""
-        from moerl.rollout.client import RolloutClient
-
         live = getattr(self.cluster, "live_server_urls", None)
         urls = list(live() if callable(live) else getattr(self.cluster, "server_urls", None) or [])
         if not urls:
             return await self.client.post("/generate", body)
         url = urls[(grp.draw * self.B + grp.index) % len(urls)]
-        if not hasattr(self, "_direct"):
-            self._direct: dict[str, Any] = {}
         c = self._direct.get(url)
         if c is None:
             c = self._direct[url] = RolloutClient(url, timeout_s=self.client.timeout_s,
@@ -410,9 +403,7 @@ class RolloutManager:
             if self.routing_shape is not None:
                 body["return_routed_experts"] = True
             out = await self._post(body, grp)
-            got = (out.get("meta_info") or {}).get("id")
-            if got is not None and got != body["rid"]:
-                raise RuntimeError(f"/generate for rid {body['rid']!r} returned the result of {got!r}")
+            check_result_id(body, out)
             item = parse_generate_item(out)
             tokens += item.response_ids
             lps += item.rollout_log_probs
@@ -453,7 +444,6 @@ class RolloutManager:
             return
         with self._cv:
             self._inflight -= 1
-            self._counters["generated_groups"] += 1
             self._cv.notify_all()
         self._kick()
 
@@ -464,7 +454,7 @@ class RolloutManager:
         Metrics (floats): reward_mean, accuracy, response_length, truncated_frac, num_samples;
         rollout/{drawn_groups, dropped_stale_groups, dropped_no_signal_groups, failed_groups,
         resumed_segments, waited_groups, wait_s, trainer_wait_s, server_busy_frac, buffer_groups};
-        staleness/{mean, max, hist_<v>} over trained tokens; token versions per sample are in
+        staleness/{mean, max, tokens_<v>} over trained tokens (tokens_<v>: how many are v versions old); token versions per sample are in
         ``Sample.token_versions``.
 
         Raises:

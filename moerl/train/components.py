@@ -19,14 +19,13 @@ from moerl.train.actor import MegatronActor, actor_parallel_kwargs
 from moerl.train.sft import evaluate, run_sft
 
 
-def actor_kwargs(cfg) -> dict:
-    """MegatronActor keyword arguments of the recipe's parallel layout, MoE and pipeline keys."""
-    mk = moe_actor_kwargs(cfg)  # balancing loss, z-loss, expert bias, routing, dispatcher (recipe keys)
+def actor_kwargs(cfg, mk: dict) -> dict:
+    """MegatronActor keyword arguments of the recipe's parallel layout, pipeline keys and the Megatron
+    config overrides of ``mk`` (moerl.moe.config.moe_actor_kwargs)."""
     pkw = actor_parallel_kwargs(cfg.parallel)
     pkw["config_overrides"] = {**pkw.get("config_overrides", {}), **mk["config_overrides"]}
     pkw["pipeline_schedule"] = cfg.train.pipeline_schedule  # 1f1b | dualpipe | dualpipev (moerl.pipeline)
     pkw["pipeline_overlap"] = cfg.train.pipeline_overlap  # F&B on two CUDA streams (moerl.pipeline.overlap)
-    pkw["_moe"] = mk
     return pkw
 
 
@@ -34,8 +33,8 @@ def build_actor(ctx) -> tuple[MegatronActor, Optional[MoETelemetry], dict]:
     """The trainable policy (init_from weights loaded when given), its expert-load telemetry (RL update
     passes only; None with moe.telemetry=false) and the actor kwargs (for the reference policy)."""
     cfg = ctx.cfg
-    pkw = actor_kwargs(cfg)
-    mk = pkw.pop("_moe")
+    mk = moe_actor_kwargs(cfg)  # balancing loss, z-loss, expert bias, routing, dispatcher (recipe keys)
+    pkw = actor_kwargs(cfg, mk)
     actor = MegatronActor(
         ctx.hf_config, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, adam_beta1=cfg.train.adam_beta1,
         adam_beta2=cfg.train.adam_beta2, clip_grad=cfg.train.clip_grad,
