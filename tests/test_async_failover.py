@@ -29,6 +29,14 @@ from _mp_helpers import free_port_block  # noqa: E402
 STEPS, B, N = 8, 4, 4
 
 
+def _until_generating(manager: RolloutManager, timeout_s: float = 5.0) -> None:
+    """Wait (bounded) until the producer has groups in flight and they have run a few decode steps."""
+    deadline = time.monotonic() + timeout_s
+    while manager._inflight == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.03)
+
+
 @pytest.mark.slow  # ~40 s on 2 shared cores
 def test_async_run_survives_a_killed_server_without_losing_or_repeating_samples(tmp_path):
     from transformers import AutoConfig
@@ -75,7 +83,9 @@ def test_async_run_survives_a_killed_server_without_losing_or_repeating_samples(
                 if step == 3:  # requests of later batches are in flight now: kill -9 server 0
                     killed = cluster.pids[0]
                     os.kill(killed, signal.SIGKILL)
-                time.sleep(0.2)  # "training"
+                # "training" takes less time than a batch's generation, so the push lands while later
+                # batches' requests are running (they come back cut and are resumed with the new weights)
+                _until_generating(manager)
                 manager.update_weights(push, step)
         events = [e["event"] for e in cluster.failover_events if e["index"] == 0]
     assert killed is not None and "died" in events and "restarted" in events, events
@@ -88,5 +98,6 @@ def test_async_run_survives_a_killed_server_without_losing_or_repeating_samples(
         for s in b.samples:
             assert s.status in ("completed", "truncated") and len(s.token_versions) == len(s.response_ids)
             assert max(b.trainer_version - v for v in s.token_versions) <= 2
+    print("resumed segments per batch:", [b.metrics["rollout/resumed_segments"] for b in batches])
     assert sum(b.metrics["rollout/resumed_segments"] for b in batches) > 0  # updates landed in flight
     assert torch.tensor([b.trainer_version for b in batches]).tolist() == list(range(1, STEPS + 1))
