@@ -1,45 +1,43 @@
-"""Verifiers and reward functions: ``get_reward_fn(name)`` -> ``fn(response_text, label) -> float``."""
+"""Rewards: verifiers, user reward functions, a sandboxed worker pool, reward-model scoring.
+
+- ``resolve_reward_fn(spec, group=)``: ``reward.function`` (registered name, ``package.module:function``
+  or ``/path/to/file.py:function``) -> a checked callable; raises ``RewardConfigError``.
+- ``RewardPool``: scores groups in worker processes with a per-task wall-clock limit (``pool.py``),
+  optionally adding a reward model (``model.py``).
+- built-ins: ``arithmetic``, ``math`` (math-verify), ``exact_match``, ``countdown``, ``reasoning_gym``.
+
+Light to import (the config schema imports it): nothing here imports torch, transformers, math_verify
+or reasoning_gym at import time.
+"""
 
 from __future__ import annotations
 
-from typing import Callable
+from moerl.rewards.arithmetic import arithmetic_reward, check_arithmetic_label
+from moerl.rewards.countdown import check_countdown_label, countdown_reward
+from moerl.rewards.errors import RewardConfigError, RewardValueError
+from moerl.rewards.math_reward import math_reward
+from moerl.rewards.reasoning_gym_reward import reasoning_gym_reward
+from moerl.rewards.registry import (
+    RewardFn,
+    as_metadata,
+    available_reward_fns,
+    check_label,
+    get_reward_fn,
+    normalize_group_reward,
+    normalize_reward,
+    register_reward_fn,
+    resolve_reward_fn,
+)
+from moerl.rewards.text import exact_match_reward
 
-from moerl.rewards.arithmetic import arithmetic_reward
+register_reward_fn("arithmetic", arithmetic_reward, check_label=check_arithmetic_label)
+register_reward_fn("math", math_reward)
+register_reward_fn("exact_match", exact_match_reward)
+register_reward_fn("countdown", countdown_reward, check_label=check_countdown_label)
+register_reward_fn("reasoning_gym", reasoning_gym_reward)
 
-RewardFn = Callable[[str, str], float]
-
-_REGISTRY: dict[str, RewardFn] = {"arithmetic": arithmetic_reward}
-
-
-def register_reward_fn(name: str, fn: RewardFn) -> None:
-    """Register ``fn(response_text, label) -> float`` under ``name``.
-
-    Raises:
-        ValueError: ``name`` is already registered to a different function.
-        TypeError: ``fn`` is not callable.
-    """
-    if not callable(fn):
-        raise TypeError(f"reward function for {name!r} must be callable, got {type(fn).__name__}")
-    if name in _REGISTRY and _REGISTRY[name] is not fn:
-        raise ValueError(f"reward function {name!r} is already registered")
-    _REGISTRY[name] = fn
-
-
-def get_reward_fn(name: str) -> RewardFn:
-    """The reward function registered as ``name`` (``"arithmetic"``; the task name of data.task).
-
-    Raises:
-        ValueError: unknown name (the message lists the registered ones).
-    """
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown reward function {name!r}; registered: {', '.join(sorted(_REGISTRY))}") from None
-
-
-def available_reward_fns() -> list[str]:
-    """Registered reward function names, sorted."""
-    return sorted(_REGISTRY)
-
-
-__all__ = ["RewardFn", "arithmetic_reward", "available_reward_fns", "get_reward_fn", "register_reward_fn"]
+__all__ = [
+    "RewardConfigError", "RewardFn", "RewardValueError", "arithmetic_reward", "as_metadata", "available_reward_fns",
+    "check_label", "countdown_reward", "exact_match_reward", "get_reward_fn", "math_reward",
+    "normalize_group_reward", "normalize_reward", "reasoning_gym_reward", "register_reward_fn", "resolve_reward_fn",
+]

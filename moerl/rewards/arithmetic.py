@@ -14,6 +14,16 @@ def _canonical_int(text: str) -> str | None:
     return text.lstrip("0") or "0"
 
 
+def check_arithmetic_label(label) -> None:
+    """The ``check_label`` hook of ``arithmetic``: ``label`` must be a non-negative integer (text or int).
+
+    Raises:
+        ValueError: it is not (the same message ``arithmetic_reward`` raises).
+    """
+    if _canonical_int(str(label).strip()) is None:
+        raise ValueError(f"arithmetic_reward: label {label!r} is not a non-negative integer (check data.label_key)")
+
+
 def arithmetic_reward(response_text: str, label: str) -> float:
     """1.0 iff the response's leading integer equals ``label`` as an integer, else 0.0.
 
@@ -31,9 +41,8 @@ def arithmetic_reward(response_text: str, label: str) -> float:
     Raises:
         ValueError: ``label`` is not a non-negative integer (a data error, not a model error).
     """
+    check_arithmetic_label(label)
     gold = _canonical_int(str(label).strip())
-    if gold is None:
-        raise ValueError(f"arithmetic_reward: label {label!r} is not a non-negative integer (check data.label_key)")
     if not isinstance(response_text, str):
         return 0.0
     digits = _LEADING_DIGITS.match(response_text.lstrip(" ")).group(0)
