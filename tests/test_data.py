@@ -1,4 +1,5 @@
-"""Tokenizer, arithmetic task generator, jsonl dataset loading and the prompt sampler (moerl/data)."""
+"""Tokenizer, task generators (arithmetic, reasoning-gym), prompt files (jsonl, parquet, chat messages),
+the prompt sampler and data fingerprints (moerl/data)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from moerl.data.dataset import DatasetError, PromptSampler, load_prompt_dataset
-from moerl.data.tasks import generate_arithmetic, prepare_task_data
+from moerl.data.fingerprint import describe_change, file_fingerprint, rows_fingerprint
+from moerl.data.tasks import generate_arithmetic, generate_reasoning_gym, metadata_json, prepare_task_data, row_metadata
 from moerl.data.tokenizer import (
     build_tokenizer,
     decode_response,
@@ -294,3 +296,213 @@ def test_sampler_errors():
         s.load_state_dict({"epoch": 0, "position": 10, "seed": 0, "num_rows": 10})
     with pytest.raises(ValueError, match="lacks"):
         s.load_state_dict({"epoch": 0})
+
+
+# ----------------------------------------------------------------------------- chat-message prompts and parquet
+MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+2="}]
+
+
+def test_message_prompts_load_as_lists_of_dicts(tmp_path):
+    rows = [
+        {"prompt": MSGS, "label": "3", "metadata": '{"k": [1, 2]}'},
+        {"prompt": [{"role": "user", "content": "9-1="}, {"role": "assistant", "content": "8"}, {"role": "user", "content": "and 9-2="}], "label": "7", "metadata": "{}"},
+    ]
+    p = _jsonl(tmp_path, [json.dumps(r) for r in rows])
+    ds = load_prompt_dataset(p, cache_dir=str(tmp_path / "c"))
+    assert [dict(r) for r in ds] == rows  # messages stay lists of dicts, metadata stays text
+
+
+@pytest.mark.parametrize(
+    "prompt,pattern",
+    [
+        ([], r"row 2 of x.jsonl: field 'prompt' \(data.prompt_key\) must be a non-empty string or a non-empty list"),
+        ([{"role": "tool", "content": "x"}], r"row 2 of x.jsonl: field 'prompt' \(data.prompt_key\): message 1 has role 'tool'"),
+        ([{"role": "user", "content": 5}], r"row 2 of x.jsonl: .*message 1 \(user\) needs a string 'content'.*file .*x.jsonl"),
+        (["1+2="], r"row 2 of .*message 1 must be an object"),
+        ("1+2=", r"row 2 of x.jsonl: field 'prompt' \(data.prompt_key\) is a string but row 1 holds a list of chat messages"),
+    ],
+)
+def test_bad_message_prompts(tmp_path, prompt, pattern):
+    p = _jsonl(tmp_path, [json.dumps({"prompt": MSGS, "label": "3"}), json.dumps({"prompt": prompt, "label": "3"})])
+    with pytest.raises(DatasetError, match=pattern):
+        load_prompt_dataset(p, cache_dir=str(tmp_path / "c"))
+
+
+def _parquet(tmp_path, rows, name="x.parquet"):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    p = tmp_path / name
+    pq.write_table(pa.Table.from_pylist(rows), p)
+    return p
+
+
+def test_load_parquet(tmp_path):
+    rows = [{"question": MSGS, "answer": 3, "metadata": '{"a": 1}'}, {"question": [MSGS[1]], "answer": 4, "metadata": "{}"}]
+    ds = load_prompt_dataset(_parquet(tmp_path, rows), "question", "answer", cache_dir=str(tmp_path / "c"))
+    assert [dict(r) for r in ds] == [{**r, "answer": str(r["answer"])} for r in rows]
+    plain = [{"prompt": "1+2=", "label": "3"}, {"prompt": "4+5=", "label": "9"}]
+    ds = load_prompt_dataset(_parquet(tmp_path, plain, "plain.parquet"), cache_dir=str(tmp_path / "c"))
+    assert [dict(r) for r in ds] == plain
+
+
+@pytest.mark.parametrize(
+    "rows,pattern",
+    [
+        ([{"prompt": "a", "label": "1"}, {"prompt": "", "label": "2"}], r"row 2 of x.parquet: field 'prompt' \(data.prompt_key\) must be a non-empty"),
+        ([{"prompt": "a", "label": "1"}, {"prompt": None, "label": "2"}], r"row 2 of x.parquet: field 'prompt'"),
+        ([{"prompt": "a", "label": 1}] * 3 + [{"prompt": "b", "label": None}], r"row 4 of x.parquet: field 'label' \(data.label_key\) must be a string or an integer"),
+        ([{"prompt": "a", "label": 1.5}], r"row 1 of x.parquet: field 'label'"),
+        ([{"text": "a", "label": "1"}], r"row 1 of x.parquet has no field 'prompt' \(data.prompt_key\); the file's columns are \['text', 'label'\]"),
+        ([{"prompt": [{"role": "user", "content": "a"}], "label": "1"}, {"prompt": [{"role": "robot", "content": "b"}], "label": "1"}], r"row 2 of x.parquet: .*message 1 has role 'robot'"),
+    ],
+)
+def test_parquet_errors(tmp_path, rows, pattern):
+    with pytest.raises(DatasetError, match=pattern):
+        load_prompt_dataset(_parquet(tmp_path, rows), cache_dir=str(tmp_path / "c"))
+
+
+def test_empty_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    p = tmp_path / "e.parquet"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string()), "label": pa.array([], pa.string())}), p)
+    with pytest.raises(DatasetError, match=r"holds no rows"):
+        load_prompt_dataset(p, recipe_key="data.train_path", cache_dir=str(tmp_path / "c"))
+    bad = tmp_path / "bad.parquet"
+    bad.write_text('{"prompt": "a", "label": "1"}\n')
+    with pytest.raises(DatasetError, match=r"bad.parquet \(data.eval_path\) is not a readable parquet file"):
+        load_prompt_dataset(bad, recipe_key="data.eval_path", cache_dir=str(tmp_path / "c"))
+
+
+# ----------------------------------------------------------------------------- reasoning-gym task
+RG_CONFIG = {"min_terms": 2, "max_terms": 3, "max_digits": 2}
+
+
+def test_reasoning_gym_rows_match_the_library(tmp_path):
+    import reasoning_gym
+
+    train, evl = generate_reasoning_gym(tmp_path, "basic_arithmetic", RG_CONFIG, size=40, num_eval=10, seed=7)
+    tr, ev = _read(train), _read(evl)
+    ref = reasoning_gym.create_dataset("basic_arithmetic", size=40, seed=7, **RG_CONFIG)
+    assert len(tr) == 40 and len(ev) == 10
+    score = reasoning_gym.get_score_answer_fn("basic_arithmetic")
+    for row, entry in zip(tr, ref):
+        assert set(row) == {"prompt", "label", "metadata"} and isinstance(row["metadata"], str)
+        assert row["prompt"] == entry["question"] and row["label"] == str(entry["answer"])
+        meta = row_metadata(row)
+        assert meta["expression"] == entry["metadata"]["expression"]
+        assert meta["difficulty"]["num_terms"] == [2, 3]  # a tuple in reasoning-gym, a list after JSON
+        # the row holds all reasoning-gym's scorer needs
+        assert score(row["label"], {"question": row["prompt"], "answer": row["label"], "metadata": meta}) == 1.0
+    eval_q = [r["prompt"] for r in ev]
+    assert len(set(eval_q)) == 10 and not set(eval_q) & {r["prompt"] for r in tr}
+    for row in ev:  # eval answers are right too: evaluate the expression (only + - * / on ints)
+        expr = row_metadata(row)["expression"]
+        assert float(row["label"]) == pytest.approx(eval(expr))  # noqa: S307 - generated arithmetic
+
+
+def test_reasoning_gym_deterministic_and_seeded(tmp_path):
+    a = generate_reasoning_gym(tmp_path / "a", "basic_arithmetic", RG_CONFIG, 30, 5, 1)
+    for p in a:
+        os.utime(p, (1_000_000, 1_000_000))
+    b = generate_reasoning_gym(tmp_path / "a", "basic_arithmetic", dict(RG_CONFIG), 30, 5, 1)
+    assert a == b and all(os.stat(p).st_mtime == 1_000_000 for p in a)  # identical: not rewritten
+    c = generate_reasoning_gym(tmp_path / "c", "basic_arithmetic", RG_CONFIG, 30, 5, 1)
+    assert [Path(p).read_bytes() for p in a] == [Path(p).read_bytes() for p in c]
+    d = generate_reasoning_gym(tmp_path / "d", "basic_arithmetic", RG_CONFIG, 30, 5, 2)
+    assert Path(d[0]).read_bytes() != Path(a[0]).read_bytes()
+    assert not [n for n in os.listdir(tmp_path / "a") if n.startswith(".")]
+
+
+def test_reasoning_gym_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"'basic_arithmetc' \(data.reasoning_gym.name\); did you mean basic_arithmetic.*reasoning_gym.factory.DATASETS"):
+        generate_reasoning_gym(tmp_path, "basic_arithmetc", {}, 10, 2, 0)
+    with pytest.raises(ValueError, match=r"rejects data.reasoning_gym.config \{'max_term': 3\}.*unexpected keyword.*'max_terms'"):
+        generate_reasoning_gym(tmp_path, "basic_arithmetic", {"max_term": 3}, 10, 2, 0)
+    with pytest.raises(ValueError, match=r"rejects data.reasoning_gym.config.*AssertionError"):
+        generate_reasoning_gym(tmp_path, "basic_arithmetic", {"min_terms": 4, "max_terms": 2}, 10, 2, 0)
+    with pytest.raises(ValueError, match=r"data.reasoning_gym.config must not set 'seed'; use data.reasoning_gym.seed"):
+        generate_reasoning_gym(tmp_path, "basic_arithmetic", {"seed": 3}, 10, 2, 0)
+    with pytest.raises(ValueError, match=r"data.num_eval must be a positive int"):
+        generate_reasoning_gym(tmp_path, "basic_arithmetic", {}, 10, 0, 0)
+    # one-digit sums: about a hundred distinct questions, mostly drawn by the 300 train entries
+    tiny = {"min_terms": 2, "max_terms": 2, "max_digits": 1, "operators": ["+"], "allow_negation": False, "allow_parentheses": False}
+    with pytest.raises(ValueError, match=r"fewer than data.num_eval=100; lower data.num_eval or data.reasoning_gym.size"):
+        generate_reasoning_gym(tmp_path, "basic_arithmetic", tiny, 300, 100, 0)
+    assert not os.path.exists(tmp_path / "train.jsonl")  # nothing written before the checks pass
+
+
+def test_prepare_task_data_reasoning_gym(tmp_path):
+    rg = {"name": "basic_arithmetic", "config": RG_CONFIG, "size": 20}
+    got = prepare_task_data("reasoning_gym", tmp_path / "run", 5, num_eval=4, reasoning_gym=rg)
+    ref = generate_reasoning_gym(tmp_path / "ref", "basic_arithmetic", RG_CONFIG, 20, 4, 5)  # seed = run seed
+    assert [Path(p).read_bytes() for p in got] == [Path(p).read_bytes() for p in ref]
+    got = prepare_task_data("reasoning_gym", tmp_path / "run2", 5, num_eval=4, reasoning_gym={**rg, "seed": 9})
+    ref = generate_reasoning_gym(tmp_path / "ref2", "basic_arithmetic", RG_CONFIG, 20, 4, 9)
+    assert [Path(p).read_bytes() for p in got] == [Path(p).read_bytes() for p in ref]
+    ds = load_prompt_dataset(got[0], cache_dir=str(tmp_path / "c"))
+    assert ds.column_names == ["prompt", "label", "metadata"] and isinstance(ds[0]["metadata"], str)
+    assert row_metadata(ds[0])["source_dataset"] == "basic_arithmetic"
+    with pytest.raises(ValueError, match=r"data.reasoning_gym must be set"):
+        prepare_task_data("reasoning_gym", tmp_path, 5)
+    with pytest.raises(ValueError, match=r"data.reasoning_gym.size must be set"):
+        prepare_task_data("reasoning_gym", tmp_path, 5, reasoning_gym={"name": "basic_arithmetic"})
+    with pytest.raises(ValueError, match=r"data.reasoning_gym has unknown keys \['num_eval'\]"):
+        prepare_task_data("reasoning_gym", tmp_path, 5, reasoning_gym={**rg, "num_eval": 3})
+
+
+def test_row_metadata_and_metadata_json():
+    assert row_metadata({"prompt": "p"}) == {} and row_metadata({"metadata": None}) == {}
+    assert row_metadata({"metadata": '{"a": [1, 2]}'}) == {"a": [1, 2]}
+    assert row_metadata({"metadata": {"a": 1}}) == {"a": 1}
+    with pytest.raises(ValueError, match="not valid JSON"):
+        row_metadata({"metadata": "{oops"})
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        row_metadata({"metadata": "[1]"})
+
+    class Thing:
+        def __str__(self):
+            return "thing"
+
+    text = metadata_json({"t": (1, (2, 3)), "s": {"b", "a"}, "o": Thing(), "u": "é"})
+    assert text == '{"t": [1, [2, 3]], "s": ["a", "b"], "o": "thing", "u": "é"}'
+
+
+# ----------------------------------------------------------------------------- fingerprints
+def test_file_and_rows_fingerprints(tmp_path):
+    import hashlib
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text('{"prompt": "1+2=", "label": "3"}\n')
+    b.write_text('{"prompt": "1+2=", "label": "4"}\n')  # same size, one byte differs
+    assert a.stat().st_size == b.stat().st_size
+    assert file_fingerprint(a) == hashlib.sha256(a.read_bytes()).hexdigest()
+    assert file_fingerprint(a) != file_fingerprint(b)
+    big = tmp_path / "big"
+    big.write_bytes(bytes(range(256)) * 9000)  # > 2 chunks
+    assert file_fingerprint(big) == hashlib.sha256(big.read_bytes()).hexdigest()
+    rows = [{"prompt": "1+2=", "label": "3"}, {"prompt": "é", "label": "4"}]
+    ref = hashlib.sha256('[{"label":"3","prompt":"1+2="},{"label":"4","prompt":"é"}]'.encode()).hexdigest()
+    assert rows_fingerprint(rows) == ref
+    assert rows_fingerprint([{"label": "3", "prompt": "1+2="}, rows[1]]) == ref  # key order does not matter
+    assert rows_fingerprint(rows[::-1]) != ref  # row order does
+
+
+def test_describe_change():
+    saved = {"train_data": "aa", "eval_data": "bb", "tokenizer": "cc", "train_rows": 2000, "eval_rows": 100, "seed": 1}
+    assert describe_change(saved, dict(saved)) is None
+    assert describe_change(saved, {**saved, "train_data": "xx"}) == "training data changed (data.train_path: content differs, 2000 rows both)"
+    assert (
+        describe_change(saved, {**saved, "eval_data": "xx", "eval_rows": 120, "tokenizer": "yy"})
+        == "eval data changed (data.eval_path: content differs, 100 rows then, 120 now); "
+        "tokenizer changed (data.tokenizer_path: vocab, special tokens, encoding or chat template differ)"
+    )
+    assert describe_change(saved, {**saved, "train_data": "xx"}, sources={"train_data": "data.reasoning_gym"}) == (
+        "training data changed (data.reasoning_gym: content differs, 2000 rows both)"
+    )
+    assert describe_change(saved, {**saved, "seed": 2}) == "seed changed (1 -> 2)"
+    now = {k: v for k, v in saved.items() if k != "tokenizer"}
+    assert describe_change(saved, now) == "tokenizer no longer recorded (data.tokenizer_path)"
+    assert describe_change(now, saved) == "tokenizer not recorded then (data.tokenizer_path)"

@@ -1,6 +1,6 @@
-"""Prompt datasets (jsonl -> ``datasets.Dataset``) and a resumable, deterministic prompt sampler.
+"""Prompt datasets (jsonl / parquet -> ``datasets.Dataset``) and a resumable, deterministic prompt sampler.
 
-Files are checked line by line *before* anything is computed, so a bad row fails the run at start-up
+Files are checked row by row *before* anything is computed, so a bad row fails the run at start-up
 with its row number and the recipe key to fix, not deep inside a rollout.
 """
 
@@ -16,18 +16,70 @@ import datasets
 from datasets import Value
 
 from moerl.data.errors import DatasetError  # noqa: F401  (re-exported)
+from moerl.data.messages import check_messages
 
 _DEFAULT_CACHE = os.path.join(tempfile.gettempdir(), f"moerl-datasets-cache-{os.getuid() if hasattr(os, 'getuid') else 0}")
 
 
+class _RowChecker:
+    """Validates rows one at a time; remembers the prompt kind and label type of the first row so that
+    a file mixing kinds fails at the first offending row (Arrow would fail later, without a row)."""
+
+    def __init__(self, path: str, prompt_key: str, label_key: str) -> None:
+        self.path, self.name = path, os.path.basename(path)
+        self.prompt_key, self.label_key = prompt_key, label_key
+        self.label_type: Optional[type] = None
+        self.label_row = 0
+        self.prompt_kind: Optional[str] = None
+        self.prompt_row = 0
+        self.rows = 0
+
+    def check(self, row: Any, rownum: int) -> None:
+        path, name = self.path, self.name
+        if not isinstance(row, dict):
+            raise DatasetError(f"row {rownum} of {path} is a JSON {type(row).__name__}, not an object")
+        for key, recipe_key in ((self.prompt_key, "data.prompt_key"), (self.label_key, "data.label_key")):
+            if key not in row:
+                raise DatasetError(f"row {rownum} of {name} has no field '{key}' ({recipe_key}); file {path}")
+        prompt, label = row[self.prompt_key], row[self.label_key]
+        if isinstance(prompt, list):
+            try:
+                check_messages(prompt, f"row {rownum} of {name}: field '{self.prompt_key}' (data.prompt_key)")
+            except ValueError as e:
+                raise DatasetError(f"{e}; file {path}") from None
+            kind = "list of chat messages"
+        elif isinstance(prompt, str) and prompt:
+            kind = "string"
+        else:
+            raise DatasetError(
+                f"row {rownum} of {name}: field '{self.prompt_key}' (data.prompt_key) must be a non-empty "
+                f"string or a non-empty list of chat messages, got {prompt!r}; file {path}"
+            )
+        if self.prompt_kind is None:
+            self.prompt_kind, self.prompt_row = kind, rownum
+        elif kind != self.prompt_kind:
+            raise DatasetError(
+                f"row {rownum} of {name}: field '{self.prompt_key}' (data.prompt_key) is a {kind} but row "
+                f"{self.prompt_row} holds a {self.prompt_kind}; use one kind for every prompt; file {path}"
+            )
+        if isinstance(label, bool) or not isinstance(label, (str, int)):
+            raise DatasetError(
+                f"row {rownum} of {name}: field '{self.label_key}' (data.label_key) must be a string or an "
+                f"integer, got {label!r}; file {path}"
+            )
+        if self.label_type is None:
+            self.label_type, self.label_row = type(label), rownum
+        elif type(label) is not self.label_type:
+            raise DatasetError(
+                f"row {rownum} of {name}: field '{self.label_key}' is {type(label).__name__} but row "
+                f"{self.label_row} holds {self.label_type.__name__}; use one type for every label; file {path}"
+            )
+        self.rows += 1
 
 
 def _check_jsonl(path: str, prompt_key: str, label_key: str) -> int:
     """Validate every line of ``path``; return the number of rows. Rows are numbered by line (1-based)."""
-    name = os.path.basename(path)
-    label_type: Optional[type] = None
-    label_row = 0
-    rows = 0
+    checker = _RowChecker(path, prompt_key, label_key)
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -36,31 +88,31 @@ def _check_jsonl(path: str, prompt_key: str, label_key: str) -> int:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DatasetError(f"row {lineno} of {path} is not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise DatasetError(f"row {lineno} of {path} is a JSON {type(row).__name__}, not an object")
-            for key, recipe_key in ((prompt_key, "data.prompt_key"), (label_key, "data.label_key")):
-                if key not in row:
-                    raise DatasetError(f"row {lineno} of {name} has no field '{key}' ({recipe_key}); file {path}")
-            prompt, label = row[prompt_key], row[label_key]
-            if not isinstance(prompt, str) or not prompt:
-                raise DatasetError(
-                    f"row {lineno} of {name}: field '{prompt_key}' (data.prompt_key) must be a non-empty "
-                    f"string, got {prompt!r}; file {path}"
-                )
-            if isinstance(label, bool) or not isinstance(label, (str, int)):
-                raise DatasetError(
-                    f"row {lineno} of {name}: field '{label_key}' (data.label_key) must be a string or an "
-                    f"integer, got {label!r}; file {path}"
-                )
-            if label_type is None:
-                label_type, label_row = type(label), lineno
-            elif type(label) is not label_type:
-                raise DatasetError(
-                    f"row {lineno} of {name}: field '{label_key}' is {type(label).__name__} but row "
-                    f"{label_row} holds {label_type.__name__}; use one type for every label; file {path}"
-                )
-            rows += 1
-    return rows
+            checker.check(row, lineno)
+    return checker.rows
+
+
+def _check_parquet_rows(ds: datasets.Dataset, path: str, prompt_key: str, label_key: str) -> None:
+    """Validate the prompt and label columns of a loaded parquet file, row by row (1-based row index)."""
+    checker = _RowChecker(path, prompt_key, label_key)
+    name = os.path.basename(path)
+    for key, recipe_key in ((prompt_key, "data.prompt_key"), (label_key, "data.label_key")):
+        if key not in ds.column_names:
+            raise DatasetError(
+                f"row 1 of {name} has no field '{key}' ({recipe_key}); the file's columns are "
+                f"{ds.column_names}; file {path}"
+            )
+    for i, row in enumerate(ds.select_columns([prompt_key, label_key]), start=1):
+        checker.check(row, i)
+
+
+def _load(builder: str, path: str, cache_dir: Optional[str], key_hint: str) -> datasets.Dataset:
+    try:
+        return datasets.load_dataset(
+            builder, data_files=os.path.abspath(path), split="train", cache_dir=cache_dir or _DEFAULT_CACHE
+        )
+    except Exception as e:  # noqa: BLE001 - e.g. a column of mixed types in a field moerl does not use
+        raise DatasetError(f"datasets could not read {path}{key_hint}: {e}") from e
 
 
 def load_prompt_dataset(
@@ -71,12 +123,15 @@ def load_prompt_dataset(
     recipe_key: Optional[str] = None,
     cache_dir: Optional[str] = None,
 ) -> datasets.Dataset:
-    """Load a jsonl prompt file with ``datasets``' json loader after validating every row.
+    """Load a prompt file (jsonl/json lines, or parquet) with ``datasets`` after validating every row.
 
     Args:
-        path: jsonl file, one JSON object per line (blank lines are skipped).
-        prompt_key / label_key: field names of the prompt text and the verifier label
-            (``data.prompt_key`` / ``data.label_key``).
+        path: a ``.parquet`` file (read by ``datasets``' "parquet" builder, i.e. pyarrow), or any other
+            name: JSON lines, one JSON object per line (blank lines are skipped), read by the "json" builder.
+        prompt_key / label_key: field names of the prompt and the verifier label
+            (``data.prompt_key`` / ``data.label_key``). A prompt is a non-empty string or a non-empty
+            list of chat messages ``{"role": "system"|"user"|"assistant", "content": str}`` (one kind per
+            file); see ``moerl.data.tokenizer.render_prompt`` for how each is templated.
         recipe_key: the recipe key that gave ``path`` (``"data.train_path"`` / ``"data.eval_path"``),
             named in the missing-file error.
         cache_dir: where ``datasets`` writes its Arrow cache (default: a per-user temp dir; pass the
@@ -84,26 +139,37 @@ def load_prompt_dataset(
 
     Returns:
         A ``datasets.Dataset`` with every column of the file, in file order; the label column is cast
-        to string (``int`` labels become their decimal text).
+        to string (``int`` labels become their decimal text); message prompts come back as lists of
+        dicts; other columns (e.g. a JSON-text ``metadata`` column) are left as they are.
 
     Raises:
         DatasetError (a ValueError): missing file, invalid JSON or non-object line, a row without the
-            prompt/label field, a non-string/empty prompt, a label that is not a string or integer (or
-            mixes the two), or no rows at all. Row numbers are 1-based line numbers.
+            prompt/label field, an empty or non-string prompt that is not a valid message list (or a
+            file mixing the two kinds), a label that is not a string or integer (or mixes the two), or
+            no rows at all. Row numbers are 1-based line numbers (jsonl) or row indices (parquet).
+            jsonl rows are checked before ``datasets`` reads the file; parquet rows right after.
     """
     path = os.fspath(path)
     key_hint = f" ({recipe_key})" if recipe_key else " (data.train_path / data.eval_path)"
     if not os.path.isfile(path):
         raise DatasetError(f"prompt file not found: {path}{key_hint}")
-    num_rows = _check_jsonl(path, prompt_key, label_key)
-    if num_rows == 0:
-        raise DatasetError(f"prompt file {path}{key_hint} holds no rows")
-    try:
-        ds = datasets.load_dataset(
-            "json", data_files=os.path.abspath(path), split="train", cache_dir=cache_dir or _DEFAULT_CACHE
-        )
-    except Exception as e:  # noqa: BLE001 - e.g. a column of mixed types in a field moerl does not use
-        raise DatasetError(f"datasets could not read {path}{key_hint}: {e}") from e
+    if path.lower().endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        try:
+            declared = pq.ParquetFile(path).metadata.num_rows
+        except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid and OSError subclasses
+            raise DatasetError(f"{path}{key_hint} is not a readable parquet file: {e}") from e
+        if declared == 0:
+            raise DatasetError(f"prompt file {path}{key_hint} holds no rows")
+        ds = _load("parquet", path, cache_dir, key_hint)
+        _check_parquet_rows(ds, path, prompt_key, label_key)
+        num_rows = len(ds)
+    else:
+        num_rows = _check_jsonl(path, prompt_key, label_key)
+        if num_rows == 0:
+            raise DatasetError(f"prompt file {path}{key_hint} holds no rows")
+        ds = _load("json", path, cache_dir, key_hint)
     if ds.features[label_key] != Value("string"):
         ds = ds.cast_column(label_key, Value("string"))
     if len(ds) != num_rows:  # pragma: no cover - would mean our line check and pyarrow disagree

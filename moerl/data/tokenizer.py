@@ -15,10 +15,12 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Optional
+from typing import Any, Optional
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from moerl.data.messages import to_messages
 
 PAD_TOKEN = "<|pad|>"
 EOS_TOKEN = "<|endoftext|>"
@@ -129,40 +131,103 @@ def load_tokenizer(path: str | os.PathLike, recipe_key: str = "data.tokenizer_pa
     return tok
 
 
-def tokenizer_from_config(tokenizer_path: Optional[str], run_dir: str | os.PathLike) -> PreTrainedTokenizerBase:
-    """``data.tokenizer_path`` -> tokenizer: None builds moerl's tokenizer into ``<run_dir>/tokenizer``."""
-    if tokenizer_path is None:
-        return build_tokenizer(os.path.join(os.fspath(run_dir), "tokenizer"))
-    return load_tokenizer(tokenizer_path)
+def _has_tokenizer_files(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, n)) for n in _SAVED_FILES)
 
 
-def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt_text: str) -> str:
-    """The prompt as a single user turn plus the generation prompt, as text (e.g. ``"<|user|>1+2=<|assistant|>"``)."""
-    if not isinstance(prompt_text, str):
-        raise TypeError(f"prompt_text must be a str, got {type(prompt_text).__name__}")
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt_text}], add_generation_prompt=True, tokenize=False
-    )
+def tokenizer_from_config(
+    tokenizer_path: Optional[str], run_dir: str | os.PathLike, init_from: Optional[str] = None
+) -> PreTrainedTokenizerBase:
+    """The run's tokenizer, first match wins:
+
+    1. ``data.tokenizer_path`` (``tokenizer_path``) when set: loaded with :func:`load_tokenizer`;
+    2. the tokenizer saved beside the weights of ``model.init_from`` (``init_from``), when that directory
+       holds a ``tokenizer.json`` or ``tokenizer_config.json`` (as a Hugging Face checkpoint does);
+    3. moerl's byte-level tokenizer, built into ``<run_dir>/tokenizer`` (:func:`build_tokenizer`).
+
+    Raises:
+        ValueError: the chosen directory cannot be loaded, has no eos token or no chat template (names
+            data.tokenizer_path or model.init_from), or ``init_from`` is set but is not a directory
+            (names model.init_from).
+    """
+    if tokenizer_path is not None:
+        return load_tokenizer(tokenizer_path, recipe_key="data.tokenizer_path")
+    if init_from is not None:
+        init_from = os.fspath(init_from)
+        if not os.path.isdir(init_from):
+            raise ValueError(f"model.init_from directory not found: {init_from}")
+        if _has_tokenizer_files(init_from):
+            return load_tokenizer(init_from, recipe_key="model.init_from (its tokenizer; override with data.tokenizer_path)")
+    return build_tokenizer(os.path.join(os.fspath(run_dir), "tokenizer"))
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt_text: str) -> list[int]:
-    """Token ids of the chat-templated prompt with the generation prompt (what the policy continues).
+def is_moerl_tokenizer(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether ``tokenizer`` carries moerl's byte-level chat template (user/assistant turns only)."""
+    return getattr(tokenizer, "chat_template", None) == CHAT_TEMPLATE
+
+
+def render_prompt(
+    tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[str, Any]], system_prompt: Optional[str] = None
+) -> str:
+    """The chat-templated prompt text, ending with the generation prompt (what the policy continues).
+
+    ``messages = moerl.data.messages.to_messages(prompt, system_prompt)`` (a string is one user turn; a
+    message list is used as given; ``system_prompt`` = ``data.system_prompt`` is prepended as a system
+    message and refused when the prompt already has one), then
+    ``tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)`` (the Hugging
+    Face ``PreTrainedTokenizerBase.apply_chat_template`` API). With moerl's tokenizer ``"1+2="`` ->
+    ``"<|user|>1+2=<|assistant|>"``; with a ChatML (Qwen) template
+    ``"<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\n"``.
+
+    Raises:
+        ValueError: see ``to_messages``; a system message for moerl's byte-level tokenizer, whose
+            template has no system role (names data.system_prompt / data.prompt_key and
+            data.tokenizer_path); any other refusal of the chat template (its message included).
+    """
+    messages = to_messages(prompt, system_prompt)
+    if is_moerl_tokenizer(tokenizer) and any(m["role"] == "system" for m in messages):
+        source = "data.system_prompt is set" if system_prompt is not None else "the prompt (data.prompt_key) has a system message"
+        raise ValueError(
+            f"{source}, but moerl's byte-level tokenizer has no system role (its chat template knows only user "
+            "and assistant turns); unset data.system_prompt / drop system messages, or use a tokenizer whose "
+            "chat template has one (data.tokenizer_path, or the tokenizer of model.init_from)"
+        )
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # noqa: BLE001 - jinja2 TemplateError or the template's raise_exception
+        raise ValueError(f"the tokenizer's chat template rejected the prompt {messages!r}: {type(e).__name__}: {e}") from e
+
+
+def encode_prompt(
+    tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[str, Any]], system_prompt: Optional[str] = None
+) -> list[int]:
+    """Token ids of :func:`render_prompt`'s text, ``tokenizer.encode(text, add_special_tokens=False)``:
+    equal, token for token, to ``apply_chat_template(messages, add_generation_prompt=True,
+    tokenize=True)`` (no bos/eos is added beyond what the template writes).
 
     With moerl's tokenizer ``"123+456="`` -> ``[258, 49, 50, 51, 43, 52, 53, 54, 61, 259]``.
-    No bos/eos is added beyond what the template writes.
+
+    Raises:
+        ValueError: as :func:`render_prompt`.
     """
-    return tokenizer.encode(render_prompt(tokenizer, prompt_text), add_special_tokens=False)
+    return tokenizer.encode(render_prompt(tokenizer, prompt, system_prompt), add_special_tokens=False)
 
 
 def encode_sft_example(
-    tokenizer: PreTrainedTokenizerBase, prompt_text: str, response_text: str
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: str | list[dict[str, Any]],
+    response_text: str,
+    system_prompt: Optional[str] = None,
 ) -> tuple[list[int], list[int]]:
     """(token ids, loss mask) of prompt + gold response + eos for supervised warm start.
 
-    ids = encode_prompt(prompt) + ids(response) + [eos]; the mask is 0 on prompt tokens and 1 on the
-    response and eos tokens (both lists have the same length).
+    ids = encode_prompt(prompt, system_prompt) + ids(response) + [eos]; the mask is 0 on prompt tokens
+    and 1 on the response and eos tokens (both lists have the same length).
+
+    Raises:
+        ValueError: as :func:`render_prompt`.
     """
-    prompt_ids = encode_prompt(tokenizer, prompt_text)
+    prompt_ids = encode_prompt(tokenizer, prompt, system_prompt)
     response_ids = tokenizer.encode(response_text, add_special_tokens=False) + [tokenizer.eos_token_id]
     return prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)
 
