@@ -16,6 +16,8 @@ from moerl.rewards.arithmetic import arithmetic_reward, check_arithmetic_label
 from moerl.rewards.countdown import check_countdown_label, countdown_reward
 from moerl.rewards.errors import RewardConfigError, RewardValueError
 from moerl.rewards.math_reward import math_reward
+from moerl.rewards.model import RewardModel
+from moerl.rewards.pool import RewardPool, RewardResult
 from moerl.rewards.reasoning_gym_reward import reasoning_gym_reward
 from moerl.rewards.registry import (
     RewardFn,
@@ -37,7 +39,8 @@ register_reward_fn("countdown", countdown_reward, check_label=check_countdown_la
 register_reward_fn("reasoning_gym", reasoning_gym_reward)
 
 __all__ = [
-    "RewardConfigError", "RewardFn", "RewardValueError", "arithmetic_reward", "as_metadata", "available_reward_fns",
+    "RewardConfigError", "RewardFn", "RewardModel", "RewardPool", "RewardResult", "RewardValueError",
+    "arithmetic_reward", "as_metadata", "available_reward_fns",
     "check_label", "countdown_reward", "exact_match_reward", "get_reward_fn", "math_reward",
     "normalize_group_reward", "normalize_reward", "reasoning_gym_reward", "register_reward_fn", "resolve_reward_fn",
 ]

@@ -1,0 +1,564 @@
+"""A sandboxed process pool that scores rollout groups: ``RewardPool``.
+
+Reward code is user code: it can hang, raise, leak or kill its process. Each task (one response with
+a per-sample function, one group with a group function) runs in a worker process under a wall-clock
+limit; a task that runs past ``timeout_s`` gets ``error_value`` and its worker is killed (SIGKILL) and
+replaced; a raising function gets ``error_value``; a worker that dies (``os._exit``, segfault, OOM
+kill) gets ``error_value`` for its task and is replaced. Other samples keep their scores. Nothing here
+uses ``signal.alarm``: one dispatcher thread in the trainer process watches deadlines and pipes.
+
+Workers are fresh interpreters (``subprocess.Popen`` of ``moerl.rewards._worker``: fork + exec, the
+semantics of multiprocessing's "spawn"; never a bare fork of the threaded trainer) that resolve the
+``reward.function`` string themselves with the trainer's ``sys.path``. Start cost: ``Popen`` returns
+in milliseconds and the worker becomes ready in the background (about 0.1-0.3 s for a rule worker:
+an interpreter plus ``moerl.rewards``; the first ``math`` / ``reasoning_gym`` call in a worker then
+imports math-verify / reasoning-gym, about 0.5-1 s; the reward-model worker imports torch and
+transformers and loads the checkpoint, seconds). A replacement worker starts the same way, so a
+timeout or crash costs the failing sample ``timeout_s`` (or nothing) and the pool one worker for that
+start time. ``wait_ready()`` blocks until every worker is up (call it at start-up to see bad specs
+or a bad reward model before the first step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable, Optional, Sequence
+
+from moerl.rewards.errors import RewardConfigError
+from moerl.rewards.registry import as_metadata, resolve_reward_fn
+
+_MOERL_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_MAX_START_FAILURES = 3  # consecutive workers dying before "ready": the pool is broken
+
+
+@dataclass
+class RewardResult:
+    """The reward of one sample.
+
+    Attributes:
+        score: the reward (float); ``error_value`` when ``error`` is set (with a reward model: the
+            rule part is ``error_value``, see ``RewardPool``).
+        metrics: extra numeric metrics by bare name (the trainer logs them as ``reward/<name>``): the
+            extra entries of a dict-returning function; with a reward model also ``rule`` and ``model``.
+        error: None, or ``"timeout"``, ``"exception: <repr>"``, ``"worker died (exit code N)"``
+            (N negative for a signal, e.g. -9 for SIGKILL, -11 for a segfault).
+    """
+
+    score: float
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: Optional[str] = None
+
+
+class _Task:
+    __slots__ = ("tid", "kind", "payload", "what", "future", "timeout")
+
+    def __init__(self, tid: int, kind: str, payload: tuple, what: str, timeout: Optional[float]):
+        self.tid, self.kind, self.payload, self.what, self.timeout = tid, kind, payload, what, timeout
+        self.future: Future = Future()
+
+
+class _Proc:
+    """One worker process and the parent's end of its socket."""
+
+    def __init__(self, kind: str, init: dict):
+        parent, child = socket.socketpair()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([_MOERL_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
+        try:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-c", f"from moerl.rewards._worker import main; main({child.fileno()})"],
+                pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL)
+        finally:
+            child.close()
+        self.conn = Connection(parent.detach())
+        self.conn.send(init)
+        self.kind = kind
+        self.ready = False
+        self.task: Optional[_Task] = None
+        self.deadline: Optional[float] = None
+
+    def kill(self) -> None:
+        try:
+            self.popen.kill()
+        except OSError:
+            pass
+        self.conn.close()
+        threading.Thread(target=self.popen.wait, daemon=True).start()  # reap without blocking
+
+    def exit_code(self) -> Optional[int]:
+        try:
+            return self.popen.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            return None
+
+
+class RewardPool:
+    """Score rollout groups with ``reward.function`` in sandboxed worker processes, optionally plus a
+    reward model.
+
+    Args:
+        function: ``reward.function``: a registered name, ``package.module:function`` or
+            ``/path/to/file.py:function`` (see ``resolve_reward_fn``); resolved here first, so a bad spec
+            raises ``RewardConfigError`` at construction.
+        group: ``reward.group``: ``function`` scores a whole group.
+        num_workers: rule worker processes; 0 = run ``function`` inline in the calling thread (no
+            timeout, no crash isolation: for tests and debugging; the reward model is then loaded
+            in-process on first use).
+        timeout_s: wall-clock limit per task (one response, or one group with ``group=True``), counted
+            from the moment a worker starts the task. Not applied to reward-model tasks.
+        error_value: the score of a task that timed out, raised or crashed its worker.
+        model_path: optional local HF sequence-classification checkpoint (``RewardModel``), scored in
+            one dedicated worker process. With it, a sample's score is
+            ``rule_weight * rule + model_weight * model`` (rule = ``error_value`` on a rule error) and
+            ``metrics`` has ``rule`` and ``model``. Without it, the score is the rule reward itself
+            (``rule_weight`` and ``model_weight`` are not used).
+        model_weight, rule_weight: see ``model_path``.
+        model_batch_size: reward-model forward batch size.
+        model_device: torch device for the reward model (default ``"cpu"``).
+        log: ``log(str)`` called once per timeout / exception / crash, with the sample uid.
+
+    Errors: a reward-model failure (exception or its worker dying) raises ``RuntimeError`` from the
+    scoring call (a run must not silently train on a broken reward model); the model worker is
+    restarted for the next call. Workers that cannot start (``init_error``, or dying at start-up
+    three times in a row) make every scoring call raise ``RewardConfigError`` / ``RuntimeError``.
+
+    Thread-safe: any number of threads may call ``score_group`` / ``score`` at once; ``ascore_group``
+    awaits without blocking its event loop. Use as a context manager or call ``close()``.
+    """
+
+    def __init__(self, function: str, *, group: bool = False, num_workers: int = 2, timeout_s: float = 10.0,
+                 error_value: float = 0.0, model_path: Optional[str] = None, model_weight: float = 1.0,
+                 rule_weight: float = 1.0, model_batch_size: int = 16, model_device: str = "cpu",
+                 log: Callable[[str], Any] = print):
+        if num_workers < 0:
+            raise RewardConfigError(f"reward.num_workers must be >= 0, got {num_workers}")
+        if not timeout_s > 0:
+            raise RewardConfigError(f"reward.timeout_s must be > 0, got {timeout_s}")
+        if model_path is not None and not os.path.isdir(model_path):
+            raise RewardConfigError(f"reward.model_path={model_path!r} is not a directory; give a local HF "
+                                    "sequence-classification checkpoint")
+        self._fn = resolve_reward_fn(function, group=group)  # refuses a bad spec now, in this process
+        self.function, self.group, self.num_workers = function, bool(group), int(num_workers)
+        self.timeout_s, self.error_value = float(timeout_s), float(error_value)
+        self.model_path, self.model_weight, self.rule_weight = model_path, float(model_weight), float(rule_weight)
+        self.model_batch_size, self.model_device = int(model_batch_size), model_device
+        self._log = log
+        self._lock = threading.Lock()
+        self._ready_cv = threading.Condition(self._lock)
+        self._stats = {"scored": 0, "timeouts": 0, "exceptions": 0, "crashes": 0, "respawns": 0, "seconds": 0.0}
+        self._tids = itertools.count()
+        self._closed = False
+        self._broken: Optional[Exception] = None
+        self._inline_model: Any = None
+        self._queues: dict[str, collections.deque] = {"rule": collections.deque(), "model": collections.deque()}
+        self._procs: list[_Proc] = []
+        self._start_failures = 0
+        self._thread: Optional[threading.Thread] = None
+        if self.num_workers == 0:
+            return
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        for _ in range(self.num_workers):
+            self._procs.append(self._spawn("rule"))
+        if model_path is not None:
+            self._procs.append(self._spawn("model"))
+        self._thread = threading.Thread(target=self._dispatch_loop, name="moerl-reward-pool", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public API
+
+    def stats(self) -> dict[str, float]:
+        """Counters since construction: ``scored`` (samples given a result, errors included),
+        ``timeouts``, ``exceptions``, ``crashes`` (events; one per task, so a group task counts once),
+        ``respawns`` (workers replaced), ``seconds`` (summed wall time of the scoring calls)."""
+        with self._lock:
+            return dict(self._stats)
+
+    def wait_ready(self, timeout: Optional[float] = None) -> None:
+        """Block until every worker has started (spec resolved, reward model loaded).
+
+        Raises:
+            RewardConfigError / RuntimeError: a worker could not start (the message says why).
+            TimeoutError: not ready within ``timeout`` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._ready_cv:
+            while True:
+                if self._broken is not None:
+                    raise self._broken
+                if all(p.ready for p in self._procs):
+                    return
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"reward workers not ready after {timeout} s")
+                self._ready_cv.wait(left)
+
+    def score_group(self, uid: str, prompt: Any, responses: Sequence[str], label: str,
+                    metadata: Any = None) -> list[RewardResult]:
+        """Score the responses of one prompt (blocking). One ``RewardResult`` per response, in order.
+
+        Args:
+            uid: the group's id, used in log lines (``uid[i]`` names sample i).
+            prompt: the prompt text or chat messages; only the reward model reads it.
+            responses: the group's decoded responses (``n_samples_per_prompt`` of them).
+            label: the gold answer / label text.
+            metadata: dict or JSON object string (see ``as_metadata``), passed to the function.
+
+        Raises:
+            RewardValueError: ``metadata`` is neither a dict nor a JSON object string.
+            RuntimeError: the pool is closed, or the reward model failed.
+            RewardConfigError: the workers could not start.
+        """
+        t0 = time.perf_counter()
+        if self.num_workers == 0:
+            out = self._score_inline(uid, prompt, list(responses), label, as_metadata(metadata))
+        else:
+            rule, model = self._submit_group(uid, prompt, list(responses), label, as_metadata(metadata))
+            out = self._collect(uid, len(responses), [f.result() for f in rule],
+                                None if model is None else model.result())
+        self._add_seconds(time.perf_counter() - t0)
+        return out
+
+    async def ascore_group(self, uid: str, prompt: Any, responses: Sequence[str], label: str,
+                           metadata: Any = None) -> list[RewardResult]:
+        """``score_group`` for an asyncio event loop: awaits the workers' results without blocking the
+        loop (inline mode runs in the loop's default executor). Same arguments, result and errors."""
+        if self.num_workers == 0:
+            return await asyncio.get_running_loop().run_in_executor(
+                None, self.score_group, uid, prompt, responses, label, metadata)
+        t0 = time.perf_counter()
+        rule, model = self._submit_group(uid, prompt, list(responses), label, as_metadata(metadata))
+        rule_out = await asyncio.gather(*(asyncio.wrap_future(f) for f in rule))
+        model_out = None if model is None else await asyncio.wrap_future(model)
+        out = self._collect(uid, len(responses), list(rule_out), model_out)
+        self._add_seconds(time.perf_counter() - t0)
+        return out
+
+    def score(self, items: Sequence[tuple[str, str, Any]]) -> list[RewardResult]:
+        """Score ``(response, label, metadata)`` items with the per-sample function (evaluation).
+        The reward model is not applied (items have no prompt); samples are named ``eval[i]`` in logs.
+
+        Raises:
+            RewardConfigError: the pool was built with ``group=True``.
+            RuntimeError / RewardValueError: as ``score_group``.
+        """
+        if self.group:
+            raise RewardConfigError("RewardPool.score needs a per-sample reward.function; this pool has "
+                                    "reward.group=true (score groups with score_group)")
+        t0 = time.perf_counter()
+        items = [(r, l, as_metadata(m)) for r, l, m in items]
+        if self.num_workers == 0:
+            raw = [self._run_inline("sample", (r, l, m), f"eval[{i}]") for i, (r, l, m) in enumerate(items)]
+        else:
+            futs = [self._submit("rule", "sample", (r, l, m), f"eval[{i}]", self.timeout_s)
+                    for i, (r, l, m) in enumerate(items)]
+            raw = [f.result() for f in futs]
+        out = [RewardResult(self.error_value, {}, err) if err else RewardResult(v[0], dict(v[1]))
+               for v, err in raw]
+        with self._lock:
+            self._stats["scored"] += len(out)
+        self._add_seconds(time.perf_counter() - t0)
+        return out
+
+    def close(self) -> None:
+        """Stop the workers (closing their pipes, SIGKILL for any still running after 1 s) and fail
+        pending calls with ``RuntimeError``. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._ready_cv.notify_all()
+        if self._thread is not None:
+            self._wake()
+            self._thread.join()
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def __enter__(self) -> "RewardPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------------ submitting and collecting
+
+    def _submit(self, queue: str, kind: str, payload: tuple, what: str, timeout: Optional[float]) -> Future:
+        task = _Task(next(self._tids), kind, payload, what, timeout)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("RewardPool is closed")
+            if self._broken is not None:
+                raise self._broken
+            self._queues[queue].append(task)
+        self._wake()
+        return task.future
+
+    def _submit_group(self, uid, prompt, responses, label, metadata) -> tuple[list[Future], Optional[Future]]:
+        model = None
+        if self.model_path is not None:
+            model = self._submit("model", "model", ([prompt] * len(responses), responses), uid, None)
+        if self.group:
+            rule = [self._submit("rule", "group", (responses, label, metadata), uid, self.timeout_s)]
+        else:
+            rule = [self._submit("rule", "sample", (r, label, metadata), f"{uid}[{i}]", self.timeout_s)
+                    for i, r in enumerate(responses)]
+        return rule, model
+
+    def _collect(self, uid: str, n: int, rule: list, model: Optional[tuple]) -> list[RewardResult]:
+        """Turn raw (value, error) task outcomes into n RewardResults (group / per-sample, + model)."""
+        if self.group:
+            value, err = rule[0]
+            pairs = [(None, err)] * n if err else [(v, None) for v in value]
+        else:
+            pairs = [(v, err) for v, err in rule]
+        out = [RewardResult(self.error_value, {}, err) if err else RewardResult(v[0], dict(v[1]))
+               for v, err in pairs]
+        if model is not None:
+            scores, err = model
+            if err:
+                raise RuntimeError(f"reward model reward.model_path={self.model_path!r} failed on group {uid}: {err}")
+            for r, m in zip(out, scores):
+                r.metrics.update(rule=r.score, model=m)
+                r.score = self.rule_weight * r.score + self.model_weight * m
+        with self._lock:
+            self._stats["scored"] += n
+        return out
+
+    def _add_seconds(self, s: float) -> None:
+        with self._lock:
+            self._stats["seconds"] += s
+
+    # ------------------------------------------------------------------ inline mode (num_workers=0)
+
+    def _run_inline(self, kind: str, payload: tuple, what: str) -> tuple[Any, Optional[str]]:
+        from moerl.rewards._worker import call_reward
+
+        try:
+            return call_reward(self._fn, kind, payload), None
+        except Exception as e:  # noqa: BLE001 - a raising reward gets error_value
+            err = f"exception: {e!r}"[:2000]
+            self._event("exceptions", f"reward: {what} raised {e!r}; score = error_value {self.error_value:g}")
+            return None, err
+
+    def _score_inline(self, uid, prompt, responses, label, metadata) -> list[RewardResult]:
+        if self.group:
+            rule = [self._run_inline("group", (responses, label, metadata), uid)]
+        else:
+            rule = [self._run_inline("sample", (r, label, metadata), f"{uid}[{i}]") for i, r in enumerate(responses)]
+        model = None
+        if self.model_path is not None:
+            try:
+                if self._inline_model is None:
+                    from moerl.rewards.model import RewardModel
+
+                    self._inline_model = RewardModel(self.model_path, self.model_batch_size, device=self.model_device)
+                model = (self._inline_model.score([prompt] * len(responses), responses), None)
+            except RewardConfigError:
+                raise
+            except Exception as e:  # noqa: BLE001
+                model = (None, f"exception: {e!r}")
+        return self._collect(uid, len(responses), rule, model)
+
+    # ------------------------------------------------------------------ the dispatcher thread
+
+    def _event(self, counter: str, message: str) -> None:
+        with self._lock:
+            self._stats[counter] += 1
+        try:
+            self._log(message)
+        except Exception:  # noqa: BLE001 - a broken logger must not lose a reward
+            pass
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except (BlockingIOError, OSError):
+            pass  # the buffer is full of wake-ups already, or the pool is closing
+
+    def _spawn(self, kind: str) -> _Proc:
+        init = {"kind": kind, "function": self.function, "group": self.group, "model_path": self.model_path,
+                "batch_size": self.model_batch_size, "device": self.model_device, "sys_path": list(sys.path),
+                "parent_pid": os.getpid()}
+        return _Proc(kind, init)
+
+    def _replace(self, proc: _Proc) -> None:
+        with self._lock:
+            if proc in self._procs:
+                self._procs.remove(proc)
+            if self._closed or self._broken is not None:
+                return
+        new = self._spawn(proc.kind)
+        with self._lock:
+            self._procs.append(new)
+            self._stats["respawns"] += 1
+
+    def _finish(self, proc: _Proc, value: Any, err: Optional[str]) -> None:
+        task, proc.task, proc.deadline = proc.task, None, None
+        if task is not None and not task.future.done():
+            task.future.set_result((value, err))
+
+    def _set_broken(self, exc: Exception) -> None:
+        with self._ready_cv:
+            self._broken = exc
+            self._ready_cv.notify_all()
+            pending = [t for q in self._queues.values() for t in q]
+            for q in self._queues.values():
+                q.clear()
+        for t in pending:
+            t.future.set_exception(exc)
+        for p in list(self._procs):
+            if p.task is not None:
+                p.task.future.set_exception(exc)
+                p.task = None
+            p.kill()
+        with self._lock:
+            self._procs.clear()
+
+    def _on_death(self, proc: _Proc) -> None:
+        code = proc.exit_code()
+        if proc.task is not None:
+            task = proc.task
+            err = f"worker died (exit code {code})"
+            if task.kind == "model":
+                self._log(f"reward: the reward-model worker died (exit code {code}) while scoring {task.what}; "
+                          "restarting it")
+                self._finish(proc, None, err)
+            else:
+                self._event("crashes", f"reward: worker died (exit code {code}) while scoring {task.what}; "
+                                       f"replaced; score = error_value {self.error_value:g}")
+                self._finish(proc, None, err)
+        elif not proc.ready and not self._closed:
+            self._start_failures += 1
+            if self._start_failures >= _MAX_START_FAILURES:
+                self._set_broken(RuntimeError(
+                    f"reward {proc.kind} workers exit during start-up (exit code {code}, {self._start_failures} times "
+                    "in a row); see their stderr above"))
+                return
+        proc.kill()
+        self._replace(proc)
+
+    def _on_message(self, proc: _Proc) -> None:
+        try:
+            msg = proc.conn.recv()
+        except (EOFError, OSError):
+            self._on_death(proc)
+            return
+        if msg[0] == "ready":
+            self._start_failures = 0
+            with self._ready_cv:
+                proc.ready = True
+                self._ready_cv.notify_all()
+            return
+        if msg[0] == "init_error":
+            key = "reward.model_path" if proc.kind == "model" else "reward.function"
+            self._set_broken(RewardConfigError(f"a reward worker could not start ({key}): {msg[1]}"))
+            return
+        tid, status, value = msg
+        task = proc.task
+        if task is None or task.tid != tid:
+            return  # a stale answer (cannot happen with one task per worker at a time)
+        if status == "ok":
+            self._finish(proc, value, None)
+        else:
+            if task.kind != "model":
+                self._event("exceptions", f"reward: {task.what} raised {value}; score = error_value "
+                                          f"{self.error_value:g}")
+            self._finish(proc, None, f"exception: {value}")
+
+    def _assign(self) -> None:
+        for proc in list(self._procs):
+            if not proc.ready or proc.task is not None:
+                continue
+            with self._lock:
+                queue = self._queues[proc.kind]
+                if not queue:
+                    continue
+                task = queue.popleft()
+            try:
+                proc.conn.send((task.tid, task.kind, task.payload))
+            except (OSError, ValueError):  # died while idle: give the task back, replace the worker
+                with self._lock:
+                    self._queues[proc.kind].appendleft(task)
+                self._on_death(proc)
+                continue
+            proc.task = task
+            proc.deadline = None if task.timeout is None else time.monotonic() + task.timeout
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for proc in list(self._procs):
+            if proc.deadline is not None and now >= proc.deadline:
+                task = proc.task
+                proc.kill()
+                self._event("timeouts", f"reward: {task.what} timed out after {task.timeout:g} s (reward.timeout_s); "
+                                        f"worker killed and replaced; score = error_value {self.error_value:g}")
+                self._finish(proc, None, "timeout")
+                self._replace(proc)
+
+    def _dispatch_loop(self) -> None:
+        try:
+            while not self._closed:
+                self._assign()
+                deadlines = [p.deadline for p in self._procs if p.deadline is not None]
+                timeout = None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
+                ready = wait([self._wake_r] + [p.conn for p in self._procs], timeout)
+                for obj in ready:
+                    if obj is self._wake_r:
+                        try:
+                            while self._wake_r.recv(4096):
+                                pass
+                        except (BlockingIOError, OSError):
+                            pass
+                        continue
+                    proc = next((p for p in self._procs if p.conn is obj), None)
+                    if proc is not None:
+                        self._on_message(proc)
+                self._expire()
+        except BaseException as e:  # noqa: BLE001 - never leave callers waiting forever
+            self._set_broken(RuntimeError(f"reward pool dispatcher failed: {e!r}"))
+            raise
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        closed = RuntimeError("RewardPool is closed")
+        with self._lock:
+            pending = [t for q in self._queues.values() for t in q]
+            for q in self._queues.values():
+                q.clear()
+        for t in pending:
+            if not t.future.done():
+                t.future.set_exception(closed)
+        with self._lock:
+            procs, self._procs = list(self._procs), []
+        for p in procs:
+            if p.task is not None and not p.task.future.done():
+                p.task.future.set_exception(closed)
+            try:
+                p.conn.send(None)
+            except (OSError, ValueError):
+                pass
+        end = time.monotonic() + 1.0
+        for p in procs:
+            try:
+                p.popen.wait(timeout=max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            p.kill()

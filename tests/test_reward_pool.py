@@ -1,0 +1,255 @@
+"""RewardPool (moerl/rewards/pool.py): sandboxed scoring with timeouts, exceptions and crashes."""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+import threading
+import time
+
+import pytest
+
+from moerl.rewards import RewardConfigError, RewardPool, RewardResult, RewardValueError
+
+# A user reward file outside the package. Responses are commands: "sleep" hangs, "raise" raises,
+# "die" kills its worker with os._exit(3), "wait:<path>" waits until <path> exists; anything else is
+# scored 1.0 iff it equals the label, with a "len" metric.
+_USER = textwrap.dedent('''
+    import os, time
+
+    def per_sample(response, label, metadata):
+        if response == "sleep":
+            time.sleep(3600)
+        if response == "raise":
+            raise RuntimeError("bad reward")
+        if response == "die":
+            os._exit(3)
+        if response.startswith("wait:"):
+            while not os.path.exists(response[5:]):
+                time.sleep(0.01)
+        return {"score": float(response == label) * metadata.get("scale", 1.0), "len": len(response)}
+
+    def two_arg(response, label):
+        return float(response == label)
+
+    def group_echo(responses, label, metadata):
+        # Each response is an integer; every sample sees the sum of ITS group and its group size.
+        if "sleep" in responses:
+            time.sleep(3600)
+        if "die" in responses:
+            os._exit(3)
+        total = sum(int(r) for r in responses)
+        order = sorted(range(len(responses)), key=lambda i: int(responses[i]))
+        return [{"score": float(order.index(i)), "sum": total, "n": len(responses), "self": int(r)}
+                for i, r in enumerate(responses)]
+''')
+
+TIMEOUT = 1.5
+
+
+@pytest.fixture(scope="module")
+def user_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("user_rewards") / "my_rewards.py"
+    path.write_text(_USER)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def pool(user_file):
+    logs: list[str] = []
+    with RewardPool(f"{user_file}:per_sample", num_workers=2, timeout_s=TIMEOUT, error_value=-1.0,
+                    log=logs.append) as p:
+        p.wait_ready(timeout=60)
+        p.logs = logs
+        yield p
+
+
+def _scores(results):
+    return [r.score for r in results]
+
+
+def test_plain_group(pool):
+    out = pool.score_group("g-plain", "q", ["a", "b", "a"], "a", {"scale": 2.0})
+    assert all(isinstance(r, RewardResult) for r in out)
+    assert _scores(out) == [2.0, 0.0, 2.0]
+    assert [r.metrics for r in out] == [{"len": 1.0}] * 3
+    assert [r.error for r in out] == [None] * 3
+    assert _scores(pool.score_group("g-json", "q", ["a"], "a", '{"scale": 3.0}')) == [3.0]  # JSON metadata
+    with pytest.raises(RewardValueError):
+        pool.score_group("g-bad", "q", ["a"], "a", "not json")
+
+
+@pytest.mark.parametrize(
+    "bad,counter,error",
+    [("sleep", "timeouts", "timeout"), ("raise", "exceptions", "exception: RuntimeError('bad reward')"),
+     ("die", "crashes", "worker died (exit code 3)")],
+)
+def test_failures_are_isolated(pool, bad, counter, error):
+    before = pool.stats()
+    uid = f"g-{bad}"
+    t0 = time.monotonic()
+    out = pool.score_group(uid, "q", ["a", bad, "b", "a"], "a", {})
+    elapsed = time.monotonic() - t0
+    assert elapsed < TIMEOUT + 1.0  # the spec's bound for the failing sample's result
+    assert _scores(out) == [1.0, -1.0, 0.0, 1.0]  # error_value only for the bad sample
+    assert [r.error for r in out] == [None, error, None, None]
+    assert out[1].metrics == {}
+    after = pool.stats()
+    assert after[counter] == before[counter] + 1
+    assert after["scored"] == before["scored"] + 4
+    assert sum(after[k] for k in ("timeouts", "exceptions", "crashes")) == \
+        sum(before[k] for k in ("timeouts", "exceptions", "crashes")) + 1
+    assert len([m for m in pool.logs if f"{uid}[1]" in m]) == 1  # logged once, with the sample uid
+    # the pool keeps working: the next groups are scored right (replacement workers included)
+    for k in range(3):
+        assert _scores(pool.score_group(f"{uid}-next{k}", "q", ["a", "x", "a", "a"], "a", {})) == [1.0, 0.0, 1.0, 1.0]
+
+
+def test_all_workers_crash_then_recover(pool):
+    out = pool.score_group("g-allcrash", "q", ["die", "die", "die", "a"], "a", {})
+    assert _scores(out) == [-1.0, -1.0, -1.0, 1.0]
+    assert _scores(pool.score_group("g-after", "q", ["a", "b"], "a", {})) == [1.0, 0.0]
+
+
+def test_concurrent_callers(pool):
+    results: dict[int, list[float]] = {}
+
+    def worker(k: int) -> None:
+        label = str(k)
+        results[k] = _scores(pool.score_group(f"g-thread{k}", "q", [label, "no", label], label, {}))
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {k: [1.0, 0.0, 1.0] for k in range(6)}
+
+
+def test_score_items(pool):
+    out = pool.score([("a", "a", {}), ("b", "a", None), ("raise", "a", {}), ("c", "c", '{"scale": 0.5}')])
+    assert _scores(out) == [1.0, 0.0, -1.0, 0.5]
+    assert out[2].error.startswith("exception:")
+
+
+def test_ascore_group_does_not_block_the_loop(pool, tmp_path):
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        flag = tmp_path / "flag"
+        # The reward waits for a file that only another coroutine on the same loop creates: if
+        # ascore_group blocked the loop, the file would never appear and the sample would time out.
+        pending = asyncio.run_coroutine_threadsafe(
+            pool.ascore_group("g-async", "q", ["a", f"wait:{flag}"], "a", {}), loop)
+
+        async def make_flag():
+            await asyncio.sleep(0.05)
+            flag.write_text("")
+
+        asyncio.run_coroutine_threadsafe(make_flag(), loop).result(timeout=TIMEOUT)
+        out = pending.result(timeout=30)
+        assert _scores(out) == [1.0, 0.0] and [r.error for r in out] == [None, None]
+        async def several():
+            return await asyncio.gather(*(pool.ascore_group(f"g-async{k}", "q", [str(k), "x"], str(k), {})
+                                          for k in range(4)))
+
+        many = asyncio.run_coroutine_threadsafe(several(), loop).result(30)
+        assert [_scores(o) for o in many] == [[1.0, 0.0]] * 4
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
+
+
+def test_group_function_sees_exactly_its_group(user_file):
+    logs: list[str] = []
+    with RewardPool(f"{user_file}:group_echo", group=True, num_workers=2, timeout_s=TIMEOUT, error_value=-1.0,
+                    log=logs.append) as p:
+        groups = {f"u{k}": [str(10 * k + j) for j in (3, 1, 2)] for k in range(5)}
+        results: dict[str, list[RewardResult]] = {}
+        threads = [threading.Thread(target=lambda u=u, g=g: results.__setitem__(u, p.score_group(u, "q", g, "", {})))
+                   for u, g in groups.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for u, g in groups.items():
+            out = results[u]
+            assert _scores(out) == [2.0, 0.0, 1.0]  # ranks within the group
+            assert [r.metrics["self"] for r in out] == [float(x) for x in g]  # same order
+            assert {r.metrics["n"] for r in out} == {3.0}
+            assert {r.metrics["sum"] for r in out} == {float(sum(int(x) for x in g))}
+        # a hanging / crashing group function: the whole group gets error_value, counted once
+        t0 = time.monotonic()
+        out = p.score_group("g-hang", "q", ["1", "sleep"], "", {})
+        assert time.monotonic() - t0 < TIMEOUT + 1.0
+        assert [(r.score, r.error) for r in out] == [(-1.0, "timeout")] * 2
+        out = p.score_group("g-die", "q", ["1", "die", "2"], "", {})
+        assert [(r.score, r.error) for r in out] == [(-1.0, "worker died (exit code 3)")] * 3
+        assert _scores(p.score_group("g-ok", "q", ["5", "4"], "", {})) == [1.0, 0.0]
+        s = p.stats()
+        assert (s["timeouts"], s["crashes"], s["exceptions"]) == (1, 1, 0)
+        assert len([m for m in logs if "g-hang" in m]) == 1 and len([m for m in logs if "g-die" in m]) == 1
+        with pytest.raises(RewardConfigError, match="per-sample"):
+            p.score([("1", "", {})])
+
+
+def test_inline_mode(user_file):
+    logs: list[str] = []
+    with RewardPool(f"{user_file}:per_sample", num_workers=0, error_value=-2.0, log=logs.append) as p:
+        out = p.score_group("g-inline", "q", ["a", "raise", "b"], "a", {})
+        assert [(r.score, r.error) for r in out] == [(1.0, None), (-2.0, "exception: RuntimeError('bad reward')"),
+                                                     (0.0, None)]
+        assert p.stats()["exceptions"] == 1 and len(logs) == 1 and "g-inline[1]" in logs[0]
+        assert _scores(asyncio.run(p.ascore_group("g-ainline", "q", ["a"], "a", {}))) == [1.0]
+        assert _scores(p.score([("a", "a", {}), ("b", "a", {})])) == [1.0, 0.0]
+    with RewardPool(f"{user_file}:group_echo", group=True, num_workers=0) as p:
+        assert _scores(p.score_group("g", "q", ["7", "5"], "", {})) == [1.0, 0.0]
+
+
+def test_two_arg_and_builtin_in_workers(user_file):
+    with RewardPool(f"{user_file}:two_arg", num_workers=1) as p:
+        assert _scores(p.score_group("g", "q", ["x", "y"], "x", {"ignored": 1})) == [1.0, 0.0]
+    with RewardPool("math", num_workers=1, timeout_s=30) as p:
+        out = p.score_group("g-math", "q", ["\\boxed{\\frac{1}{2}}", "0.5", "\\boxed{3}"], "1/2", {})
+        assert _scores(out) == [1.0, 1.0, 0.0]
+
+
+def test_bad_specs_refused_at_construction(user_file):
+    with pytest.raises(RewardConfigError, match="reward.function=.*has no attribute 'nope'"):
+        RewardPool(f"{user_file}:nope")
+    with pytest.raises(RewardConfigError, match="reward.function=.*group reward function"):
+        RewardPool(f"{user_file}:two_arg", group=True)
+    with pytest.raises(RewardConfigError, match="reward.model_path"):
+        RewardPool("exact_match", model_path="/no/such/model")
+    with pytest.raises(RewardConfigError, match="reward.timeout_s"):
+        RewardPool("exact_match", timeout_s=0)
+
+
+def test_worker_start_failure_is_reported(tmp_path):
+    # The spec resolves in this process but not in a fresh worker (the module only exists here).
+    import sys
+    import types
+
+    mod = types.ModuleType("moerl_test_only_here")
+    mod.fn = lambda r, l: 1.0
+    sys.modules["moerl_test_only_here"] = mod
+    try:
+        with RewardPool("moerl_test_only_here:fn", num_workers=1) as p:
+            with pytest.raises(RewardConfigError, match="could not start \\(reward.function\\).*moerl_test_only_here"):
+                p.wait_ready(timeout=60)
+            with pytest.raises(RewardConfigError):
+                p.score_group("g", "q", ["a"], "a", {})
+    finally:
+        del sys.modules["moerl_test_only_here"]
+
+
+def test_closed_pool_refuses(user_file):
+    p = RewardPool(f"{user_file}:per_sample", num_workers=1)
+    procs = list(p._procs)
+    p.close()
+    p.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        p.score_group("g", "q", ["a"], "a", {})
+    assert all(proc.popen.poll() is not None for proc in procs)  # workers are gone
