@@ -97,6 +97,7 @@ def test_failures_are_isolated(pool, bad, counter, error):
     after = pool.stats()
     assert after[counter] == before[counter] + 1
     assert after["scored"] == before["scored"] + 4
+    assert after["respawns"] == before["respawns"] + (0 if bad == "raise" else 1)  # killed / dead worker replaced
     assert sum(after[k] for k in ("timeouts", "exceptions", "crashes")) == \
         sum(before[k] for k in ("timeouts", "exceptions", "crashes")) + 1
     assert len([m for m in pool.logs if f"{uid}[1]" in m]) == 1  # logged once, with the sample uid

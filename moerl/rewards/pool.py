@@ -169,6 +169,7 @@ class RewardPool:
             return
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)  # a full buffer already holds a pending wake-up
         for _ in range(self.num_workers):
             self._procs.append(self._spawn("rule"))
         if model_path is not None:
