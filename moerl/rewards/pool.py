@@ -434,26 +434,23 @@ class RewardPool:
 
     def _on_death(self, proc: _Proc) -> None:
         code = proc.exit_code()
-        if proc.task is not None:
-            task = proc.task
-            err = f"worker died (exit code {code})"
-            if task.kind == "model":
-                self._log(f"reward: the reward-model worker died (exit code {code}) while scoring {task.what}; "
-                          "restarting it")
-                self._finish(proc, None, err)
-            else:
-                self._event("crashes", f"reward: worker died (exit code {code}) while scoring {task.what}; "
-                                       f"replaced; score = error_value {self.error_value:g}")
-                self._finish(proc, None, err)
-        elif not proc.ready and not self._closed:
+        task = proc.task
+        if task is None and not proc.ready and not self._closed:
             self._start_failures += 1
             if self._start_failures >= _MAX_START_FAILURES:
                 self._set_broken(RuntimeError(
                     f"reward {proc.kind} workers exit during start-up (exit code {code}, {self._start_failures} times "
                     "in a row); see their stderr above"))
                 return
+        if task is not None and task.kind == "model":
+            self._log(f"reward: the reward-model worker died (exit code {code}) while scoring {task.what}; "
+                      "restarting it")
+        elif task is not None:
+            self._event("crashes", f"reward: worker died (exit code {code}) while scoring {task.what}; "
+                                   f"replaced; score = error_value {self.error_value:g}")
         proc.kill()
-        self._replace(proc)
+        self._replace(proc)  # before the result is handed out, so stats() already counts the respawn
+        self._finish(proc, None, f"worker died (exit code {code})")
 
     def _on_message(self, proc: _Proc) -> None:
         try:
@@ -510,8 +507,8 @@ class RewardPool:
                 proc.kill()
                 self._event("timeouts", f"reward: {task.what} timed out after {task.timeout:g} s (reward.timeout_s); "
                                         f"worker killed and replaced; score = error_value {self.error_value:g}")
-                self._finish(proc, None, "timeout")
                 self._replace(proc)
+                self._finish(proc, None, "timeout")
 
     def _dispatch_loop(self) -> None:
         try:
