@@ -44,6 +44,9 @@ def _train(argv: list[str]) -> int:
         from moerl.rollout.sglang_launcher import check_rollout_environment
 
         check_rollout_environment(cfg.rollout)  # sglang installed / CUDA for NCCL, before any work
+        from moerl.rewards import resolve_reward_fn
+
+        resolve_reward_fn(cfg.reward.function, group=cfg.reward.group)  # user code: path and signature
         if cfg.model.params_dtype != "float32":
             raise ValueError(f"model.params_dtype={cfg.model.params_dtype}: moerl train keeps fp32 weights and "
                              "Adam state today (the key sizes `moerl plan`); set model.params_dtype=float32")
@@ -65,6 +68,7 @@ def _run_train(run) -> int:
     (the rollout launcher has stopped every server and the router by then)."""
     from moerl.config.loader import ConfigError
     from moerl.data.dataset import DatasetError
+    from moerl.rewards.errors import RewardConfigError
     from moerl.rollout.errors import PortInUseError, RolloutError
 
     interrupted = []
@@ -81,7 +85,7 @@ def _run_train(run) -> int:
         if interrupted or isinstance(e, KeyboardInterrupt):
             print("moerl train: interrupted; rollout servers and router stopped", file=sys.stderr)
             return 130
-        if isinstance(e, (DatasetError, FileNotFoundError, ConfigError, PortInUseError)):
+        if isinstance(e, (DatasetError, FileNotFoundError, ConfigError, PortInUseError, RewardConfigError)):
             print(f"moerl train: bad input: {e}", file=sys.stderr)
             return 2
         if isinstance(e, RolloutError):

@@ -36,7 +36,12 @@ EXPECTED_TINY = {
     },
     "data": {
         "task": "arithmetic", "train_path": None, "eval_path": None, "prompt_key": "prompt", "label_key": "label",
-        "num_train": 20000, "num_eval": 300, "digits": 3, "tokenizer_path": None, "reward": "arithmetic",
+        "num_train": 20000, "num_eval": 300, "digits": 3, "reasoning_gym": None, "system_prompt": None,
+        "tokenizer_path": None,
+    },
+    "reward": {
+        "function": "arithmetic", "group": False, "num_workers": 2, "timeout_s": 10.0, "error_value": 0.0,
+        "model_path": None, "model_weight": 1.0, "rule_weight": 1.0, "model_batch_size": 16,
     },
     "rollout": {
         "num_servers": 2, "threads_per_server": 1, "host": "127.0.0.1", "base_port": 30000, "router_port": 29000,
@@ -263,7 +268,11 @@ def test_bad_override_syntax(override, fragment):
         (["data.digits=1", "data.num_train=90", "data.num_eval=20", "eval.num_prompts=20", "sft.eval_prompts=20"],
          "exceeds the 100 distinct 1-digit"),
         (["rollout.max_new_tokens=4"], "rollout.max_new_tokens (4) must be >= data.digits + 2 (5)"),
-        (["data.reward=exact_match"], "data.reward 'exact_match' is not a registered reward function"),
+        (["reward.function=no_such_verifier"], "reward.function 'no_such_verifier' is not a registered reward function"),
+        (["data.reward=arithmetic"], "data.reward moved to reward.function"),
+        (["data.reasoning_gym.name=chain_sum"], "data.reasoning_gym is set but data.task is 'arithmetic'"),
+        (["data.task=reasoning_gym"], "data.task=reasoning_gym needs data.reasoning_gym"),
+        (["reward.model_weight=0.5"], "but reward.model_path is not set"),
         (["rollout.max_new_tokens=64"], "must be < model.hf_config.max_position_embeddings (64)"),
     ],
 )

@@ -115,7 +115,7 @@ def test_unscorable_label_fails_before_training(tmp_path):
     r = moerl_train(RECIPE, *port_args(tmp_path), "data.task=jsonl", f"data.train_path={path}",
                     f"data.eval_path={path}", "eval.num_prompts=2", "sft.eval_prompts=2", timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
-    assert "row 2" in r.stderr and "'abc'" in r.stderr and "data.reward" in r.stderr
+    assert "row 2" in r.stderr and "'abc'" in r.stderr and "reward.function=arithmetic" in r.stderr
     assert "sft step" not in r.stdout
 
 

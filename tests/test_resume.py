@@ -172,6 +172,47 @@ def test_resume_on_epoch_boundary_and_incomplete_checkpoint_skipped(tmp_path, re
     _assert_bit_identical(_export(run_dir), reference)
 
 
+@pytest.mark.slow
+def test_resume_with_changed_data_or_tokenizer_is_refused_before_any_work(tmp_path):
+    """The checkpoint records fingerprints of the data (content) and the tokenizer: a resume whose
+    training file has the same number of rows but other content, or whose tokenizer differs (here: its
+    chat template), stops with exit code 2 and names what changed, before any model is built."""
+    from moerl.data.tokenizer import build_tokenizer
+
+    def rows(offset: int) -> str:
+        return "".join(json.dumps({"prompt": f"{a}+{b}=", "label": str(a + b)}) + "\n"
+                       for a in range(4) for b in range(offset, offset + 4))
+
+    train, evalf = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train.write_text(rows(0))
+    evalf.write_text(rows(4))
+    tok = tmp_path / "tok"
+    build_tokenizer(tok)
+    data = ["data.task=jsonl", f"data.train_path={train}", f"data.eval_path={evalf}", f"data.tokenizer_path={tok}",
+            "train.num_steps=2"]
+    run_dir = tmp_path / "run"
+    _run(run_dir, *data)
+    marker = json.loads((run_dir / "checkpoints" / "step_2" / "moerl_complete.json").read_text())
+    assert marker["inputs"]["train_rows"] == 16 and len(marker["inputs"]["tokenizer"]) == 64
+
+    def resume() -> subprocess.CompletedProcess:
+        return subprocess.run(_cmd(run_dir, *data, "resume=auto", "train.num_steps=3"), capture_output=True,
+                              text=True, timeout=300, env=_env(), cwd=REPO)
+
+    train.write_text(rows(8))  # same size (16 rows), other content
+    r = resume()
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "training data changed (data.train_path: content differs, 16 rows both)" in r.stderr, r.stderr
+    assert "rollout:" not in r.stdout and "RESUME" not in r.stdout  # refused before servers or model
+    train.write_text(rows(0))
+    cfg = json.loads((tok / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = cfg["chat_template"].replace("{% if add_generation_prompt %}", "{% if false %}")
+    (tok / "tokenizer_config.json").write_text(json.dumps(cfg))
+    r = resume()
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "tokenizer changed" in r.stderr and "training data" not in r.stderr, r.stderr
+
+
 # ----------------------------------------------------------------------------- layout change
 LAYOUT_CASES = {
     "save_tp2ep2": dict(nproc=2, tp=2, ep=2, etp=1),

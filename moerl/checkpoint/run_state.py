@@ -151,7 +151,9 @@ def save_checkpoint(ctx, actor, state: TrainState, samplers: dict) -> Path:
     if world.is_main():
         tmp = path / (COMPLETE_MARKER + ".tmp")
         tmp.write_text(json.dumps({"phase": state.phase, "sft_step": state.sft_step, "rl_step": state.rl_step,
-                                   "layout": layout(ctx.cfg), "time": time.time()}))
+                                   "layout": layout(ctx.cfg), "time": time.time(),
+                                   # data / tokenizer fingerprints: a resume with other inputs is refused
+                                   "inputs": getattr(ctx, "inputs", {})}))
         tmp.replace(path / COMPLETE_MARKER)
         keep = ctx.cfg.train.keep_checkpoints
         complete = list_complete_checkpoints(path.parent, warn=False)

@@ -150,38 +150,55 @@ class ParallelConfig(_Section):
         return self.tp_size if self.etp_size is None else self.etp_size
 
 
-class DataConfig(_Section):
-    """Prompt data: the built-in arithmetic generator or user jsonl files."""
+class ReasoningGymConfig(_Section):
+    """data.task=reasoning_gym: a procedurally generated reasoning-gym dataset (offline)."""
 
-    task: Literal["arithmetic", "jsonl"] = "arithmetic"
-    train_path: Optional[str] = None
-    eval_path: Optional[str] = None
+    name: str = Field("chain_sum", min_length=1)  # a reasoning_gym dataset name (reasoning_gym.factory)
+    config: dict[str, Any] = {}  # the dataset's config fields, e.g. {min_terms: 2, max_terms: 3}
+    size: int = Field(2000, ge=1)  # training prompts (eval: data.num_eval more, from another seed)
+    seed: Optional[int] = Field(None, ge=0)  # None = the recipe seed
+
+
+class DataConfig(_Section):
+    """Prompt data: the built-in arithmetic generator, a reasoning-gym dataset, or the user's jsonl /
+    parquet files (prompt = text or a list of chat messages)."""
+
+    task: Literal["arithmetic", "jsonl", "reasoning_gym"] = "arithmetic"
+    train_path: Optional[str] = None  # jsonl only (.jsonl / .json / .parquet)
+    eval_path: Optional[str] = None  # jsonl only
     prompt_key: str = Field("prompt", min_length=1)
     label_key: str = Field("label", min_length=1)
     num_train: int = Field(20000, ge=1)  # arithmetic only
-    num_eval: int = Field(300, ge=1)  # arithmetic only
+    num_eval: int = Field(300, ge=1)  # arithmetic and reasoning_gym
     digits: int = Field(3, ge=1, le=9)  # arithmetic only
-    tokenizer_path: Optional[str] = None  # None = build moerl's byte-level tokenizer
-    reward: str = "arithmetic"  # verifier: a name registered in moerl.rewards (get_reward_fn)
+    reasoning_gym: Optional[ReasoningGymConfig] = None  # reasoning_gym only
+    system_prompt: Optional[str] = None  # prepended as a system message (the tokenizer's chat template)
+    # None = the tokenizer saved in model.init_from if it has one, else moerl's byte-level tokenizer
+    tokenizer_path: Optional[str] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "reward" in data:
+            raise ValueError(f"data.reward moved to reward.function (got data.reward={data['reward']!r}): write "
+                             f"reward: {{function: {data['reward']}}} in the recipe or reward.function=... on the "
+                             "command line")
+        return data
 
     @model_validator(mode="after")
     def _cross_fields(self) -> "DataConfig":
-        from moerl.rewards import available_reward_fns  # light import (no torch/transformers)
-
-        if self.reward not in available_reward_fns():
-            raise ValueError(
-                f"data.reward {self.reward!r} is not a registered reward function; choose one of "
-                f"{available_reward_fns()} (or register yours with moerl.rewards.register_reward_fn "
-                "before loading the recipe)"
-            )
         if self.task == "jsonl":
             missing = [k for k in ("train_path", "eval_path") if getattr(self, k) is None]
             if missing:
                 raise ValueError(
                     " and ".join(f"data.{k}" for k in missing)
-                    + " must be set when data.task is 'jsonl' (paths to jsonl files of "
+                    + " must be set when data.task is 'jsonl' (paths to jsonl or parquet files of "
                     f"{{\"{self.prompt_key}\": ..., \"{self.label_key}\": ...}} rows)"
                 )
+        elif self.task == "reasoning_gym":
+            if self.reasoning_gym is None:
+                raise ValueError("data.task=reasoning_gym needs data.reasoning_gym: {name: <dataset>, config: {...}, "
+                                 "size: N} (e.g. data.reasoning_gym.name=chain_sum)")
         else:
             space = 10 ** (2 * self.digits)
             if self.num_train + self.num_eval > space:
@@ -189,6 +206,42 @@ class DataConfig(_Section):
                     f"data.num_train + data.num_eval ({self.num_train + self.num_eval}) exceeds the "
                     f"{space} distinct {self.digits}-digit addition problems; lower them or raise data.digits"
                 )
+        if self.task != "reasoning_gym" and self.reasoning_gym is not None:
+            raise ValueError(f"data.reasoning_gym is set but data.task is {self.task!r}: set data.task=reasoning_gym "
+                             "or remove data.reasoning_gym")
+        return self
+
+
+class RewardConfig(_Section):
+    """How responses are scored (moerl.rewards): a rule function in a sandboxed process pool, optionally
+    plus a reward model. ``function`` is a registered name (arithmetic, math, exact_match, countdown,
+    reasoning_gym) or user code ``package.module:function`` / ``/path/to/file.py:function``; it is
+    resolved (and a wrong path or signature refused) before any work."""
+
+    function: str = Field("arithmetic", min_length=1)
+    group: bool = False  # function scores a whole group: fn(responses, label, metadata) -> list
+    num_workers: int = Field(2, ge=0)  # worker processes; 0 = inline in the rollout thread (no timeout)
+    timeout_s: float = Field(10.0, gt=0)  # per-sample (per-group with group=true) wall-clock limit
+    error_value: float = 0.0  # the score of a sample whose verifier timed out, raised or crashed
+    model_path: Optional[str] = None  # HF sequence-classification reward model (scored by its own worker)
+    model_weight: float = 1.0  # final = rule_weight * rule + model_weight * reward model
+    rule_weight: float = 1.0
+    model_batch_size: int = Field(16, ge=1)
+
+    @model_validator(mode="after")
+    def _cross_fields(self) -> "RewardConfig":
+        if ":" not in self.function:
+            from moerl.rewards import available_reward_fns  # light import (no torch/transformers)
+
+            if self.function not in available_reward_fns():
+                raise ValueError(
+                    f"reward.function {self.function!r} is not a registered reward function; choose one of "
+                    f"{available_reward_fns()} or give your own as package.module:function or /path/file.py:function"
+                )
+        if self.model_path is None and (self.model_weight != 1.0 or self.rule_weight != 1.0):
+            raise ValueError("reward.model_weight / reward.rule_weight weigh a reward model against the rule reward, "
+                             "but reward.model_path is not set: set it to a HF sequence-classification checkpoint or "
+                             "drop the weights")
         return self
 
 
@@ -486,6 +539,7 @@ class RecipeConfig(_Section):
     model: ModelConfig = ModelConfig()
     parallel: ParallelConfig = ParallelConfig()
     data: DataConfig = DataConfig()
+    reward: RewardConfig = RewardConfig()
     rollout: RolloutConfig = RolloutConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     moe: MoEConfig = MoEConfig()
@@ -594,7 +648,7 @@ class RecipeConfig(_Section):
                 f"'{self.algorithm.advantage_estimator}': a group of 1 response has no group baseline, "
                 "so every advantage would be 0 (and filter_uniform_groups would drop every group)"
             )
-        if self.data.task == "arithmetic" and self.eval.num_prompts > self.data.num_eval:
+        if self.data.task in ("arithmetic", "reasoning_gym") and self.eval.num_prompts > self.data.num_eval:
             raise ValueError(
                 f"eval.num_prompts ({self.eval.num_prompts}) must be <= data.num_eval ({self.data.num_eval})"
             )

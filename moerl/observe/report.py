@@ -32,6 +32,9 @@ def step0_check(m: dict) -> dict:
 def step_line(step: int, total: int, m: dict, eta: float) -> str:
     g = lambda k, fmt="{:.3f}": fmt.format(m[k]) if k in m else "-"  # noqa: E731
     t = " ".join(f"{k[5:]} {v:.2f}s" for k, v in m.items() if k.startswith("time/"))
+    if "rollout/reward_s" in m:  # scoring runs in the reward workers, inside the rollout phase
+        t += f" (reward {m['rollout/reward_s']:.2f}s" + (f", {m['rollout/reward_errors']:.0f} errors)"
+                                                        if m.get("rollout/reward_errors") else ")")
     line = (
         f"step {step}/{total} reward {g('reward_mean')} acc {g('accuracy')} "
         f"kl {g('train/kl', '{:.2e}')} entropy {g('train/entropy')} aux {g('train/aux_loss', '{:.4f}')} "

@@ -142,7 +142,8 @@ class RolloutManager:
         cluster: RolloutCluster (or None): pause_generation / continue_generation / live_server_urls.
         sampler: PromptSampler of the RL prompts (rollout_batch_size rows per draw).
         encode, decode: prompt text -> token ids; response ids -> text.
-        reward_fn: (response text, label) -> float.
+        reward_fn: a moerl.rewards.RewardPool (``ascore_group``: sandboxed, timed out, group functions,
+            reward models), or a plain (response text, label) -> float.
         cfg: the RecipeConfig (rollout, train, algorithm, data sections are read).
         eos_id: stop token id.
         num_steps: last step that takes a batch (no group is drawn beyond it).
@@ -427,11 +428,33 @@ class RolloutManager:
             s.routed_experts = routed_experts_of(out, s, self.routing_shape)
         return s
 
+    async def _score(self, grp: _Group, samples: Sequence[Sample]) -> None:
+        """Reward of every finished response of ``grp`` (stop token or length; a cut one never gets
+        here): through the RewardPool (``ascore_group``: sandboxed workers with a timeout, extra metrics
+        per sample in ``metadata["reward_metrics"]``) or a plain ``reward_fn(text, label)``."""
+        t0 = time.monotonic()
+        texts = [self.decode(s.response_ids) for s in samples]
+        label = str(grp.row[self.label_key])
+        if hasattr(self.reward_fn, "ascore_group"):
+            from moerl.data.tasks import row_metadata
+
+            results = await self.reward_fn.ascore_group(grp.uid, grp.row[self.prompt_key], texts, label,
+                                                        row_metadata(grp.row))
+            for s, r in zip(samples, results):
+                s.reward = float(r.score)
+                s.metadata["reward_metrics"] = dict(r.metrics)
+                if r.error is not None:
+                    s.metadata["reward_error"] = r.error
+        else:
+            for s, text in zip(samples, texts):
+                s.reward = float(self.reward_fn(text, label))
+        with self._cv:
+            self._counters["reward_s"] += time.monotonic() - t0
+
     async def _run_group(self, grp: _Group) -> None:
         try:
             samples = await asyncio.gather(*(self._run_sample(grp, k) for k in range(self.n)))
-            for s in samples:  # only finished responses reach here (stop token or length)
-                s.reward = float(self.reward_fn(self.decode(s.response_ids), s.label))
+            await self._score(grp, samples)
             grp.samples = list(samples)
         except _GiveUp as e:
             grp.failed = str(e)
@@ -453,7 +476,10 @@ class RolloutManager:
 
         Metrics (floats): reward_mean, accuracy, response_length, truncated_frac, num_samples;
         rollout/{drawn_groups, dropped_stale_groups, dropped_no_signal_groups, failed_groups,
-        resumed_segments, waited_groups, wait_s, trainer_wait_s, server_busy_frac, buffer_groups};
+        resumed_segments, reward_s (wall seconds spent scoring the groups finished since the previous batch), reward_errors
+        (samples whose verifier timed out, raised or crashed: scored reward.error_value), waited_groups, wait_s,
+        trainer_wait_s, server_busy_frac, buffer_groups}; reward/<name>: means of a reward function's extra
+        metrics;
         staleness/{mean, max, tokens_<v>} over trained tokens (tokens_<v>: how many are v versions old); token versions per sample are in
         ``Sample.token_versions``.
 
@@ -513,7 +539,7 @@ class RolloutManager:
         self._kick()
         return self._finish_batch(step, groups, dict(
             drawn_groups=drawn, dropped_stale_groups=stale, dropped_no_signal_groups=no_signal,
-            failed_groups=failed, resumed_segments=counters["resumed_segments"],
+            failed_groups=failed, resumed_segments=counters["resumed_segments"], reward_s=counters["reward_s"],
             waited_groups=counters["waited_groups"], wait_s=counters["wait_s"],
             trainer_wait_s=time.monotonic() - t0, server_busy_frac=busy / max(wall, 1e-9),
             buffer_groups=buffered))
@@ -543,6 +569,12 @@ class RolloutManager:
             m["accuracy"] = sum(s.reward >= 1.0 for s in samples) / len(samples)
             m["response_length"] = sum(s.response_length for s in samples) / len(samples)
             m["truncated_frac"] = sum(s.status == "truncated" for s in samples) / len(samples)
+            m["rollout/reward_errors"] = float(sum("reward_error" in s.metadata for s in samples))
+            extra: dict[str, list[float]] = collections.defaultdict(list)
+            for s in samples:
+                for k, v in s.metadata.get("reward_metrics", {}).items():
+                    extra[k].append(float(v))
+            m.update({f"reward/{k}": sum(v) / len(v) for k, v in extra.items()})
             ages = [self.version - v for s in samples for v in self._trained_versions(s)]
             if ages:
                 m["staleness/mean"] = sum(ages) / len(ages)

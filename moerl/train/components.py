@@ -81,6 +81,19 @@ def rollout_servers(ctx, model_path: str):
     return node_cm, cluster_cm
 
 
+def reward_pool(ctx):
+    """Context manager of the run's RewardPool (moerl.rewards.pool; reward.* keys): worker processes on
+    global rank 0, which scores every rollout and evaluation; None on the other ranks."""
+    if not world.is_main():
+        return contextlib.nullcontext(None)
+    from moerl.rewards.pool import RewardPool
+
+    r = ctx.cfg.reward
+    return RewardPool(r.function, group=r.group, num_workers=r.num_workers, timeout_s=r.timeout_s,
+                      error_value=r.error_value, model_path=r.model_path, model_weight=r.model_weight,
+                      rule_weight=r.rule_weight, model_batch_size=r.model_batch_size, log=log)
+
+
 @contextlib.contextmanager
 def pinned_start(cm, cores: list[int]):
     """Enter ``cm`` (which starts server processes) with this process pinned to ``cores``, so the

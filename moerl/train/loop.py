@@ -35,7 +35,7 @@ from moerl.rollout.manager import RolloutBatch, RolloutManager
 from moerl.runtime import world
 from moerl.runtime.distributed import destroy_distributed, init_distributed
 from moerl.runtime.world import broadcast_from_main, log
-from moerl.train.components import build_actor, build_reference, rollout_servers, warm_start
+from moerl.train.components import build_actor, build_reference, reward_pool, rollout_servers, warm_start
 from moerl.train.losses import policy_loss
 from moerl.train.micro_batches import attach_log_probs, build_micro_batches
 from moerl.train.setup import prepare_run
@@ -86,7 +86,7 @@ def _train(ctx, t_start: float) -> dict:
                            wandb_project=cfg.log.wandb_project) if main else None
     ckpt = Checkpointer(ctx, actor, state, samplers, timers)
     node_cm, cluster_cm = rollout_servers(ctx, str(v0))
-    with node_cm, cluster_cm as cluster:
+    with node_cm, cluster_cm as cluster, reward_pool(ctx) as ctx.rewards:  # reward workers on rank 0
         client = None
         if cluster is not None:
             client = RolloutClient(cluster.router_url, timeout_s=ro.request_timeout_s, max_retries=ro.max_retries,
@@ -110,7 +110,7 @@ def _train(ctx, t_start: float) -> dict:
                 client=RolloutClient(cluster.router_url, timeout_s=ro.request_timeout_s, max_retries=ro.max_retries,
                                      cluster=cluster),
                 cluster=cluster, sampler=samplers["rl"], encode=ctx.encode, decode=ctx.decode,
-                reward_fn=ctx.reward_fn, cfg=cfg, eos_id=ctx.eos_id, num_steps=cfg.train.num_steps,
+                reward_fn=ctx.rewards, cfg=cfg, eos_id=ctx.eos_id, num_steps=cfg.train.num_steps,
                 version=sync.version, steps_done=state.rl_step, state=state.rollout or None, log=log,
                 routing_shape=((ctx.hf_config.num_hidden_layers, ctx.hf_config.num_experts_per_tok)
                                if cfg.moe.routing_replay == "r3" else None))

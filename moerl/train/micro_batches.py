@@ -25,7 +25,7 @@ def sft_samples(ctx: RunContext, rows) -> list[Sample]:
     (moerl.data.tokenizer.encode_sft_example)."""
     d, out = ctx.cfg.data, []
     for i, r in enumerate(rows):
-        ids, mask = encode_sft_example(ctx.tokenizer, r[d.prompt_key], str(r[d.label_key]))
+        ids, mask = encode_sft_example(ctx.tokenizer, r[d.prompt_key], str(r[d.label_key]), d.system_prompt)
         n_prompt = mask.index(1)
         out.append(
             Sample(index=i, group_id=i, prompt=r[d.prompt_key], label=str(r[d.label_key]),

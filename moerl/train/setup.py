@@ -5,17 +5,18 @@ All checks that can fail on user input happen here, before any model is built or
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from moerl.checkpoint.hf_io import load_hf_state_dict
 from moerl.data.dataset import DatasetError, PromptSampler, load_prompt_dataset
+from moerl.data.fingerprint import describe_change, file_fingerprint, tokenizer_fingerprint
 from moerl.data.tasks import prepare_task_data
 from moerl.data.tokenizer import decode_response, encode_prompt, tokenizer_from_config
 from moerl.models.qwen3_moe import make_hf_config
 from moerl.moe.config import check_rollout_routing_matches
-from moerl.rewards import get_reward_fn
+from moerl.rewards import check_label, resolve_reward_fn
 from moerl.rollout.errors import PortInUseError
 from moerl.rollout.launcher import port_is_free
 
@@ -31,8 +32,9 @@ class RunContext:
     hf_config: Any
     train_ds: Any
     eval_rows: list[dict]
-    reward_fn: Callable[[str, str], float]
     init_hf_state_dict: Optional[dict]
+    inputs: dict = field(default_factory=dict)  # fingerprints of the data and tokenizer (resume safety)
+    rewards: Any = None  # the RewardPool (rank 0, while the job runs: moerl.train.loop opens it)
 
     @property
     def eos_id(self) -> int:
@@ -43,9 +45,9 @@ class RunContext:
         pad = self.tokenizer.pad_token_id
         return int(pad if pad is not None else self.tokenizer.eos_token_id)
 
-    def encode(self, prompt_text: str) -> list[int]:
-        """Chat-templated prompt ids."""
-        return encode_prompt(self.tokenizer, prompt_text)
+    def encode(self, prompt) -> list[int]:
+        """Chat-templated prompt ids of a prompt (text or a list of chat messages), with data.system_prompt."""
+        return encode_prompt(self.tokenizer, prompt, self.cfg.data.system_prompt)
 
     def decode(self, response_ids: list[int]) -> str:
         """Response text without special tokens."""
@@ -115,9 +117,11 @@ def _prepare_run(cfg, dist) -> RunContext:
     if dist.is_main:
         cfg.save(str(run_dir / "recipe.yaml"))
     d = cfg.data
+    reward_fn = resolve_reward_fn(cfg.reward.function, group=cfg.reward.group)  # before any work
     train_path, eval_path = prepare_task_data(
         d.task, run_dir / "data", cfg.seed, train_path=d.train_path, eval_path=d.eval_path,
         num_train=d.num_train, num_eval=d.num_eval, digits=d.digits,
+        reasoning_gym=d.reasoning_gym.model_dump() if d.reasoning_gym is not None else None,
     )
     cache = str(run_dir / "data" / "hf_cache")
     train_ds = load_prompt_dataset(train_path, d.prompt_key, d.label_key, recipe_key="data.train_path", cache_dir=cache)
@@ -126,19 +130,24 @@ def _prepare_run(cfg, dist) -> RunContext:
         raise ValueError(
             f"eval.num_prompts ({cfg.eval.num_prompts}) exceeds the {len(eval_ds)} rows of {eval_path}; lower it"
         )
-    tokenizer = tokenizer_from_config(d.tokenizer_path, run_dir)
+    tokenizer = tokenizer_from_config(d.tokenizer_path, run_dir, init_from=cfg.model.init_from)
     hf_fields = cfg.model.hf_config.model_dump()
     hf_fields["vocab_size"] = cfg.model.hf_config.resolve_vocab_size(len(tokenizer))
     hf_config = make_hf_config(hf_fields)
-    longest = max(len(encode_prompt(tokenizer, r[d.prompt_key])) for r in eval_ds.select(range(min(len(eval_ds), 1000))))
+    longest = max(len(encode_prompt(tokenizer, r[d.prompt_key], d.system_prompt))
+                  for ds in (train_ds, eval_ds) for r in ds.select(range(min(len(ds), 1000))))
     if longest + cfg.rollout.max_new_tokens > hf_config.max_position_embeddings:
         raise ValueError(
             f"prompt ({longest} tokens) + rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) exceeds "
             f"model.hf_config.max_position_embeddings ({hf_config.max_position_embeddings}); raise it"
         )
-    reward_fn = get_reward_fn(d.reward)
+    del reward_fn  # resolved above for its errors; the reward workers resolve it again themselves
     for ds, path, key in ((train_ds, train_path, "data.train_path"), (eval_ds, eval_path, "data.eval_path")):
-        check_labels(ds[d.label_key], reward_fn, path, key, d.reward)
+        check_labels(ds[d.label_key], cfg.reward.function, path, key)
+    inputs = {"train_data": file_fingerprint(train_path), "eval_data": file_fingerprint(eval_path),
+              "train_rows": len(train_ds), "eval_rows": len(eval_ds), "tokenizer": tokenizer_fingerprint(tokenizer)}
+    if dist.is_main:
+        check_resume_inputs(cfg, run_dir, inputs)
     init_sd = None
     if cfg.model.init_from:
         if not Path(cfg.model.init_from).is_dir():
@@ -147,26 +156,55 @@ def _prepare_run(cfg, dist) -> RunContext:
         init_sd = load_hf_state_dict(cfg.model.init_from)
     return RunContext(
         cfg=cfg, dist=dist, run_dir=run_dir, tokenizer=tokenizer, hf_config=hf_config, train_ds=train_ds,
-        eval_rows=[eval_ds[i] for i in range(len(eval_ds))], reward_fn=reward_fn,
-        init_hf_state_dict=init_sd,
+        eval_rows=[eval_ds[i] for i in range(len(eval_ds))], init_hf_state_dict=init_sd, inputs=inputs,
     )
 
 
-def check_labels(labels, reward_fn, path, recipe_key: str, reward_name: str) -> None:
+def check_labels(labels, reward_spec: str, path, recipe_key: str) -> None:
     """Every label must be usable by the verifier before any compute (a bad label would otherwise
-    surface only at the first RL step, after the SFT warm start).
+    surface only at the first RL step, after the SFT warm start). Only built-in verifiers declare a
+    label check (moerl.rewards.check_label); user functions are not called here.
 
     Raises:
         DatasetError: naming the 1-based row, the file, the recipe keys and the verifier's complaint.
     """
     for i, label in enumerate(labels):
         try:
-            reward_fn("", label)
+            check_label(reward_spec, label)
         except ValueError as e:
             raise DatasetError(
-                f"row {i + 1} of {path} ({recipe_key}): label {label!r} cannot be scored by data.reward="
-                f"{reward_name}: {e}"
+                f"row {i + 1} of {path} ({recipe_key}): label {label!r} cannot be scored by reward.function="
+                f"{reward_spec}: {e}"
             ) from None
+
+
+def check_resume_inputs(cfg, run_dir: Path, inputs: dict) -> None:
+    """A resume must see the data and tokenizer its checkpoint was trained with (content, not only row
+    counts): compare the checkpoint's recorded fingerprints with this run's before any work.
+    Checkpoints written before fingerprints were recorded are resumed with a warning.
+
+    Raises:
+        ConfigError: naming what changed (training / eval data, tokenizer) and the fix.
+    """
+    from moerl.checkpoint.run_state import COMPLETE_MARKER, resolve_resume
+    from moerl.config.loader import ConfigError
+    from moerl.runtime.world import log
+
+    path = resolve_resume(cfg, run_dir)
+    if path is None:
+        return
+    import json
+
+    saved = json.loads((path / COMPLETE_MARKER).read_text()).get("inputs")
+    if not saved:
+        log(f"WARNING: checkpoint {path} records no data/tokenizer fingerprints (written by an older moerl); "
+            "resuming without checking that the data and tokenizer are unchanged")
+        return
+    gen = {"arithmetic": "data.num_train / data.digits / seed", "reasoning_gym": "data.reasoning_gym"}.get(cfg.data.task)
+    change = describe_change(saved, inputs, sources={"train_data": gen, "eval_data": gen} if gen else None)
+    if change:
+        raise ConfigError(f"resume from {path}: {change}; resume with the data and tokenizer the run was trained "
+                          f"with, or start a new run (resume=none, another output_dir)")
 
 
 _SHAPE_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",

@@ -20,7 +20,7 @@ def evaluate(ctx: RunContext, client, rows) -> float:
     acc = None
     if client is not None:
         acc = evaluate_accuracy(
-            client, rows, ctx.encode, ctx.decode, ctx.reward_fn,
+            client, rows, ctx.encode, ctx.decode, ctx.rewards,
             prompt_key=ctx.cfg.data.prompt_key, label_key=ctx.cfg.data.label_key,
             max_new_tokens=ctx.cfg.rollout.max_new_tokens, stop_token_ids=[ctx.eos_id],
         )

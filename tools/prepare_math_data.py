@@ -1,0 +1,133 @@
+"""Convert public math datasets into moerl prompt rows ``{"prompt": [chat messages], "label": answer}``.
+
+Formats (read with ``datasets``, so .jsonl / .json / .parquet all work, offline from local files):
+
+* ``gsm8k`` (openai/gsm8k): ``{"question": str, "answer": "...reasoning... #### 72"}``; the label is the
+  text after the last ``####`` with thousands separators removed ("1,000" -> "1000").
+* ``dapo`` (BytedTsinghua-SIA/DAPO-Math-17k, verl's RL format): ``{"prompt": [{"role", "content"}, ...],
+  "reward_model": {"ground_truth": str}, ...}``; messages are kept, the label is ground_truth.
+* ``math`` (hendrycks MATH / MATH-500): ``{"problem": str, "solution": "... \\boxed{ans} ..."}`` or with an
+  ``"answer"`` field; the label is ``answer`` when present, else the last ``\\boxed{...}`` of the solution.
+
+Usage:
+    python tools/prepare_math_data.py --format gsm8k gsm8k_test.jsonl data/math_eval.jsonl [--limit N]
+
+Rows whose label cannot be found are skipped and counted (printed). The output is written atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from typing import Optional
+
+
+def last_boxed(text: str) -> Optional[str]:
+    r"""Content of the last ``\boxed{...}`` (or ``\fbox{...}``) in ``text`` with balanced braces, or None.
+
+    >>> last_boxed(r"so \boxed{\frac{1}{2}} and \boxed{3}")
+    '3'
+    """
+    for macro in ("\\boxed{", "\\fbox{"):
+        start = text.rfind(macro)
+        if start < 0:
+            continue
+        i, depth = start + len(macro), 1
+        while i < len(text):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                return text[start + len(macro): i]
+            i += 1
+    return None
+
+
+def convert_row(row: dict, fmt: str) -> Optional[dict]:
+    """One source row -> ``{"prompt": [{"role": "user", "content": ...}] or the row's messages, "label": str}``,
+    or None when the row has no usable answer.
+
+    Raises:
+        ValueError: ``fmt`` unknown, or a row lacks the format's fields (names them).
+    """
+    if fmt == "gsm8k":
+        if "question" not in row or "answer" not in row:
+            raise ValueError(f"--format gsm8k rows need 'question' and 'answer' fields, got {sorted(row)}")
+        answer = str(row["answer"])
+        if "####" not in answer:
+            return None
+        label = answer.rsplit("####", 1)[1].strip().replace(",", "")
+        prompt = [{"role": "user", "content": str(row["question"])}]
+    elif fmt == "dapo":
+        gt = (row.get("reward_model") or {}).get("ground_truth")
+        if "prompt" not in row:
+            raise ValueError(f"--format dapo rows need 'prompt' (chat messages) and reward_model.ground_truth, got {sorted(row)}")
+        if gt is None:
+            return None
+        msgs = row["prompt"]
+        prompt = ([{"role": str(m["role"]), "content": str(m["content"])} for m in msgs]
+                  if isinstance(msgs, list) else [{"role": "user", "content": str(msgs)}])
+        label = str(gt).strip()
+    elif fmt == "math":
+        if "problem" not in row:
+            raise ValueError(f"--format math rows need 'problem' and 'answer' or 'solution', got {sorted(row)}")
+        label = row.get("answer")
+        if label is None:
+            label = last_boxed(str(row.get("solution", "")))
+        if label is None:
+            return None
+        prompt = [{"role": "user", "content": str(row["problem"])}]
+        label = str(label).strip()
+    else:
+        raise ValueError(f"unknown --format {fmt!r}; expected gsm8k, dapo or math")
+    if not label:
+        return None
+    return {"prompt": prompt, "label": label}
+
+
+def load_rows(path: str) -> list[dict]:
+    """Rows of a local .jsonl / .json / .parquet file through ``datasets`` (no network)."""
+    import datasets
+
+    kind = "parquet" if path.endswith(".parquet") else "json"
+    ds = datasets.load_dataset(kind, data_files=os.path.abspath(path), split="train")
+    return [ds[i] for i in range(len(ds))]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--format", required=True, choices=["gsm8k", "dapo", "math"])
+    ap.add_argument("src", help="input .jsonl / .json / .parquet")
+    ap.add_argument("dst", help="output .jsonl of moerl rows")
+    ap.add_argument("--limit", type=int, default=None, help="keep the first N converted rows")
+    args = ap.parse_args(argv)
+    if not os.path.isfile(args.src):
+        print(f"prepare_math_data: input file not found: {args.src}", file=sys.stderr)
+        return 2
+    try:
+        rows = load_rows(args.src)
+        out, skipped = [], 0
+        for row in rows:
+            r = convert_row(row, args.format)
+            if r is None:
+                skipped += 1
+                continue
+            out.append(r)
+            if args.limit is not None and len(out) >= args.limit:
+                break
+    except ValueError as e:
+        print(f"prepare_math_data: {e}", file=sys.stderr)
+        return 2
+    os.makedirs(os.path.dirname(os.path.abspath(args.dst)), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(args.dst)), suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        for r in out:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    os.replace(tmp, args.dst)
+    print(f"wrote {len(out)} rows to {args.dst} ({skipped} skipped without an answer)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
