@@ -34,8 +34,8 @@ FAST = [
 ]
 
 
-def moerl_train(*args: str, timeout: float = 600, **popen) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def moerl_train(*args: str, timeout: float = 600, env=None, **popen) -> subprocess.CompletedProcess:
+    env = env or dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.run([sys.executable, "-m", "moerl.cli", "train", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=REPO, **popen)
 
@@ -117,6 +117,62 @@ def test_unscorable_label_fails_before_training(tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     assert "row 2" in r.stderr and "'abc'" in r.stderr and "reward.function=arithmetic" in r.stderr
     assert "sft step" not in r.stdout
+
+
+USER_REWARD = """
+import os
+
+
+def leading_int_match(response, label, metadata):
+    with open(os.environ["MOERL_TEST_REWARD_LOG"], "a") as f:
+        f.write(label + "\\n")
+    digits = ""
+    for ch in response.strip():
+        if not ch.isdigit():
+            break
+        digits += ch
+    return {"score": float(digits != "" and int(digits) == int(label)), "response_chars": float(len(response))}
+
+
+def one_arg(response):
+    return 0.0
+"""
+
+
+def test_user_reward_with_a_wrong_path_or_signature_is_refused_before_any_work(tmp_path):
+    f = tmp_path / "outside" / "my_reward.py"
+    f.parent.mkdir()
+    f.write_text(USER_REWARD)
+    for spec, needle in ((f"{tmp_path}/missing.py:fn", "missing.py"), (f"{f}:nope", "nope"),
+                         (f"{f}:one_arg", "one_arg"), ("no_such_package_xyz.mod:fn", "no_such_package_xyz")):
+        r = moerl_train(RECIPE, *port_args(tmp_path), f"reward.function={spec}", timeout=120)
+        assert r.returncode == 2, (spec, r.stderr[-2000:])
+        assert "reward.function" in r.stderr and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert "rollout:" not in r.stdout and not (tmp_path / "run" / "tokenizer").exists()
+
+
+@pytest.mark.slow
+def test_user_reward_from_a_file_outside_the_package_scores_the_run(tmp_path):
+    """reward.function=/path/file.py:fn: the run's reward workers load it and every rollout and eval
+    response goes through it; its extra metric is logged (reward/response_chars)."""
+    f = tmp_path / "outside" / "my_reward.py"
+    f.parent.mkdir()
+    f.write_text(USER_REWARD)
+    log = tmp_path / "calls.txt"
+    r = moerl_train(RECIPE, *port_args(tmp_path), *FAST, f"reward.function={f}:leading_int_match",
+                    "log.samples=true", timeout=900, env=dict(os.environ, PYTHONUNBUFFERED="1",
+                                                              MOERL_TEST_REWARD_LOG=str(log)))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    calls = log.read_text().splitlines()
+    # 3 RL steps x 4 prompts x 8 samples, plus the greedy evals (SFT evals of 20 prompts, RL evals of 40)
+    assert len(calls) >= 3 * 4 * 8 + 40
+    trained = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert len(trained) == 3 * 4 * 8 and {t["reward"] for t in trained} <= {0.0, 1.0}
+    assert re.search(r"\(reward \d+\.\d+s\)", r.stdout), r.stdout[-2000:]  # reward time in the step line
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(tmp_path / "run" / "tensorboard")).Reload()
+    assert "reward/response_chars" in ea.Tags()["scalars"]
 
 
 def test_port_in_use(tmp_path):

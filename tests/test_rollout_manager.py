@@ -290,3 +290,64 @@ def test_drop_policy_keeps_every_batch_full_and_counts_what_it_drops():
         assert len(b.groups) == 4
         assert all(b.trainer_version == v for s in b.samples for v in s.token_versions)
     assert sum(b.metrics["rollout/dropped_stale_groups"] for b in batches) > 0
+
+
+REWARD_FILE = '''
+import time
+
+
+def hangs_on_one(response, label, metadata):
+    if label == "HANG" and int(response.split()[0]) % 2 == 0:
+        time.sleep(3600)  # a verifier that never returns
+    return float(len(response) % 2)
+
+
+def group_echo(responses, label, metadata):
+    # each response's score says how many responses the function saw and where this one sits
+    return [{"score": float(len(responses)), "position": float(i), "label": float(label)}
+            for i, r in enumerate(responses)]
+'''
+
+
+def test_reward_pool_in_the_manager_counts_a_hanging_verifier_and_group_functions_see_their_group(tmp_path):
+    """Scores come from moerl.rewards.RewardPool workers: a response whose verifier hangs gets
+    reward.error_value within timeout_s (counted in rollout/reward_errors, the run goes on), every other
+    response keeps its score; a group function sees exactly the n responses of its own prompt, in order."""
+    from moerl.rewards.pool import RewardPool
+
+    f = tmp_path / "rewards.py"
+    f.write_text(REWARD_FILE)
+    servers = FakeServers()
+    cfg = _cfg(mode="sync", B=2, n=4)
+    rows = [{"prompt": f"p{i}", "label": "HANG" if i == 0 else str(i)} for i in range(6)]
+    decode = lambda ids: " ".join(map(str, ids))  # noqa: E731
+    with RewardPool(f"{f}:hangs_on_one", num_workers=2, timeout_s=1.0, error_value=-1.0, log=lambda m: None) as pool:
+        mgr = RolloutManager(client=servers, cluster=servers, sampler=PromptSampler(rows, 2, 0),
+                             encode=lambda t: [2] * PROMPT_LEN, decode=decode, reward_fn=pool, cfg=cfg, eos_id=STOP,
+                             num_steps=3, version=0, log=lambda m: None)
+        t0 = time.monotonic()
+        batches, _ = _run(servers, cfg, num_steps=3, manager=mgr)
+        assert time.monotonic() - t0 < 30
+    hung = errors = 0
+    for b in batches:
+        errors += b.metrics["rollout/reward_errors"]
+        for s in b.samples:
+            text = decode(s.response_ids)
+            if s.label == "HANG" and s.response_ids[0] % 2 == 0:
+                hung += 1
+                assert s.reward == -1.0 and s.metadata["reward_error"] == "timeout"
+            else:
+                assert s.reward == float(len(text) % 2) and "reward_error" not in s.metadata
+    assert 1 <= hung < 4 and errors == hung  # (the fake servers' tokens are a fixed function of the rid)
+    servers = FakeServers()
+    with RewardPool(f"{f}:group_echo", group=True, num_workers=1, timeout_s=10.0, log=lambda m: None) as pool:
+        mgr = RolloutManager(client=servers, cluster=servers, sampler=PromptSampler(rows[1:], 2, 0),
+                             encode=lambda t: [2] * PROMPT_LEN, decode=decode, reward_fn=pool, cfg=cfg, eos_id=STOP,
+                             num_steps=2, version=0, log=lambda m: None)
+        batches, _ = _run(servers, cfg, num_steps=2, manager=mgr)
+    for b in batches:
+        for g in b.groups:
+            assert [s.reward for s in g] == [4.0] * 4
+            assert [s.metadata["reward_metrics"]["position"] for s in g] == [0.0, 1.0, 2.0, 3.0]
+            assert {s.metadata["reward_metrics"]["label"] for s in g} == {float(g[0].label)}
+        assert b.metrics["reward/position"] == 1.5
