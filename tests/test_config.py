@@ -367,3 +367,23 @@ def test_async_keys_are_checked():
                                "algorithm.is_lower")]:
         with pytest.raises(ConfigError, match=needle):
             load_config(TINY, overrides)
+
+
+def test_qwen3_math_gpu_recipe_checks_on_cpu(capsys):
+    """configs/qwen3_30b_a3b_math.yaml: the layout fits 8 ranks, `moerl plan` sizes it, its math-verify
+    reward resolves and scores a boxed LaTeX answer, and its SGLang servers (colocated, tp 4) dry-run."""
+    from moerl.parallel.memory_plan import main as plan_main
+    from moerl.rewards import resolve_reward_fn
+    from moerl.rollout.sglang_launcher import dry_run
+
+    path = REPO / "configs" / "qwen3_30b_a3b_math.yaml"
+    cfg = load_config(path)
+    assert cfg.layout_dp_size(8) == 2 and cfg.data.task == "jsonl" and cfg.data.system_prompt
+    fn = resolve_reward_fn(cfg.reward.function)
+    assert fn(r"so the answer is \boxed{\frac{1}{2}}", "0.5", {}) == 1.0
+    assert fn(r"\boxed{3}", "0.5", {}) == 0.0
+    assert plan_main([str(path), "--seq-length", "9216"]) == 0
+    assert "peak:" in capsys.readouterr().out
+    servers = [e for e in dry_run(cfg, model_path=cfg.model.init_from) if "sglang.launch_server" in e["argv"]]
+    assert len(servers) == 2 and all("--enable-memory-saver" in e["argv"] for e in servers)
+    assert [e["env"]["CUDA_VISIBLE_DEVICES"] for e in servers] == ["0,1,2,3", "4,5,6,7"]

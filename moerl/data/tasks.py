@@ -47,6 +47,16 @@ def _write_if_changed(path: str, text: str) -> None:
         raise
 
 
+def _write_task_files(out_dir, train_rows: list[dict], eval_rows: list[dict]) -> tuple[str, str]:
+    """Write <out_dir>/train.jsonl and eval.jsonl (atomically, untouched when unchanged); their paths."""
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    train_path, eval_path = os.path.join(out_dir, TRAIN_FILE), os.path.join(out_dir, EVAL_FILE)
+    _write_if_changed(train_path, _rows_to_jsonl(train_rows))
+    _write_if_changed(eval_path, _rows_to_jsonl(eval_rows))
+    return train_path, eval_path
+
+
 def _rows_to_jsonl(rows: list[dict[str, str]]) -> str:
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
 
@@ -93,12 +103,7 @@ def generate_arithmetic(
 
     eval_rows = draw(num_eval)
     train_rows = draw(num_train)
-    out_dir = os.fspath(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    train_path, eval_path = os.path.join(out_dir, TRAIN_FILE), os.path.join(out_dir, EVAL_FILE)
-    _write_if_changed(train_path, _rows_to_jsonl(train_rows))
-    _write_if_changed(eval_path, _rows_to_jsonl(eval_rows))
-    return train_path, eval_path
+    return _write_task_files(out_dir, train_rows, eval_rows)
 
 
 def _metadata_default(obj: Any) -> Any:
@@ -243,12 +248,7 @@ def generate_reasoning_gym(
             f"{size} train entries in {tries} tries, fewer than data.num_eval={num_eval}; lower "
             f"data.num_eval or data.reasoning_gym.size, or widen data.reasoning_gym.config"
         )
-    out_dir = os.fspath(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    train_path, eval_path = os.path.join(out_dir, TRAIN_FILE), os.path.join(out_dir, EVAL_FILE)
-    _write_if_changed(train_path, _rows_to_jsonl(train_rows))
-    _write_if_changed(eval_path, _rows_to_jsonl(eval_rows))
-    return train_path, eval_path
+    return _write_task_files(out_dir, train_rows, eval_rows)
 
 
 def prepare_task_data(
