@@ -366,6 +366,21 @@ def test_async_demo_rl_gain(tmp_path):
     assert max(ages) <= 1, ages
 
 
+@pytest.mark.slow
+def test_step0_check_reads_the_first_of_several_updates(tmp_path):
+    """16 samples per step with train.global_batch_size=8: two optimizer updates per step. The step-0
+    check must read the first update's ratio (exactly 1), not the second's (after an optimizer step):
+    issue #13 defect 4 printed 'sum |log ratio| = 0.973 ... FAIL' here."""
+    fast = [a for a in FAST if not a.startswith(("rollout.rollout_batch_size", "train.global_batch_size",
+                                                 "train.micro_batch_size"))]
+    r = moerl_train(RECIPE, *port_args(tmp_path), *fast, "rollout.rollout_batch_size=2",
+                    "rollout.n_samples_per_prompt=8", "train.global_batch_size=8", "train.micro_batch_size=8",
+                    "train.num_steps=1", timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    m = re.search(r"sum \|log ratio\| = (\S+) \(exactly 1\): (PASS|FAIL)", r.stdout)
+    assert m and float(m.group(1)) == 0.0 and m.group(2) == "PASS", r.stdout[-3000:]
+
+
 CHAIN_SUM = str(REPO / "configs" / "tiny_chain_sum.yaml")
 
 

@@ -200,23 +200,22 @@ def rl_step(ctx, step: int, actor, ref, manager, sync, timers) -> dict:
         m["skipped_update"] = 1.0
         _push(manager, None, step)
         return m
+    n_updates = max(1, int(m["num_samples"]) // cfg.train.global_batch_size)  # one per global batch
+    chunk = math.ceil(len(kept) / n_updates)
+    parts = [p for p in (kept[lo: lo + chunk] for lo in range(0, len(kept), chunk)) if len(p) >= world.dp_info()[0]]
     sync.placement.before_train()  # colocated: the servers release their memory before training
-    with timers("log_prob"):  # proximal (old) log-probs: the weights this update starts from
-        old = attach_log_probs(ctx, actor, kept, ro.temperature, "old_log_probs")
-        if cfg.moe.routing_replay == "r2":  # replay the old-log-prob pass's routing in the updates
-            gather_recorded_routing(actor.routing_replay, kept)
-        if ref is not None:
-            attach_log_probs(ctx, ref, kept, ro.temperature, "ref_log_probs")
-    diffs = [abs(a - b) for s, lp in zip(kept, old) for a, b in zip(lp, s.rollout_log_probs)]
+    with timers("log_prob"):  # proximal (old) log-probs, before any update, on each update's own micro-batches
+        for part in parts:
+            attach_log_probs(ctx, actor, part, ro.temperature, "old_log_probs")
+            if cfg.moe.routing_replay == "r2":  # replay the old-log-prob pass's routing in the updates
+                gather_recorded_routing(actor.routing_replay, part)
+            if ref is not None:
+                attach_log_probs(ctx, ref, part, ro.temperature, "ref_log_probs")
+    diffs = [abs(a - b) for p in parts for s in p for a, b in zip(s.metadata["old_log_probs"], s.rollout_log_probs)]
     m["logprob_abs_diff_mean"] = sum(diffs) / max(1, len(diffs))
     m["logprob_abs_diff_max"] = max(diffs, default=0.0)
     with timers("update"):
-        n_updates = max(1, int(m["num_samples"]) // cfg.train.global_batch_size)
-        chunk = math.ceil(len(kept) / n_updates)
-        for lo in range(0, len(kept), chunk):
-            part = kept[lo: lo + chunk]
-            if len(part) < world.dp_info()[0]:
-                continue
+        for part in parts:
             fields = {"old_log_probs": [s.metadata["old_log_probs"] for s in part],
                       "behaviour_log_probs": [s.rollout_log_probs for s in part],
                       "token_staleness": [[float(batch.trainer_version - v) for v in s.token_versions]
@@ -228,8 +227,10 @@ def rl_step(ctx, step: int, actor, ref, manager, sync, timers) -> dict:
             loss_fn = policy_loss(algo, global_num_tokens=max(1, sum(sum(s.loss_mask) for s in part)),
                                   global_num_seqs=len(part), seq_token_sum_constant=float(ro.max_new_tokens),
                                   max_staleness=cfg.train.max_staleness if cfg.train.mode != "sync" else 0)
-            for k, v in actor.train_step(mbs, loss_fn, temperature=ro.temperature).items():
-                m[f"train/{k}"] = v
+            out = actor.train_step(mbs, loss_fn, temperature=ro.temperature)
+            # the step-0 check reads the FIRST update's ratio (later ones follow an optimizer step)
+            first = m.get("train/logratio_abs_sum", out.get("logratio_abs_sum"))
+            m.update({f"train/{k}": v for k, v in out.items()}, **{"train/logratio_abs_sum": first})
     with timers("weight_sync"):
         _push(manager, lambda: sync(actor), step)
     if sync.offloader is not None:  # colocated: bytes moved to host / back this step
