@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from moerl.algorithms import (
+    POLICY_LOSSES,
     aggregate_loss,
+    cispo_token_loss,
     compute_policy_loss,
     count_loss_tokens_and_seqs,
     entropy_from_logits,
@@ -22,6 +24,7 @@ from moerl.algorithms import (
     gspo_token_loss,
     kl_penalty,
     masked_mean,
+    ppo_dual_clip_token_loss,
     ppo_token_loss,
     token_log_probs_from_logits,
 )
@@ -337,11 +340,19 @@ def _batch(seed=5):
     return lengths, mask, old, lp, ref, adv
 
 
-def _grad_over_micro_batches(policy_loss, mode, mbs, use_global):
+def _grad_over_micro_batches(policy_loss, mode, mbs, use_global, extra=None):
+    """Sum of compute_policy_loss over micro-batches of ``mbs`` rows -> (loss, grad wrt log_probs).
+    ``extra``: more keyword arguments; "token_adv" (use per-token advantages) and "entropy" (an
+    entropy bonus from a differentiable function of log_probs) are handled here."""
+    extra = dict(extra or {})
+    token_adv = extra.pop("token_adv", False)
+    with_entropy = extra.pop("entropy", False)
     lengths, mask, old, lp0, ref, adv = _batch()
+    if token_adv:
+        adv = adv[:, None] + torch.linspace(-1.0, 1.0, lp0.shape[1], dtype=F64)[None, :]
     lp = lp0.clone().requires_grad_(True)
     n_tok, n_seq = count_loss_tokens_and_seqs(mask)
-    eps = (0.2, 0.28) if policy_loss == "ppo" else (0.05, 0.06)
+    eps = (0.2, 0.28) if policy_loss in ("ppo", "cispo") else (0.05, 0.06)
     total = 0.0
     for s in range(0, len(lengths), mbs):
         rows = slice(s, s + mbs)
@@ -349,7 +360,7 @@ def _grad_over_micro_batches(policy_loss, mode, mbs, use_global):
         loss, _ = compute_policy_loss(
             lp[rows, :t],
             old[rows, :t],
-            adv[rows],
+            adv[rows, :t] if token_adv else adv[rows],
             mask[rows, :t],
             policy_loss=policy_loss,
             eps_clip_low=eps[0],
@@ -360,19 +371,31 @@ def _grad_over_micro_batches(policy_loss, mode, mbs, use_global):
             seq_token_sum_constant=8 if mode == "seq-mean-token-sum" else None,
             ref_log_probs=ref[rows, :t],
             kl_coef=0.1,
+            entropy=-lp[rows, :t].exp() * lp[rows, :t] if with_entropy else None,
+            **extra,
         )
         total = total + loss
     total.backward()
     return total.detach(), lp.grad
 
 
-@pytest.mark.parametrize("policy_loss", ["ppo", "gspo"])
+MB_CASES = {
+    "ppo": ("ppo", {}),
+    "gspo": ("gspo", {}),
+    "gspo_token-token_adv": ("gspo_token", {"token_adv": True}),
+    "cispo-token_adv": ("cispo", {"token_adv": True}),
+    "ppo-dual_clip-entropy": ("ppo", {"dual_clip_c": 1.2, "entropy_coef": 0.05, "entropy": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(MB_CASES))
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
-def test_gradient_independent_of_micro_batch_cut(policy_loss, mode):
-    full_loss, full_grad = _grad_over_micro_batches(policy_loss, mode, 6, True)
+def test_gradient_independent_of_micro_batch_cut(case, mode):
+    policy_loss, extra = MB_CASES[case]
+    full_loss, full_grad = _grad_over_micro_batches(policy_loss, mode, 6, True, extra)
     assert full_grad.abs().sum() > 0
     for mbs in (1, 2, 3):  # mbs=3 is also "DP=2 ranks x 1 micro-batch"
-        loss, grad = _grad_over_micro_batches(policy_loss, mode, mbs, True)
+        loss, grad = _grad_over_micro_batches(policy_loss, mode, mbs, True, extra)
         assert abs(loss - full_loss) <= 1e-12 * max(1.0, abs(full_loss))
         rel = (grad - full_grad).norm() / full_grad.norm()
         assert rel <= 1e-6, (mbs, rel)
@@ -504,3 +527,187 @@ def test_negative_labels_are_ignored_and_errors():
         token_log_probs_from_logits(logits, torch.tensor([1, 2, 0]), 1.0)
     with pytest.raises(TypeError, match="labels"):
         token_log_probs_from_logits(logits, labels.float(), 1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# GSPO-token, CISPO, dual-clip PPO, entropy bonus
+# ----------------------------------------------------------------------------------------------
+
+
+def test_policy_loss_names():
+    assert POLICY_LOSSES == ("gspo", "ppo", "gspo_token", "cispo")
+
+
+def test_gspo_token_equals_gspo_with_row_constant_advantages():
+    g = torch.Generator().manual_seed(8)
+    B, T = 6, 5
+    lengths = torch.tensor([1, 5, 3, 5, 2, 4])  # a single-token and two full-length (truncated) rows
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).to(torch.int64)
+    old = -torch.rand(B, T, generator=g, dtype=F64) * 3
+    lp0 = old + torch.randn(B, T, generator=g, dtype=F64) * 0.08
+    adv = torch.randn(B, generator=g, dtype=F64)
+    el, eh = 0.03, 0.04
+    kw = dict(eps_clip_low=el, eps_clip_high=eh, loss_agg_mode="seq-mean-token-mean", global_num_seqs=B)
+    lp = lp0.clone().requires_grad_(True)
+    loss, m = compute_policy_loss(lp, old, adv[:, None].expand(B, T), mask, policy_loss="gspo_token", **kw)
+    loss.backward()
+    lp_ref = lp0.clone().requires_grad_(True)
+    ref = _gspo_reference(lp_ref, old, adv, mask, el, eh)  # the paper's sequence-level objective
+    ref.backward()
+    torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(lp.grad, lp_ref.grad, rtol=1e-10, atol=1e-14)
+    assert 0 < m["clip_frac"] < 1  # both regimes present
+
+
+def test_gspo_token_per_token_advantages_hand_values():
+    # one row of 3 tokens, token log-ratios +0.01, -0.02, +0.01: s = exp(0) = 1, inside the clip range
+    # J = (1/3) sum_t s * A_t = (1/3)(1 - 2 + 0.5) = -1/6 -> loss = +1/6
+    # d loss / d logp_t = -A_t * s / 3  -> [-1/3, 2/3, -1/6]
+    # (sequence-level GSPO with A = mean_t A_t = -1/6 would give -A/3 = 1/18 on every token)
+    old = torch.tensor([[-1.0, -2.0, -0.5]], dtype=F64)
+    lp = (old + torch.tensor([[0.01, -0.02, 0.01]], dtype=F64)).requires_grad_(True)
+    adv = torch.tensor([[1.0, -2.0, 0.5]], dtype=F64)
+    mask = torch.ones(1, 3)
+    kw = dict(eps_clip_low=0.2, eps_clip_high=0.2, loss_agg_mode="seq-mean-token-mean")
+    loss, m = compute_policy_loss(lp, old, adv, mask, policy_loss="gspo_token", **kw)
+    loss.backward()
+    assert loss.item() == pytest.approx(1 / 6, abs=1e-12)
+    torch.testing.assert_close(lp.grad, torch.tensor([[-1 / 3, 2 / 3, -1 / 6]], dtype=F64), rtol=0, atol=1e-12)
+    assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-15)
+
+
+def test_gspo_token_clips_per_token_by_advantage_sign():
+    # s = exp(0.1) = 1.10517 > 1 + eps_high = 1.05: tokens with A > 0 are clipped (gradient 0),
+    # tokens with A < 0 keep d loss / d logp_t = -A_t * s / |y| = s / 2
+    old = torch.tensor([[-1.0, -1.0]], dtype=F64)
+    lp = (old + torch.tensor([[0.15, 0.05]], dtype=F64)).requires_grad_(True)
+    adv = torch.tensor([[1.0, -1.0]], dtype=F64)
+    s = math.exp(0.1)
+    loss, m = compute_policy_loss(lp, old, adv, torch.ones(1, 2), policy_loss="gspo_token", eps_clip_low=0.05,
+                                  eps_clip_high=0.05, loss_agg_mode="seq-mean-token-mean")
+    loss.backward()
+    # loss = (1/2)(-1.05 * 1 + s * 1)
+    assert loss.item() == pytest.approx(0.5 * (-1.05 + s), abs=1e-12)
+    torch.testing.assert_close(lp.grad, torch.tensor([[0.0, s / 2]], dtype=F64), rtol=0, atol=1e-12)
+    assert m["clip_frac"] == 0.5
+
+
+def test_cispo_hand_values_and_gradients():
+    # ratios 1.5, 0.5, 1.1, 0.7 ; A +1, -1, +2, +1 ; eps_low 0.2, eps_high 0.28
+    # IS weights clip(r) = 1.28, 0.8, 1.1, 0.8 (detached); loss_t = -w_t A_t logp_t; grad = -w_t A_t
+    ratios = [1.5, 0.5, 1.1, 0.7]
+    weights, advs = [1.28, 0.8, 1.1, 0.8], [1.0, -1.0, 2.0, 1.0]
+    old = torch.full((1, 4), -1.3, dtype=F64)
+    lp = (old + torch.tensor([ratios], dtype=F64).log()).requires_grad_(True)
+    adv = torch.tensor([advs], dtype=F64)
+    loss, clipped = cispo_token_loss(lp, old, adv, 0.2, 0.28)
+    expected = [-w * a * (-1.3 + math.log(r)) for w, a, r in zip(weights, advs, ratios)]
+    torch.testing.assert_close(loss.detach(), torch.tensor([expected], dtype=F64), rtol=0, atol=1e-12)
+    assert clipped.tolist() == [[True, True, False, True]]
+    loss.sum().backward()
+    # unlike PPO, clipped tokens keep their gradient
+    want = [-w * a for w, a in zip(weights, advs)]
+    torch.testing.assert_close(lp.grad, torch.tensor([want], dtype=F64), rtol=0, atol=1e-12)
+
+
+def test_cispo_through_compute_policy_loss_with_padding():
+    # row 0 truncated (full), row 1 a single-token response with NaN padding
+    old = torch.tensor([[-1.0, -2.0], [-0.5, 0.0]], dtype=F64)
+    r = torch.tensor([[1.5, 0.9], [1.0, 1.0]], dtype=F64)
+    lp = (old + r.log()).detach()
+    lp[1, 1] = float("nan")
+    lp.requires_grad_(True)
+    adv = torch.tensor([2.0, -1.0], dtype=F64)
+    mask = torch.tensor([[1, 1], [1, 0]])
+    loss, m = compute_policy_loss(lp, old, adv, mask, policy_loss="cispo", eps_clip_low=0.2, eps_clip_high=0.2,
+                                  loss_agg_mode="token-mean", global_num_tokens=3)
+    loss.backward()
+    # weights 1.2, 0.9, 1.0 ; token-mean over 3 tokens
+    lp00, lp01, lp10 = -1.0 + math.log(1.5), -2.0 + math.log(0.9), -0.5
+    want = (-1.2 * 2 * lp00 - 0.9 * 2 * lp01 + 1.0 * 1 * lp10) / 3
+    assert loss.item() == pytest.approx(want, abs=1e-12)
+    torch.testing.assert_close(
+        lp.grad, torch.tensor([[-2.4 / 3, -1.8 / 3], [1 / 3, 0.0]], dtype=F64), rtol=0, atol=1e-12
+    )
+    assert m["clip_frac"] == pytest.approx(1 / 3)
+    assert m["ratio_mean"] == pytest.approx((1.5 + 0.9 + 1.0) / 3, abs=1e-12)
+
+
+def test_dual_clip_hand_values_and_gradients():
+    # c = 3, eps 0.2 / 0.28; PPO loss l = -min(rA, clip(r)A)
+    #   r 4.0, A -1  : l = max(4, 1.28) = 4 > bound 3      -> 3, grad 0, dual
+    #   r 2.0, A -1  : l = 2 < 3                            -> 2, grad -rA = 2
+    #   r 4.0, A +1  : PPO clip -> -1.28, grad 0 (A > 0: no dual bound)
+    #   r 0.5, A -1  : PPO clip -> 0.8, grad 0, bound inactive
+    #   r 5.0, A -0.5: l = 2.5 > bound 1.5                 -> 1.5, grad 0, dual
+    #   r 1.1, A -0.5: l = 0.55                             -> 0.55, grad 0.55
+    ratios = torch.tensor([[4.0, 2.0, 4.0, 0.5, 5.0, 1.1]], dtype=F64)
+    adv = torch.tensor([[-1.0, -1.0, 1.0, -1.0, -0.5, -0.5]], dtype=F64)
+    old = torch.full_like(ratios, -2.0)
+    lp = (old + ratios.log()).requires_grad_(True)
+    loss, clipped, dual = ppo_dual_clip_token_loss(lp, old, adv, 0.2, 0.28, 3.0)
+    torch.testing.assert_close(
+        loss.detach(), torch.tensor([[3.0, 2.0, -1.28, 0.8, 1.5, 0.55]], dtype=F64), rtol=0, atol=1e-12
+    )
+    assert dual.tolist() == [[True, False, False, False, True, False]]
+    assert clipped.tolist() == [[False, False, True, True, False, False]]
+    loss.sum().backward()
+    torch.testing.assert_close(
+        lp.grad, torch.tensor([[0.0, 2.0, 0.0, 0.0, 0.0, 0.55]], dtype=F64), rtol=0, atol=1e-12
+    )
+    # through compute_policy_loss: the same values, token-mean, and the dual-clip metric
+    lp2 = (old + ratios.log()).requires_grad_(True)
+    total, m = compute_policy_loss(lp2, old, adv, torch.ones(1, 6), policy_loss="ppo", eps_clip_low=0.2,
+                                   eps_clip_high=0.28, loss_agg_mode="token-mean", dual_clip_c=3.0)
+    assert total.item() == pytest.approx((3.0 + 2.0 - 1.28 + 0.8 + 1.5 + 0.55) / 6, abs=1e-12)
+    assert m["dual_clip_frac"] == pytest.approx(2 / 6)
+    assert m["clip_frac"] == pytest.approx(2 / 6)
+    # without dual clip the same batch gives PPO's 4 and 2.5 on the two exploded tokens
+    plain, m0 = compute_policy_loss(lp2, old, adv, torch.ones(1, 6), policy_loss="ppo", eps_clip_low=0.2,
+                                    eps_clip_high=0.28, loss_agg_mode="token-mean")
+    assert plain.item() == pytest.approx((4.0 + 2.0 - 1.28 + 0.8 + 2.5 + 0.55) / 6, abs=1e-12)
+    assert "dual_clip_frac" not in m0
+
+
+def test_dual_clip_errors():
+    lp, mask, adv = torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1)
+    kw = dict(eps_clip_low=0.2, eps_clip_high=0.2, loss_agg_mode="token-mean")
+    for bad in (1.0, 0.5, float("inf"), True):
+        with pytest.raises(ValueError, match="algorithm.dual_clip_c"):
+            compute_policy_loss(lp, lp, adv, mask, policy_loss="ppo", dual_clip_c=bad, **kw)
+        with pytest.raises(ValueError, match="algorithm.dual_clip_c"):
+            ppo_dual_clip_token_loss(lp, lp, adv, 0.2, 0.2, bad)
+    with pytest.raises(ValueError, match="algorithm.dual_clip_c.*ppo"):
+        compute_policy_loss(lp, lp, adv, mask, policy_loss="gspo", dual_clip_c=3.0, **kw)
+
+
+def test_entropy_bonus_value_gradient_and_errors():
+    # on-policy (ratio 1): pg loss = -token-mean(A); bonus -0.1 * token-mean(entropy)
+    lp0 = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, 9.0, 9.0]], dtype=F64)
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    adv = torch.tensor([1.0, -2.0], dtype=F64)
+    ent = torch.tensor([[0.5, 1.0, 2.0], [0.3, float("nan"), 0.0]], dtype=F64, requires_grad=True)
+    lp = lp0.clone().requires_grad_(True)
+    kw = dict(policy_loss="ppo", eps_clip_low=0.2, eps_clip_high=0.2, loss_agg_mode="token-mean")
+    loss, m = compute_policy_loss(lp, lp0, adv, mask, entropy=ent, entropy_coef=0.1, global_num_tokens=4, **kw)
+    loss.backward()
+    # pg = -(1 + 1 + 1 - 2) / 4 = -0.25 ; entropy term = (0.5 + 1 + 2 + 0.3) / 4 = 0.95
+    assert loss.item() == pytest.approx(-0.25 - 0.1 * 0.95, abs=1e-12)
+    assert m["entropy_loss"] == pytest.approx(0.95, abs=1e-12)
+    assert m["pg_loss"] == pytest.approx(-0.25, abs=1e-12)
+    torch.testing.assert_close(
+        ent.grad, torch.tensor([[-0.025, -0.025, -0.025], [-0.025, 0.0, 0.0]], dtype=F64), rtol=0, atol=1e-15
+    )
+    # seq-mean-token-mean: (0.5 + 1 + 2)/3 and 0.3 -> mean over 2 sequences
+    loss2, m2 = compute_policy_loss(lp0, lp0, adv, mask, entropy=ent, entropy_coef=0.1,
+                                    **{**kw, "loss_agg_mode": "seq-mean-token-mean"})
+    assert m2["entropy_loss"] == pytest.approx((3.5 / 3 + 0.3) / 2, abs=1e-12)
+    # coefficient 0: no term (NaN entropy harmless), no entropy_loss metric
+    _, m3 = compute_policy_loss(lp0, lp0, adv, mask, entropy=torch.full_like(lp0, float("nan")), **kw)
+    assert "entropy_loss" not in m3
+    with pytest.raises(ValueError, match="algorithm.entropy_coef"):
+        compute_policy_loss(lp, lp0, adv, mask, entropy_coef=0.1, **kw)  # no entropy
+    with pytest.raises(ValueError, match="differentiable"):
+        compute_policy_loss(lp, lp0, adv, mask, entropy=ent.detach(), entropy_coef=0.1, **kw)
+    with pytest.raises(ValueError, match="algorithm.entropy_coef"):
+        compute_policy_loss(lp, lp0, adv, mask, entropy=ent, entropy_coef=-0.1, **kw)

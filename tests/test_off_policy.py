@@ -50,7 +50,16 @@ S0 = (1.1 * 1.5 * 0.9) ** (1 / 3)
 S1 = (0.7 * 1.1) ** 0.5
 GSPO_LOSS = [[-S0, -S0, -S0], [S1, S1]]
 GSPO_GRAD = [[-S0, -S0, -S0], [S1, S1]]
-HAND = {"ppo": (PPO_LOSS, PPO_GRAD), "gspo": (GSPO_LOSS, GSPO_GRAD)}
+# CISPO: IS weight clip(r, 0.8, 1.28) = (1.1, 1.28, 0.9), (0.8, 1.1), detached; loss -w A logp, grad -w A
+CISPO_W = [[1.1, 1.28, 0.9], [0.8, 1.1]]
+CISPO_LOSS = [
+    [-w * 1.0 * (o + math.log(r)) for w, o, r in zip(CISPO_W[0], OLD[0], RATIO[0])],
+    [-w * -1.0 * (o + math.log(r)) for w, o, r in zip(CISPO_W[1], OLD[1], RATIO[1])],
+]
+CISPO_GRAD = [[-1.1, -1.28, -0.9], [0.8, 1.1]]
+# GSPO-token with these per-sequence advantages is GSPO
+HAND = {"ppo": (PPO_LOSS, PPO_GRAD), "gspo": (GSPO_LOSS, GSPO_GRAD), "gspo_token": (GSPO_LOSS, GSPO_GRAD),
+        "cispo": (CISPO_LOSS, CISPO_GRAD)}
 
 # raw weights of the loss tokens per level (row 0, row 1)
 W_TOK = [[0.5, 1.2, 3.0], [2.5, 0.9]]
@@ -174,7 +183,7 @@ def test_empty_micro_batch_metrics_are_zero():
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
-@pytest.mark.parametrize("policy", ["ppo", "gspo"])
+@pytest.mark.parametrize("policy", ["ppo", "gspo", "gspo_token", "cispo"])
 @pytest.mark.parametrize("correction,level,opts,c,masked", CASES, ids=CASE_IDS)
 def test_loss_and_grad_hand_values(policy, mode, correction, level, opts, c, masked):
     lp, old, behav, mask, adv = _batch()

@@ -17,10 +17,12 @@ from moerl.algorithms.policy_loss import (
     LOSS_AGG_MODES,
     POLICY_LOSSES,
     aggregate_loss,
+    cispo_token_loss,
     compute_policy_loss,
     count_loss_tokens_and_seqs,
     gspo_token_loss,
     masked_mean,
+    ppo_dual_clip_token_loss,
     ppo_token_loss,
 )
 from moerl.algorithms.shaping import kl_reward_penalty, overlong_penalty
@@ -31,6 +33,7 @@ __all__ = [
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
     "aggregate_loss",
+    "cispo_token_loss",
     "compute_policy_loss",
     "count_loss_tokens_and_seqs",
     "entropy_from_logits",
@@ -43,6 +46,7 @@ __all__ = [
     "masked_mean",
     "outcome_token_rewards",
     "overlong_penalty",
+    "ppo_dual_clip_token_loss",
     "ppo_token_loss",
     "reinforce_pp_advantages",
     "rloo_advantages",

@@ -1,5 +1,6 @@
-"""Clipped policy-gradient losses (PPO / GRPO / DAPO token level, GSPO sequence level), KL term and
-micro-batch-invariant loss aggregation.
+"""Clipped policy-gradient losses (PPO / GRPO / DAPO token level with optional dual clip, GSPO
+sequence level and GSPO-token, CISPO), KL and entropy terms, and micro-batch-invariant loss
+aggregation.
 
 Conventions: a micro-batch is ``[B, T]`` (B responses, T response positions, padded); ``loss_mask``
 is 1 on response tokens that enter the loss. Each row of a GSPO micro-batch must hold one WHOLE
@@ -30,12 +31,14 @@ __all__ = [
     "count_loss_tokens_and_seqs",
     "ppo_token_loss",
     "gspo_token_loss",
+    "ppo_dual_clip_token_loss",
+    "cispo_token_loss",
     "aggregate_loss",
     "compute_policy_loss",
 ]
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-POLICY_LOSSES = ("gspo", "ppo")
+POLICY_LOSSES = ("gspo", "ppo", "gspo_token", "cispo")
 # exp(20) ~ 4.9e8: log-ratios beyond +-20 are clamped before exp so that the ratio stays finite.
 LOG_RATIO_CLAMP = 20.0
 
@@ -166,6 +169,96 @@ def ppo_token_loss(
     log_ratio = (log_probs - old_log_probs.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     return _clipped_surrogate(ratio, adv.detach(), eps_clip_low, eps_clip_high)
+
+
+def _check_dual_clip_c(dual_clip_c: float) -> float:
+    if isinstance(dual_clip_c, bool) or not isinstance(dual_clip_c, (int, float)) or not (
+        1.0 < float(dual_clip_c) < float("inf")
+    ):
+        raise ValueError(
+            f"algorithm.dual_clip_c must be a finite float > 1 (Ye et al. 2020 use 3) or null, got {dual_clip_c!r}"
+        )
+    return float(dual_clip_c)
+
+
+def ppo_dual_clip_token_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    eps_clip_low: float,
+    eps_clip_high: float,
+    dual_clip_c: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Dual-clip PPO per token (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep
+    RL", arXiv 1912.09729, eq. 5).
+
+    ``l_t`` = :func:`ppo_token_loss`'s ``-min(rho_t A_t, clip(rho_t) A_t)``; for ``A_t < 0`` it is
+    bounded by ``-c * A_t = c * |A_t|``: ``loss_t = min(l_t, -c * A_t)`` (the paper's
+    ``max(min(rho A, clip(rho) A), c A)`` as a loss). This caps the loss of a token whose ratio
+    exploded (``rho_t > c`` for large enough negative advantages); where the bound is active the
+    loss is the constant ``-c * A_t`` and the gradient is 0. For ``A_t >= 0`` the loss is PPO's.
+
+    Args:
+        log_probs, old_log_probs, advantages, eps_clip_low, eps_clip_high: as :func:`ppo_token_loss`.
+        dual_clip_c: c > 1 (``algorithm.dual_clip_c``; the paper uses 3).
+
+    Returns:
+        (per_token_loss [B, T], clipped_mask [B, T] bool (PPO's clip, as :func:`ppo_token_loss`),
+        dual_clipped_mask [B, T] bool: True where the ``-c * A`` bound is taken (gradient 0)).
+
+    Raises:
+        ValueError: bad shapes or clip range; ``dual_clip_c`` not a finite float > 1 (the message
+            names ``algorithm.dual_clip_c``).
+    """
+    c = _check_dual_clip_c(dual_clip_c)
+    loss, clipped = ppo_token_loss(log_probs, old_log_probs, advantages, eps_clip_low, eps_clip_high)
+    adv = _token_advantages(advantages, log_probs).detach()
+    bound = (-c * adv).to(loss.dtype).expand_as(loss)
+    dual = (adv < 0) & (loss > bound)
+    return torch.where(dual, bound, loss), clipped, dual
+
+
+def cispo_token_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    eps_clip_low: float,
+    eps_clip_high: float,
+) -> tuple[Tensor, Tensor]:
+    """CISPO per token (MiniMax-M1, arXiv 2506.13585, sec. 3.1, eqs. 4-5: Clipped IS-weight Policy
+    Optimization).
+
+    ``r_t = exp(log_probs_t - old_log_probs_t)`` (log-ratio clamped to +-20);
+    ``loss_t = -sg[clip(r_t, 1 - eps_clip_low, 1 + eps_clip_high)] * A_t * log_probs_t``.
+    Unlike PPO no token is dropped: the IS weight is clipped and detached, and the gradient
+    ``-clip(r_t) * A_t * grad log_probs_t`` flows through every token. (The paper sets no lower
+    bound in practice: a large ``eps_clip_low`` such as 0.999... keeps ``1 - eps_clip_low`` near 0.)
+    Note the loss VALUE contains ``log_probs`` (it is not ``-r A``); only its gradient is meaningful.
+
+    Args:
+        log_probs: float [B, T], log pi_theta (requires grad).
+        old_log_probs: float [B, T], log pi_old (detached).
+        advantages: float [B] (broadcast over tokens) or [B, T].
+        eps_clip_low, eps_clip_high: IS-weight clip range (eps_low in [0, 1), eps_high >= 0).
+
+    Returns:
+        (per_token_loss [B, T], clipped_mask [B, T] bool: True where the IS weight was truncated
+        (the token still has a gradient)). Padding positions are not masked here; aggregate with
+        :func:`aggregate_loss`.
+
+    Raises:
+        ValueError: bad shapes or clip range.
+    """
+    _check_pair(log_probs, old_log_probs)
+    _check_eps(eps_clip_low, eps_clip_high)
+    adv = _token_advantages(advantages, log_probs).detach()
+    with torch.no_grad():
+        ratio = torch.exp((log_probs - old_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        weight = ratio.clamp(1.0 - eps_clip_low, 1.0 + eps_clip_high)
+        clipped = weight != ratio
+        # NaN log-probs on padding: weight 0 keeps the (masked-out) token's gradient 0 instead of NaN.
+        weight = torch.where(torch.isfinite(weight), weight, torch.zeros_like(weight))
+    return -weight * adv * log_probs, clipped
 
 
 def gspo_token_loss(
@@ -315,14 +408,32 @@ def compute_policy_loss(
     icepop_beta: float = 2.0,
     token_staleness: Optional[Tensor] = None,
     max_staleness: Optional[int] = None,
+    dual_clip_c: Optional[float] = None,
+    entropy_coef: float = 0.0,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Policy loss of one micro-batch: clipped surrogate (+ kl_coef * KL loss term, GRPO-style),
-    optionally corrected for off-policy (asynchronous) data.
+    """Policy loss of one micro-batch: clipped surrogate (+ kl_coef * KL loss term, GRPO-style;
+    - entropy_coef * entropy bonus), optionally corrected for off-policy (asynchronous) data.
 
-    ``loss = aggregate(c * pg_per_token) + kl_coef * aggregate(kl_penalty(log_probs, ref_log_probs))``,
-    both aggregated with the same mode and global denominators (see :func:`aggregate_loss`). With
-    ``kl_coef == 0`` the KL term is not added at all (0 * NaN would be NaN); the ``kl`` metric is
-    still reported when ``ref_log_probs`` is given.
+    ``loss = aggregate(c * pg_per_token) + kl_coef * aggregate(kl_penalty(log_probs, ref_log_probs))
+    - entropy_coef * aggregate(entropy)``, all aggregated with the same mode and global denominators
+    (see :func:`aggregate_loss`). With ``kl_coef == 0`` (``entropy_coef == 0``) the KL (entropy)
+    term is not added at all (0 * NaN would be NaN); the ``kl`` (``entropy``) metric is still
+    reported when ``ref_log_probs`` (``entropy``) is given.
+
+    Policy losses (``policy_loss``):
+
+    - ``"ppo"``: :func:`ppo_token_loss` (PPO / GRPO / DAPO token-level clipped surrogate); with
+      ``dual_clip_c`` the dual-clip bound of :func:`ppo_dual_clip_token_loss` (Ye et al. 2020).
+    - ``"gspo"``: :func:`gspo_token_loss` (GSPO, arXiv 2507.18071, sequence-level ratio s_i).
+    - ``"gspo_token"``: GSPO-token (arXiv 2507.18071, sec. 4.3):
+      ``s_{i,t} = sg[s_i] * pi_theta(y_t) / sg[pi_theta(y_t)]`` with per-token advantages
+      ``A_{i,t}``. moerl's ``"gspo"`` is already computed in this form, so the two give the same
+      loss and gradient for the same inputs; ``"gspo_token"`` names the intent (token-level
+      advantages [B, T], e.g. REINFORCE++ returns or GAE). With advantages constant along each row
+      both equal the sequence-level GSPO objective, value and gradient.
+    - ``"cispo"``: :func:`cispo_token_loss` (MiniMax-M1, arXiv 2506.13585, eqs. 4-5): detached,
+      clipped IS weight times ``A * log pi_theta``; ``eps_clip_low`` / ``eps_clip_high`` bound the
+      IS weight.
 
     Off-policy correction (:mod:`moerl.algorithms.off_policy`): ``old_log_probs`` are the proximal
     policy pi_prox (the trainer's recomputed log-probs; the PPO / GSPO ratio is always taken against
@@ -353,7 +464,7 @@ def compute_policy_loss(
         log_probs, old_log_probs: float [B, T].
         advantages: float [B] or [B, T].
         loss_mask: [B, T].
-        policy_loss: "gspo" (:func:`gspo_token_loss`) or "ppo" (:func:`ppo_token_loss`; GRPO/DAPO).
+        policy_loss: one of :data:`POLICY_LOSSES` (see above).
         eps_clip_low, eps_clip_high: clip range.
         loss_agg_mode, global_num_tokens, global_num_seqs, seq_token_sum_constant: see
             :func:`aggregate_loss`.
@@ -374,13 +485,24 @@ def compute_policy_loss(
             that generated it, or None.
         max_staleness: int >= 0 (``train.max_staleness``) or None (no check). Requires
             ``token_staleness``.
+        dual_clip_c: ``algorithm.dual_clip_c``: c > 1 enables dual-clip PPO (only with
+            ``policy_loss="ppo"``), None disables it.
+        entropy_coef: ``algorithm.entropy_coef`` (>= 0): weight of the entropy bonus. When > 0,
+            ``entropy`` must be given and must carry the graph to the logits (e.g.
+            :func:`moerl.algorithms.logprobs.entropy_from_logits` computed with grad): a detached
+            entropy would add a constant and silently do nothing, so it is refused while
+            ``log_probs`` requires grad. Stale tokens (``max_staleness``) are removed from the
+            bonus like from the KL term; the off-policy weight ``c`` does not apply to it.
 
     Returns:
         (loss: scalar tensor with grad, metrics: dict of python floats). Metrics:
         ``pg_loss`` (this micro-batch's share of the aggregated policy loss; sums to the global value
-        over micro-batches), ``kl_loss`` (same, only when kl_coef > 0), and local masked means over
-        this micro-batch's loss tokens: ``clip_frac``, ``ratio_mean`` (token ratio for PPO, mean of
-        s_i over rows for GSPO), ``kl`` (when ``ref_log_probs`` is given), ``entropy`` (when given);
+        over micro-batches), ``kl_loss`` (same, only when kl_coef > 0), ``entropy_loss`` (same: the
+        aggregated entropy, before the coefficient and sign; only when entropy_coef > 0), and local
+        masked means over this micro-batch's loss tokens: ``clip_frac`` (PPO / GSPO: clipped branch
+        taken, gradient 0; CISPO: IS weight truncated, gradient kept), ``dual_clip_frac`` (only with
+        ``dual_clip_c``: the ``-c * A`` bound taken), ``ratio_mean`` (token ratio for PPO / CISPO,
+        mean of s_i over rows for GSPO), ``kl`` (when ``ref_log_probs`` is given), ``entropy`` (when given);
         when ``behaviour_log_probs`` is given: ``is_weight_mean``, ``is_masked_frac``,
         ``behav_prox_kl`` (local means) and ``is_weight_max`` (a local MAX: reduce it with max, not
         a sum; see :func:`moerl.algorithms.off_policy.off_policy_weights`); when ``max_staleness`` is
@@ -391,7 +513,10 @@ def compute_policy_loss(
         ValueError: unknown policy_loss / mode / estimator, bad shapes, kl_coef < 0, or
             kl_coef > 0 without ref_log_probs; bad off-policy options (the message names the
             ``algorithm.*`` key), a correction other than "none" without ``behaviour_log_probs``,
-            ``max_staleness`` < 0 or given without ``token_staleness``.
+            ``max_staleness`` < 0 or given without ``token_staleness``; ``dual_clip_c`` not > 1 or
+            given with a policy loss other than "ppo" (names ``algorithm.dual_clip_c``);
+            ``entropy_coef`` < 0, or > 0 without a differentiable ``entropy`` (names
+            ``algorithm.entropy_coef``).
     """
     if policy_loss not in POLICY_LOSSES:
         raise ValueError(f"policy_loss must be one of {POLICY_LOSSES}, got {policy_loss!r}")
@@ -401,6 +526,29 @@ def compute_policy_loss(
         raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
     if kl_coef > 0 and ref_log_probs is None:
         raise ValueError("kl_coef > 0 needs ref_log_probs (compute them with the reference model) or set kl_coef=0")
+    if dual_clip_c is not None:
+        _check_dual_clip_c(dual_clip_c)
+        if policy_loss != "ppo":
+            raise ValueError(
+                f"algorithm.dual_clip_c={dual_clip_c!r} applies to policy_loss='ppo' only (got {policy_loss!r}); "
+                "set it to null"
+            )
+    if isinstance(entropy_coef, bool) or not isinstance(entropy_coef, (int, float)) or not (
+        0.0 <= float(entropy_coef) < float("inf")
+    ):
+        raise ValueError(f"algorithm.entropy_coef must be a finite float >= 0, got {entropy_coef!r}")
+    if entropy_coef > 0:
+        if entropy is None:
+            raise ValueError("algorithm.entropy_coef > 0 needs the per-token entropy [B, T] (with grad)")
+        if entropy.shape != log_probs.shape:
+            raise ValueError(
+                f"entropy {tuple(entropy.shape)} must have the shape of log_probs {tuple(log_probs.shape)}"
+            )
+        if torch.is_grad_enabled() and log_probs.requires_grad and not entropy.requires_grad:
+            raise ValueError(
+                "algorithm.entropy_coef > 0 needs a differentiable entropy (computed from the logits with grad); "
+                "a detached entropy makes the bonus a constant that does nothing"
+            )
     check_off_policy_args(off_policy_correction, is_level, is_cap, is_lower, icepop_beta)
     if off_policy_correction != "none" and behaviour_log_probs is None:
         raise ValueError(
@@ -438,14 +586,22 @@ def compute_policy_loss(
         global_num_seqs=global_num_seqs,
         seq_token_sum_constant=seq_token_sum_constant,
     )
-    if policy_loss == "gspo":
+    dual = None
+    if policy_loss in ("gspo", "gspo_token"):
         pg, clipped, seq_ratio = gspo_token_loss(
             log_probs, old_log_probs, advantages, mask, eps_clip_low, eps_clip_high
         )
         rows = mask.any(dim=1)
         ratio_mean = seq_ratio[rows].mean() if bool(rows.any()) else seq_ratio.new_ones(())
     else:
-        pg, clipped = ppo_token_loss(log_probs, old_log_probs, advantages, eps_clip_low, eps_clip_high)
+        if policy_loss == "cispo":
+            pg, clipped = cispo_token_loss(log_probs, old_log_probs, advantages, eps_clip_low, eps_clip_high)
+        elif dual_clip_c is not None:
+            pg, clipped, dual = ppo_dual_clip_token_loss(
+                log_probs, old_log_probs, advantages, eps_clip_low, eps_clip_high, dual_clip_c
+            )
+        else:
+            pg, clipped = ppo_token_loss(log_probs, old_log_probs, advantages, eps_clip_low, eps_clip_high)
         with torch.no_grad():
             ratio = torch.exp((log_probs - old_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
             ratio_mean = masked_mean(ratio, mask)
@@ -461,6 +617,8 @@ def compute_policy_loss(
         "ratio_mean": float(ratio_mean),
         "num_tokens": float(mask.sum()),
     })
+    if dual is not None:
+        metrics["dual_clip_frac"] = float(masked_mean(dual.to(torch.float32), mask))
     if ref_log_probs is not None:
         if ref_log_probs.shape != log_probs.shape:
             raise ValueError(
@@ -476,4 +634,9 @@ def compute_policy_loss(
             metrics["kl_loss"] = float(kl_loss.detach())
     if entropy is not None:
         metrics["entropy"] = float(masked_mean(entropy.detach(), mask))
+        if entropy_coef > 0:
+            ent = entropy if stale is None else torch.where(stale, torch.zeros_like(entropy), entropy)
+            entropy_loss = aggregate_loss(ent, mask, loss_agg_mode, **agg)
+            loss = loss - float(entropy_coef) * entropy_loss.to(loss.dtype)
+            metrics["entropy_loss"] = float(entropy_loss.detach())
     return loss, metrics
