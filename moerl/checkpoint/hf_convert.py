@@ -55,6 +55,11 @@ GPTModel holds, with *local* numbering:
   (not a split of the concatenation); linear_proj / fc2 split on dim 1; norms and the router are
   replicated. Expert weights split over the expert-TP group (etp) instead of TP.
 
+Value models (``head="value"``, moerl.train.critic): the LM head is replaced by a scalar value head,
+``output_layer.weight`` [1, H] and ``output_layer.bias`` [1] <-> HF ``score.weight`` / ``score.bias``
+(``Qwen3MoeForTokenClassification`` with num_labels=1), replicated over TP, on the last pipeline
+stage, never tied to the embedding. Every function below takes ``head`` ("lm" by default).
+
 ``hf_to_megatron(..., layout=...)`` cuts this rank's shard out of a full HF state dict;
 ``merge_megatron_shards`` (offline, all shards in one process) and ``gather_megatron_to_hf``
 (collective, one shard per rank) put the full HF state dict back together bit for bit.
@@ -71,6 +76,7 @@ from moerl.models.qwen3_moe import hf_head_dim, hf_moe_layer_pattern, hf_num_exp
 from moerl.parallel.layout import pipeline_layer_range
 
 __all__ = [
+    "HEADS",
     "ParamRule",
     "ShardLayout",
     "conversion_rules",
@@ -87,6 +93,15 @@ __all__ = [
 ]
 
 _EXTRA_STATE = "_extra_state"
+
+# output heads of the converted model: "lm" (Qwen3MoeForCausalLM's lm_head) | "value" (the scalar head of a
+# critic: Qwen3MoeForTokenClassification(num_labels=1)'s score layer)
+HEADS = ("lm", "value")
+
+
+def _check_head(head: str) -> None:
+    if head not in HEADS:
+        raise ValueError(f"head must be one of {HEADS}, got {head!r}")
 
 
 @dataclass(frozen=True)
@@ -188,14 +203,19 @@ def _expect_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
         raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} from the HF config")
 
 
-def conversion_rules(hf_config, expert_bias: bool = False) -> list[ParamRule]:
+def conversion_rules(hf_config, expert_bias: bool = False, head: str = "lm") -> list[ParamRule]:
     """All parameter rules for an unsharded Qwen3-MoE model (tp = ep = pp = 1), in model order.
+
+    ``head="value"``: the output layer is a value model's scalar head (``output_layer.weight`` [1, H],
+    ``output_layer.bias`` [1] <-> ``score.weight``, ``score.bias``; replicated, never tied) instead of
+    the LM head.
 
     ``expert_bias`` adds, per MoE layer, Megatron's aux-loss-free routing bias
     ``mlp.router.expert_bias`` [E] (arXiv 2408.15664; a persistent buffer when
     moe_router_enable_expert_bias) <-> HF ``mlp.gate.e_score_correction_bias`` [E] (the name
     DeepSeek-V3's HF checkpoints use for the same bias); replicated over TP, one per layer.
     """
+    _check_head(head)
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     pattern = hf_moe_layer_pattern(hf_config)
     num_experts = hf_num_experts(hf_config)
@@ -247,7 +267,10 @@ def conversion_rules(hf_config, expert_bias: bool = False) -> list[ParamRule]:
                 ParamRule(mc + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), "copy", tp_dim=1, layer=l),
             ]
     rules.append(ParamRule("decoder.final_layernorm.weight", ("model.norm.weight",), "copy"))
-    if not tied:
+    if head == "value":
+        rules += [ParamRule("output_layer.weight", ("score.weight",), "copy"),
+                  ParamRule("output_layer.bias", ("score.bias",), "copy")]
+    elif not tied:
         rules.append(ParamRule("output_layer.weight", ("lm_head.weight",), "copy", tp_dim=0))
     return rules
 
@@ -299,7 +322,8 @@ def fused_experts_to_per_expert(hf_state_dict: Mapping[str, torch.Tensor], hf_co
 
 
 def hf_to_megatron(
-    hf_state_dict: Mapping[str, torch.Tensor], hf_config, layout: Optional["ShardLayout"] = None
+    hf_state_dict: Mapping[str, torch.Tensor], hf_config, layout: Optional["ShardLayout"] = None, *,
+    head: str = "lm",
 ) -> dict[str, torch.Tensor]:
     """Convert a Qwen3-MoE HF state dict to a Megatron GPTModel state dict (whole, or one rank's shard).
 
@@ -310,6 +334,8 @@ def hf_to_megatron(
         hf_config: the model's Qwen3MoeConfig.
         layout: this rank's ShardLayout (``ShardLayout.from_parallel_state()`` inside a job);
             None (or tp = ep = pp = 1) gives the unsharded state dict.
+        head: "lm" | "value" (``score.weight`` / ``score.bias`` instead of ``lm_head.weight``; see
+            :func:`conversion_rules`).
 
     Returns:
         dict mcore_key -> tensor (no ``_extra_state`` entries) with this rank's *local* keys
@@ -321,19 +347,21 @@ def hf_to_megatron(
         ValueError: missing or unexpected HF keys (listed), shapes that contradict the config, or
             a layout the model cannot be cut into (sizes not dividing heads/experts/layers/vocab).
     """
+    _check_head(head)
     sd = fused_experts_to_per_expert(hf_state_dict, hf_config)
-    if getattr(hf_config, "tie_word_embeddings", False) and "lm_head.weight" in sd:
+    if head == "lm" and getattr(hf_config, "tie_word_embeddings", False) and "lm_head.weight" in sd:
         lm_head = sd.pop("lm_head.weight")
         embed = sd.get("model.embed_tokens.weight")
         if embed is not None and not torch.equal(lm_head, embed):
             raise ValueError("tie_word_embeddings=True but lm_head.weight differs from model.embed_tokens.weight")
     bias = _has_bias(sd, _HF_BIAS)  # expert bias given -> converted (see conversion_rules)
-    rules = conversion_rules(hf_config, expert_bias=bias)
+    rules = conversion_rules(hf_config, expert_bias=bias, head=head)
     known = {k for r in rules for k in r.hf_keys}
     if layout is None or layout.is_trivial:
         needed = known
     else:  # a shard needs only its own tensors; the others may be absent
-        needed = {k for _, r, _, _ in shard_rules(hf_config, layout, expert_bias=bias) for k in r.hf_keys}
+        needed = {k for _, r, _, _ in shard_rules(hf_config, layout, expert_bias=bias, head=head)
+                  for k in r.hf_keys}
     missing = sorted(needed - set(sd))
     unexpected = sorted(set(sd) - known)
     if missing or unexpected:
@@ -348,7 +376,7 @@ def hf_to_megatron(
             to_mcore, _ = _PACKERS[rule.kind]
             out[rule.mcore_key] = to_mcore([sd[k] for k in rule.hf_keys], hf_config)
         return out
-    for local_key, rule, size, rank in shard_rules(hf_config, layout, expert_bias=bias):
+    for local_key, rule, size, rank in shard_rules(hf_config, layout, expert_bias=bias, head=head):
         to_mcore, _ = _PACKERS[rule.kind]
         full = to_mcore([sd[k] for k in rule.hf_keys], hf_config)
         out[local_key] = _tp_split(rule, full, size, rank)
@@ -365,13 +393,16 @@ def strip_wrapper_prefix(state_dict: Mapping[str, torch.Tensor]) -> dict[str, to
     return out
 
 
-def megatron_to_hf(mcore_state_dict: Mapping[str, torch.Tensor], hf_config) -> dict[str, torch.Tensor]:
+def megatron_to_hf(
+    mcore_state_dict: Mapping[str, torch.Tensor], hf_config, *, head: str = "lm"
+) -> dict[str, torch.Tensor]:
     """Convert an unsharded Megatron GPTModel state dict to HF on-disk / SGLang names.
 
     Args:
         mcore_state_dict: ``model.state_dict()`` of the GPTModel (``module.`` wrapper prefixes and
             ``_extra_state`` entries are ignored).
         hf_config: the model's Qwen3MoeConfig.
+        head: "lm" | "value" (see :func:`conversion_rules`).
 
     Returns:
         dict HF key -> tensor with per-expert keys ``mlp.experts.{e}.{gate,up,down}_proj.weight``
@@ -386,7 +417,7 @@ def megatron_to_hf(mcore_state_dict: Mapping[str, torch.Tensor], hf_config) -> d
         for k, v in strip_wrapper_prefix(mcore_state_dict).items()
         if not k.endswith(_EXTRA_STATE)
     }
-    rules = conversion_rules(hf_config, expert_bias=_has_bias(sd, _MC_BIAS))
+    rules = conversion_rules(hf_config, expert_bias=_has_bias(sd, _MC_BIAS), head=head)
     needed = {r.mcore_key for r in rules}
     missing = sorted(needed - set(sd))
     unexpected = sorted(set(sd) - needed)
@@ -437,10 +468,11 @@ def load_megatron_state_dict(model: torch.nn.Module, mcore_state_dict: Mapping[s
         )
 
 
-def iter_hf_names(hf_config, expert_bias: bool = False) -> Iterable[str]:
+def iter_hf_names(hf_config, expert_bias: bool = False, head: str = "lm") -> Iterable[str]:
     """HF (on-disk) tensor names of the model in conversion order (for weight-sync buckets);
-    ``expert_bias`` includes the routers' ``mlp.gate.e_score_correction_bias``."""
-    for rule in conversion_rules(hf_config, expert_bias=expert_bias):
+    ``expert_bias`` includes the routers' ``mlp.gate.e_score_correction_bias``; ``head``: see
+    :func:`conversion_rules`."""
+    for rule in conversion_rules(hf_config, expert_bias=expert_bias, head=head):
         yield from rule.hf_keys
 
 
@@ -544,9 +576,11 @@ def _check_divisible(hf_config, layout: ShardLayout) -> None:
             raise ValueError(f"{name}={value} is not divisible by {size_name}={size}; cannot shard the model")
 
 
-def shard_rules(hf_config, layout: ShardLayout, expert_bias: bool = False) -> list[tuple[str, ParamRule, int, int]]:
+def shard_rules(hf_config, layout: ShardLayout, expert_bias: bool = False,
+                head: str = "lm") -> list[tuple[str, ParamRule, int, int]]:
     """The parameters one rank holds: ``(local mcore key, global rule, split size, split rank)``
-    (``expert_bias``: see :func:`conversion_rules`).
+    (``expert_bias``, ``head``: see :func:`conversion_rules`; a value head lives on the last stage,
+    replicated over TP).
 
     The split size/rank are the TP ones for dense weights and the expert-TP ones for expert
     weights (1/0 for a replicated tensor). See the module docstring for the local numbering.
@@ -564,7 +598,7 @@ def shard_rules(hf_config, layout: ShardLayout, expert_bias: bool = False) -> li
     per_rank = hf_num_experts(hf_config) // layout.ep_size
     experts = range(layout.ep_rank * per_rank, (layout.ep_rank + 1) * per_rank)
     out: list[tuple[str, ParamRule, int, int]] = []
-    for rule in conversion_rules(hf_config, expert_bias=expert_bias):
+    for rule in conversion_rules(hf_config, expert_bias=expert_bias, head=head):
         key = rule.mcore_key
         if rule.layer is None:
             if key.startswith("embedding.") and not layout.is_first_stage:
@@ -588,7 +622,7 @@ def shard_rules(hf_config, layout: ShardLayout, expert_bias: bool = False) -> li
         else:
             size, rank = layout.tp_size, layout.tp_rank
         out.append((key, rule, size, rank))
-    if tied and layout.pp_size > 1 and layout.is_last_stage:
+    if head == "lm" and tied and layout.pp_size > 1 and layout.is_last_stage:
         copy = ParamRule("output_layer.weight", ("model.embed_tokens.weight",), "copy", tp_dim=0, tied_copy=True)
         out.append(("output_layer.weight", copy, layout.tp_size, layout.tp_rank))
     return out
@@ -615,7 +649,8 @@ def _tp_merge(rule: ParamRule, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat(list(pieces), dim=rule.tp_dim)
 
 
-def merge_megatron_shards(shards: Mapping[ShardLayout, Mapping[str, torch.Tensor]], hf_config) -> dict[str, torch.Tensor]:
+def merge_megatron_shards(shards: Mapping[ShardLayout, Mapping[str, torch.Tensor]], hf_config, *,
+                          head: str = "lm") -> dict[str, torch.Tensor]:
     """Put the local state dicts of every rank of a layout back together as one HF state dict.
 
     Offline counterpart of ``gather_megatron_to_hf`` (all shards in one process, e.g. for a
@@ -626,6 +661,7 @@ def merge_megatron_shards(shards: Mapping[ShardLayout, Mapping[str, torch.Tensor
         shards: ShardLayout -> that rank's ``model.state_dict()`` (wrapper prefixes and
             ``_extra_state`` entries are ignored). Every tensor of the model must be covered.
         hf_config: the model's Qwen3MoeConfig.
+        head: "lm" | "value" (see :func:`conversion_rules`).
 
     Returns:
         dict HF key -> tensor, as ``megatron_to_hf`` of the unsharded model.
@@ -640,19 +676,19 @@ def merge_megatron_shards(shards: Mapping[ShardLayout, Mapping[str, torch.Tensor
     bias = any(_has_bias(sd, _MC_BIAS) for sd in shards.values())
     for layout, sd in shards.items():
         sd = strip_wrapper_prefix({k: v for k, v in sd.items() if not k.endswith(_EXTRA_STATE)})
-        for local_key, rule, size, rank in shard_rules(hf_config, layout, expert_bias=bias):
+        for local_key, rule, size, rank in shard_rules(hf_config, layout, expert_bias=bias, head=head):
             if rule.tied_copy:
                 continue
             if local_key not in sd:
                 raise ValueError(f"shard {layout} has no {local_key} (global {rule.mcore_key})")
             rules[rule.mcore_key], sizes[rule.mcore_key] = rule, size
             pieces.setdefault(rule.mcore_key, {}).setdefault(rank, sd[local_key].detach())
-    for rule in conversion_rules(hf_config, expert_bias=bias):
+    for rule in conversion_rules(hf_config, expert_bias=bias, head=head):
         got = pieces.get(rule.mcore_key, {})
         if sorted(got) != list(range(sizes.get(rule.mcore_key, 1))) or not got:
             raise ValueError(f"{rule.mcore_key}: shards cover TP ranks {sorted(got)} only")
         whole[rule.mcore_key] = _tp_merge(rule, [got[r] for r in range(len(got))])
-    return megatron_to_hf(whole, hf_config)
+    return megatron_to_hf(whole, hf_config, head=head)
 
 
 def gather_megatron_to_hf(
@@ -661,6 +697,7 @@ def gather_megatron_to_hf(
     layout: Optional[ShardLayout] = None,
     *,
     dst: Optional[int] = None,
+    head: str = "lm",
 ) -> dict[str, torch.Tensor]:
     """Collective: gather every rank's shard into the full HF state dict (weight sync / export).
 
@@ -677,6 +714,7 @@ def gather_megatron_to_hf(
         layout: this rank's ShardLayout; default ``ShardLayout.from_parallel_state()`` (even
             pipeline split).
         dst: None (every rank gets the result) or the global rank that does.
+        head: "lm" | "value" (see :func:`conversion_rules`).
 
     Returns:
         dict HF key -> detached CPU tensor (a copy), equal to ``megatron_to_hf`` of the
@@ -693,7 +731,7 @@ def gather_megatron_to_hf(
     if not dist.is_initialized():
         if not layout.is_trivial:
             raise ValueError("a sharded layout needs torch.distributed to be initialised")
-        return {k: v.detach().cpu().clone() for k, v in megatron_to_hf(sd, hf_config).items()}
+        return {k: v.detach().cpu().clone() for k, v in megatron_to_hf(sd, hf_config, head=head).items()}
     world, me = dist.get_world_size(), dist.get_rank()
     if dst is not None and not 0 <= dst < world:
         raise ValueError(f"dst={dst} is not a rank of the world of {world}")
@@ -703,7 +741,7 @@ def gather_megatron_to_hf(
     flags: list = [None] * world  # expert bias anywhere (a stage may hold no MoE layer)
     dist.all_gather_object(flags, _has_bias(sd, _MC_BIAS))
     bias = any(flags)
-    for local_key, rule, size, _ in shard_rules(hf_config, layout, expert_bias=bias):
+    for local_key, rule, size, _ in shard_rules(hf_config, layout, expert_bias=bias, head=head):
         if rule.tied_copy:
             continue
         if local_key not in sd:
@@ -727,7 +765,7 @@ def gather_megatron_to_hf(
     dist.all_gather_object(everyone, meta)
     device = next(iter(owned.values())).device if owned else torch.device("cpu")
     out: dict[str, torch.Tensor] = {}
-    for key in iter_hf_names(hf_config, expert_bias=bias):
+    for key in iter_hf_names(hf_config, expert_bias=bias, head=head):
         src = next((r for r in range(world) if key in everyone[r]), None)
         if src is None:
             raise ValueError(f"no rank holds {key}; the shards do not cover the model")
