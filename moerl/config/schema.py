@@ -364,11 +364,41 @@ class RolloutConfig(_Section):
         return self
 
 
+TOKEN_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae")
+
+
+class CriticConfig(_Section):
+    """The value model of algorithm.advantage_estimator=gae (PPO with a critic): the policy's architecture
+    with a scalar head (moerl.train.critic), initialised from the policy's weights at the start of RL,
+    trained with the clipped value loss (algorithm.value_clip) and its own Adam."""
+
+    lr: float = Field(1.0e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    clip_grad: float = Field(1.0, gt=0)
+    warmup_steps: int = Field(0, ge=0)  # RL steps that train only the critic (the policy waits)
+
+
 class AlgorithmConfig(_Section):
     """Advantage estimator, policy loss, KL and MoE balancing loss."""
 
-    advantage_estimator: Literal["grpo", "dr_grpo"] = "grpo"
-    policy_loss: Literal["gspo", "ppo"] = "gspo"
+    # grpo | dr_grpo | rloo (per response) | reinforce_plus_plus | reinforce_plus_plus_baseline | gae (per
+    # token; gae trains a critic, see the critic section): moerl.algorithms.estimators
+    advantage_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                                 "gae"] = "grpo"
+    # whiten the advantages over the response tokens of the global batch (always on for reinforce_plus_plus*)
+    whiten_advantages: bool = False
+    gamma: float = Field(1.0, ge=0, le=1)  # discount of per-token returns (reinforce_plus_plus*, gae)
+    lam: float = Field(1.0, ge=0, le=1)  # GAE lambda
+    # gspo (sequence ratio) | gspo_token (sequence ratio, token advantages) | ppo (token ratio) | cispo
+    # (clipped, detached IS weight x log-prob: MiniMax-M1)
+    policy_loss: Literal["gspo", "ppo", "gspo_token", "cispo"] = "gspo"
+    dual_clip_c: Optional[float] = Field(None, gt=1)  # dual-clip PPO bound for negative advantages (ppo only)
+    entropy_coef: float = Field(0.0, ge=0)  # entropy bonus: loss -= entropy_coef * aggregated entropy
+    kl_in_reward: bool = False  # KL (kl_coef, kl_estimator) as a per-token reward penalty instead of a loss term
+    overlong_buffer_len: Optional[int] = Field(None, ge=1)  # DAPO soft overlong punishment over this many tokens
+    overlong_penalty_factor: float = Field(1.0, ge=0)  # ... down to -factor at rollout.max_new_tokens
+    reference_reset_every: int = Field(0, ge=0)  # steps between resets of the reference policy to the current one
+    value_clip: Optional[float] = Field(0.2, gt=0)  # gae: PPO value clipping range (null = unclipped)
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "seq-mean-token-mean"
     eps_clip_low: float = Field(3.0e-4, ge=0)
     eps_clip_high: float = Field(4.0e-4, ge=0)
@@ -398,6 +428,20 @@ class AlgorithmConfig(_Section):
                 f"algorithm.kl_coef ({self.kl_coef}) > 0 needs algorithm.reference_policy=true "
                 "(the KL is taken to the reference policy)"
             )
+        if self.kl_in_reward and self.kl_coef == 0:
+            raise ValueError("algorithm.kl_in_reward=true puts kl_coef * KL into the per-token rewards: set "
+                             "algorithm.kl_coef > 0")
+        if self.kl_in_reward and self.advantage_estimator not in TOKEN_ESTIMATORS:
+            raise ValueError(f"algorithm.kl_in_reward=true needs a per-token estimator (algorithm.advantage_estimator "
+                             f"one of {list(TOKEN_ESTIMATORS)}); {self.advantage_estimator} scores whole responses")
+        if self.advantage_estimator in TOKEN_ESTIMATORS and self.policy_loss == "gspo":
+            raise ValueError(f"algorithm.advantage_estimator={self.advantage_estimator} gives per-token advantages but "
+                             "algorithm.policy_loss=gspo takes one per response: use gspo_token, ppo or cispo")
+        if self.dual_clip_c is not None and self.policy_loss != "ppo":
+            raise ValueError(f"algorithm.dual_clip_c applies to algorithm.policy_loss=ppo (got {self.policy_loss}); "
+                             "set it to null")
+        if self.reference_reset_every and not self.reference_policy:
+            raise ValueError("algorithm.reference_reset_every needs algorithm.reference_policy=true")
         return self
     moe_aux_loss_coeff: float = Field(1.0e-3, ge=0)
     moe_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "aux_loss"
@@ -542,6 +586,7 @@ class RecipeConfig(_Section):
     reward: RewardConfig = RewardConfig()
     rollout: RolloutConfig = RolloutConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
+    critic: CriticConfig = CriticConfig()
     moe: MoEConfig = MoEConfig()
     train: TrainConfig = TrainConfig()
     sft: SFTConfig = SFTConfig()

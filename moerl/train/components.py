@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 from typing import Optional
 
 from moerl.checkpoint.hf_io import load_hf_state_dict, save_hf_checkpoint
@@ -141,14 +142,38 @@ def warm_start(ctx, actor, client, sync, logger, state, samplers, ckpt, resumed:
     state.phase = "rl"
 
 
-def build_reference(ctx, actor, sync, pkw: dict, resumed_rl: bool, init_sd) -> Optional[MegatronActor]:
+def _reference_resets(ctx) -> list[tuple[int, Path]]:
+    """(step, dir) of the reference policies saved by :func:`reset_reference`, oldest first."""
+    root = ctx.run_dir / "reference_resets"
+    found = [(int(d.name.split("_")[-1]), d) for d in root.glob("step_*") if (d / "config.json").is_file()]
+    return sorted(found)
+
+
+def reset_reference(ctx, actor, ref, sync, step: int) -> None:
+    """algorithm.reference_reset_every: the reference policy becomes the current policy (collective).
+    Rank 0 also saves it as HF weights (<output_dir>/reference_resets/step_N) so that a resume rebuilds
+    the reference of its step."""
+    with sync.trainer_loaded():  # colocated: the reference's weights are offloaded with the actor's
+        sd = actor.export_hf_state_dict()
+        ref.load_hf_state_dict(sd)
+    if world.is_main():
+        save_hf_checkpoint(sd, ctx.hf_config, ctx.run_dir / "reference_resets" / f"step_{step}")
+    log(f"reference policy reset to the policy of step {step} (algorithm.reference_reset_every)")
+
+
+def build_reference(ctx, actor, sync, pkw: dict, resumed_rl: bool, init_sd,
+                    rl_step: int = 0) -> Optional[MegatronActor]:
     """The frozen policy RL starts from (KL logged, in the loss when algorithm.kl_coef > 0), or None.
-    On a resume inside RL it is rebuilt from the warm-start export (or the init weights)."""
+    On a resume inside RL it is rebuilt from the newest reference reset at or before ``rl_step``
+    (algorithm.reference_reset_every), else the warm-start export (or the init weights)."""
     cfg = ctx.cfg
     if not (cfg.algorithm.kl_coef > 0 or cfg.algorithm.reference_policy):
         return None
     ref = MegatronActor(ctx.hf_config, trainable=False, **pkw)
-    if resumed_rl:
+    resets = broadcast_from_main([str(d) for k, d in _reference_resets(ctx) if k <= rl_step] if world.is_main() else None)
+    if resumed_rl and cfg.algorithm.reference_reset_every and resets:
+        ref_sd = load_hf_state_dict(resets[-1])
+    elif resumed_rl:
         ref_sd = (load_hf_state_dict(str(ctx.run_dir / "hf_warm_start")) if cfg.sft.enabled
                   else broadcast_from_main(init_sd if world.is_main() else None))
     else:

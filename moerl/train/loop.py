@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 
-from moerl.algorithms.advantages import group_has_signal, grpo_advantages
 from moerl.checkpoint.hf_io import save_hf_checkpoint
 from moerl.checkpoint.run_state import Checkpointer, TrainState, load_checkpoint, resolve_resume
 from moerl.moe.routing_replay import RoutingReplay, gather_recorded_routing
@@ -31,17 +30,18 @@ from moerl.observe.metrics import MetricsLogger
 from moerl.observe.report import step0_check, step_line
 from moerl.observe.timers import Timers
 from moerl.rollout.client import RolloutClient
-from moerl.rollout.manager import RolloutBatch, RolloutManager
+from moerl.rollout.manager import RolloutManager
 from moerl.runtime import world
 from moerl.runtime.distributed import destroy_distributed, init_distributed
 from moerl.runtime.world import broadcast_from_main, log
-from moerl.train.components import build_actor, build_reference, reward_pool, rollout_servers, warm_start
+from moerl.train.advantages import needs_token_advantages, outcome_advantages, shape_rewards, token_advantages
+from moerl.train.components import (build_actor, build_reference, reset_reference, reward_pool, rollout_servers,
+                                    warm_start)
 from moerl.train.losses import policy_loss
 from moerl.train.micro_batches import attach_log_probs, build_micro_batches
 from moerl.train.setup import prepare_run
 from moerl.train.sft import evaluate
 from moerl.train.weight_sync import WeightSync
-from moerl.types import Sample
 
 
 def train(cfg) -> dict:
@@ -102,7 +102,7 @@ def _train(ctx, t_start: float) -> dict:
             sync.republish(actor)  # the fresh servers hold the initial weights
         resumed_rl = resume_path is not None and state.phase == "rl" and state.rl_step > 0
         warm_start(ctx, actor, client, sync, logger, state, samplers, ckpt, resumed=resume_path is not None)
-        ref = build_reference(ctx, actor, sync, pkw, resumed_rl, init_sd)
+        ref = build_reference(ctx, actor, sync, pkw, resumed_rl, init_sd, rl_step=state.rl_step)
         eval_rows = ctx.eval_rows[: cfg.eval.num_prompts]
         manager = None
         if cluster is not None:  # rank 0: its own client (the producer runs its own event loop)
@@ -169,22 +169,6 @@ def _train(ctx, t_start: float) -> dict:
     return summary
 
 
-def compute_advantages(ctx, batch: RolloutBatch) -> tuple[list[Sample], dict]:
-    """GRPO (or Dr.GRPO) advantages over each group's rewards; groups without signal dropped when
-    algorithm.filter_uniform_groups. Returns (kept samples, metrics)."""
-    algo, n = ctx.cfg.algorithm, ctx.cfg.rollout.n_samples_per_prompt
-    samples = batch.samples
-    if not samples:
-        return [], {"groups_with_signal": 0.0}
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    adv = grpo_advantages(rewards, n, normalize_std=(algo.advantage_estimator == "grpo"))
-    for s, a in zip(samples, adv.tolist()):
-        s.advantage = a
-    signal = group_has_signal(rewards, n)
-    kept = [s for s in samples if bool(signal[s.group_id])] if algo.filter_uniform_groups else samples
-    return kept, {"groups_with_signal": float(signal.float().mean())}
-
-
 def rl_step(ctx, step: int, actor, ref, manager, sync, timers) -> dict:
     """One RL step on every rank: take the step's batch, advantages, old (and reference) log-probs,
     the update(s), the weight push (wrapped by the manager: pause / drain / continue)."""
@@ -192,7 +176,8 @@ def rl_step(ctx, step: int, actor, ref, manager, sync, timers) -> dict:
     with timers("rollout"):  # the trainer waits for this step's groups (generated and scored)
         batch = broadcast_from_main(manager.get_batch(step) if manager is not None else None)
     m = dict(batch.metrics)
-    kept, adv_m = compute_advantages(ctx, batch)
+    m.update(shape_rewards(ctx, batch.samples))  # DAPO overlong punishment (algorithm.overlong_buffer_len)
+    kept, adv_m = outcome_advantages(ctx, batch.samples)  # grpo | dr_grpo | rloo; uniform groups filtered
     m.update(adv_m)
     if cfg.log.samples and world.is_main():
         batch.write_jsonl(ctx.run_dir / "samples.jsonl", step)
@@ -211,6 +196,7 @@ def rl_step(ctx, step: int, actor, ref, manager, sync, timers) -> dict:
                 gather_recorded_routing(actor.routing_replay, part)
             if ref is not None:
                 attach_log_probs(ctx, ref, part, ro.temperature, "ref_log_probs")
+    m.update(token_advantages(ctx, [s for p in parts for s in p]))  # reinforce++ / whitening: per token
     diffs = [abs(a - b) for p in parts for s in p for a, b in zip(s.metadata["old_log_probs"], s.rollout_log_probs)]
     m["logprob_abs_diff_mean"] = sum(diffs) / max(1, len(diffs))
     m["logprob_abs_diff_max"] = max(diffs, default=0.0)
@@ -222,6 +208,8 @@ def rl_step(ctx, step: int, actor, ref, manager, sync, timers) -> dict:
                                           or [0.0] * len(s.response_ids) for s in part]}
             if ref is not None:
                 fields["ref_log_probs"] = [s.metadata["ref_log_probs"] for s in part]
+            if needs_token_advantages(algo):
+                fields["token_advantages"] = [s.metadata["token_advantages"] for s in part]
             mbs, pack_stats = build_micro_batches(ctx, part, fields)
             m.update({f"train/{k}": v for k, v in pack_stats.items()})
             loss_fn = policy_loss(algo, global_num_tokens=max(1, sum(sum(s.loss_mask) for s in part)),
@@ -231,6 +219,8 @@ def rl_step(ctx, step: int, actor, ref, manager, sync, timers) -> dict:
             # the step-0 check reads the FIRST update's ratio (later ones follow an optimizer step)
             first = m.get("train/logratio_abs_sum", out.get("logratio_abs_sum"))
             m.update({f"train/{k}": v for k, v in out.items()}, **{"train/logratio_abs_sum": first})
+    if ref is not None and algo.reference_reset_every and step % algo.reference_reset_every == 0:
+        reset_reference(ctx, actor, ref, sync, step)  # the KL anchor moves to the current policy
     with timers("weight_sync"):
         _push(manager, lambda: sync(actor), step)
     if sync.offloader is not None:  # colocated: bytes moved to host / back this step

@@ -35,6 +35,10 @@ def combine_micro_batch_metrics(outs: Sequence[Mapping[str, Any]]) -> dict[str, 
     return metrics
 
 
+#: metrics compute_policy_loss / value_loss already return as this micro-batch's share of the global value
+SHARE_METRICS = ("pg_loss", "kl_loss", "entropy_loss", "vf_loss")
+
+
 def sft_loss(global_num_tokens: int):
     """Token-mean negative log-likelihood of the response tokens over the whole global batch.
 
@@ -94,7 +98,7 @@ def policy_loss(
         loss, metrics = compute_policy_loss(
             log_probs,
             mb.extras["old_log_probs"],
-            mb.advantages,
+            mb.extras.get("token_advantages", mb.advantages),  # per-token estimators / whitening: [B,S]
             mask,
             policy_loss=algo.policy_loss,
             eps_clip_low=algo.eps_clip_low,
@@ -104,13 +108,15 @@ def policy_loss(
             global_num_seqs=global_num_seqs,
             seq_token_sum_constant=seq_token_sum_constant,
             ref_log_probs=mb.extras.get("ref_log_probs"),  # KL logged; in the loss only when kl_coef > 0
-            kl_coef=algo.kl_coef,
+            kl_coef=0.0 if getattr(algo, "kl_in_reward", False) else algo.kl_coef,  # in the rewards instead
             kl_estimator=algo.kl_estimator,
             entropy=entropy,
             behaviour_log_probs=mb.extras.get("behaviour_log_probs"),
             **off_policy_kwargs,
             token_staleness=mb.extras.get("token_staleness"),
             max_staleness=max_staleness,
+            dual_clip_c=getattr(algo, "dual_clip_c", None),
+            entropy_coef=getattr(algo, "entropy_coef", 0.0),
         )
         # pg_loss / kl_loss are already this micro-batch's share of the global value; "*_max" are
         # local maxima (reduced with max by train_step); the other metrics are local token means:
@@ -122,7 +128,7 @@ def policy_loss(
         for k, v in metrics.items():
             if k == "num_tokens":
                 continue
-            out[k] = float(v) if k in ("pg_loss", "kl_loss") or k.endswith(MAX_METRIC_SUFFIX) else float(v) * share
+            out[k] = float(v) if k in SHARE_METRICS or k.endswith(MAX_METRIC_SUFFIX) else float(v) * share
         return loss, out
 
     return loss_fn
