@@ -1,7 +1,7 @@
 """MegatronCritic (moerl.train.critic): values against transformers' Qwen3MoeForTokenClassification,
 HF round trips (policy -> critic -> token-classification export), a clipped value-loss step that is
-independent of the micro-batch cut, checkpoint round trips, and (slow) TP=2 / PP=2 / DP=2 on gloo
-against one process.
+independent of the micro-batch cut, checkpoint round trips, and (slow) TP=2 / PP=2 / DP=2 / EP=2 on
+gloo against one process.
 
 Run one layout by hand (writes OUT_DIR/<case>.json and <case>.pt from rank 0):
     python -m torch.distributed.run --nproc_per_node 2 tests/test_critic.py tp2 OUT_DIR
@@ -286,6 +286,7 @@ LAYOUTS = {
     "tp2": dict(nproc=2, tp=2),  # sequence parallel
     "pp2": dict(nproc=2, pp=2, tied=True),  # 1F1B; a tied policy (the critic unties it)
     "dp2": dict(nproc=2, distopt=True),
+    "ep2": dict(nproc=2, ep=2),  # experts split, dense weights data-parallel over the 2 ranks
 }
 
 
@@ -293,7 +294,8 @@ def run_layout(case: str, out_dir: Path) -> None:
     import torch.distributed as dist
 
     spec = LAYOUTS[case]
-    info = init_distributed(tp_size=spec.get("tp", 1), pp_size=spec.get("pp", 1), seed=0, num_threads=1)
+    info = init_distributed(tp_size=spec.get("tp", 1), pp_size=spec.get("pp", 1), ep_size=spec.get("ep", 1), seed=0,
+                            num_threads=1)
     try:
         hf = random_hf_model(seed=0, tie_word_embeddings=spec.get("tied", False), **MODEL)
         critic = critic_from(token_classification_state_dict(hf), hf.config, lr=1e-3, adam_eps=ADAM_EPS,
@@ -336,7 +338,7 @@ def ref_layout(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["tp2", "pp2", "dp2"])
+@pytest.mark.parametrize("case", ["tp2", "pp2", "dp2", "ep2"])
 def test_layout_matches_one_process(ref_layout, case):
     """Values before and after one step, the loss, grad norm, aux loss and the updated weights of a
     2-process layout equal one process's (the tolerances of tests/test_parallel_layouts.py)."""
@@ -352,7 +354,8 @@ def test_layout_matches_one_process(ref_layout, case):
         assert m["aux_loss"] == pytest.approx(ref["metrics"]["aux_loss"], rel=1e-5)
         assert r["export_keys"] == (len(ref_export) if r["rank"] == 0 else 0)
         for key in ("values0", "values1"):  # every rank (all pipeline stages) has its DP rank's samples
-            assert set(r[key]) <= set(ref[key]) and len(r[key]) == GLOBAL_SAMPLES // (2 if case == "dp2" else 1)
+            assert set(r[key]) <= set(ref[key])
+            assert len(r[key]) == GLOBAL_SAMPLES // (2 if case in ("dp2", "ep2") else 1)
             worst = max(abs(a - b) for k, v in r[key].items() for a, b in zip(v, ref[key][k]))
             assert worst <= 1e-5, (r["rank"], key, worst)
     assert max(abs(a - b) for k, v in ref["values1"].items() for a, b in zip(v, ref["values0"][k])) > 1e-3
