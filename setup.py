@@ -31,6 +31,9 @@ setup(
         "tensorboard>=2.16,<3",
         "tqdm>=4.66,<5",
         "matplotlib>=3.8,<4",  # tools/inspect_experts.py plots
+        "pyarrow>=15",  # parquet prompts (moerl/data/dataset.py); also required by datasets
+        "math-verify[antlr4_13_2]==0.9.0",  # reward.function: math (LaTeX parsing needs the antlr4 runtime)
+        "reasoning-gym==0.1.25",  # data.task: reasoning_gym and reward.function: reasoning_gym
     ],
     extras_require={
         "test": ["pytest>=8,<10"],
