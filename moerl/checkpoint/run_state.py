@@ -134,9 +134,10 @@ def resolve_resume(cfg, run_dir: Path) -> Optional[Path]:
     return path
 
 
-def save_checkpoint(ctx, actor, state: TrainState, samplers: dict) -> Path:
+def save_checkpoint(ctx, actor, state: TrainState, samplers: dict, critic=None) -> Path:
     """Collective: model + optimizer + TrainState + every rank's RNG states into the phase's
-    checkpoint directory (atomic), then the completion marker, then prune to train.keep_checkpoints."""
+    checkpoint directory (atomic), the critic (PPO with GAE) into its ``critic`` subdirectory, then the
+    completion marker, then prune to train.keep_checkpoints."""
     state.samplers = {k: s.state_dict() for k, s in samplers.items()}
     rng: list = [None] * world.world_size()
     if world.world_size() > 1:
@@ -148,6 +149,8 @@ def save_checkpoint(ctx, actor, state: TrainState, samplers: dict) -> Path:
     extra = {"moerl_state": broadcast_from_main(asdict(state)), "rng": rng, "layout": layout(ctx.cfg),
              "seed": ctx.cfg.seed, "step": state.rl_step, "phase": state.phase}
     save_dist_checkpoint(actor.model, actor.optimizer, path, extra=extra)
+    if critic is not None:  # after the actor's save, which replaces the whole directory
+        critic.save(path / "critic")
     if world.is_main():
         tmp = path / (COMPLETE_MARKER + ".tmp")
         tmp.write_text(json.dumps({"phase": state.phase, "sft_step": state.sft_step, "rl_step": state.rl_step,
@@ -200,6 +203,7 @@ class Checkpointer:
         self.last = time.time()
         self.loaded = contextlib.nullcontext  # WeightSync.trainer_loaded under colocated placement
         self.before_save = None
+        self.critic = None  # the PPO critic (algorithm.advantage_estimator=gae), saved with the actor
 
     def __call__(self, step: int, force: bool = False) -> bool:
         fault_injection_point(self.state.phase, step)  # test-only switch; no-op unless MOERL_FAULT_EXIT_AT is set
@@ -212,6 +216,6 @@ class Checkpointer:
         if self.before_save is not None:
             self.before_save()
         with self.timers("checkpoint"), self.loaded():
-            save_checkpoint(self.ctx, self.actor, self.state, self.samplers)
+            save_checkpoint(self.ctx, self.actor, self.state, self.samplers, critic=self.critic)
         self.last = time.time()
         return True

@@ -701,6 +701,14 @@ class RecipeConfig(_Section):
             raise ValueError(
                 f"sft.eval_prompts ({self.sft.eval_prompts}) must be <= eval.num_prompts ({self.eval.num_prompts})"
             )
+        if self.algorithm.advantage_estimator == "gae" and self.train.pipeline_schedule != "1f1b":
+            raise ValueError(f"algorithm.advantage_estimator=gae trains a critic, which runs Megatron's 1F1B schedule "
+                             f"only: set train.pipeline_schedule=1f1b (got {self.train.pipeline_schedule})")
+        if (self.algorithm.entropy_coef > 0 and self.parallel.tp_size > 1
+                and self.train.pipeline_schedule in ("dualpipe", "dualpipev")):
+            raise ValueError("algorithm.entropy_coef > 0 with parallel.tp_size > 1 needs train.pipeline_schedule=1f1b "
+                             "(DualPipe's split backward has no vocabulary-parallel entropy gradient); or set "
+                             "algorithm.entropy_coef=0")
         ep, ne = self.parallel.ep_size, self.model.hf_config.num_experts
         if ne % ep:
             raise ValueError(f"parallel.ep_size ({ep}) must divide model.hf_config.num_experts ({ne})")

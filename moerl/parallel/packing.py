@@ -11,7 +11,10 @@ Pipeline of :func:`pack_micro_batches`:
    REFERENCE.md sec. 7);
 3. the micro-batch count is raised to ``dp_size * per_rank`` where ``per_rank`` is a multiple of
    what the pipeline schedule needs (:func:`schedule_micro_batch_multiple`), by splitting the
-   heaviest multi-sample micro-batches in two (never by adding empty ones);
+   heaviest multi-sample micro-batches in two; only when every sample is already alone (fewer
+   samples than micro-batches) are EMPTY micro-batches added. An empty micro-batch contributes
+   zero loss and zero tokens (the actor runs it as one all-padding row so that every rank issues
+   the same collectives; moerl.train.batching.make_packed_micro_batch of no samples);
 4. micro-batches are dealt to DP ranks, the same count to every rank (collectives require it),
    balancing the per-rank load (tokens, or estimated FLOPs ``a*L + L^2`` per sample) by
    longest-processing-time-first with a per-rank quota, then moves between the heaviest and the
@@ -225,7 +228,8 @@ class PackingPlan:
 
     Attributes:
         micro_batches: ``micro_batches[dp_rank][k]`` = indices (into ``lengths``) of the samples
-            of micro-batch k on that rank; every rank has the same number of micro-batches.
+            of micro-batch k on that rank; every rank has the same number of micro-batches. A
+            micro-batch is empty only when there are fewer samples than micro-batches.
         lengths: tokens per sample (the input).
         max_tokens_per_micro_batch: the cap C.
         loads: per-sample balancing load (tokens or a*L + L^2).
@@ -463,14 +467,18 @@ def pack_micro_batches(
 
     Returns:
         :class:`PackingPlan`. Micro-batch count per rank = the smallest M >= ceil(B / dp_size)
-        meeting the schedule's requirements, B = number of BFD bins.
+        meeting the schedule's requirements, B = number of BFD bins; when M * dp_size exceeds the
+        number of samples, every sample is alone in its micro-batch and the rest are empty (``[]``).
+        Balance: the per-rank load is dealt longest-processing-time first with a per-rank quota
+        and then refined, which on one-sample micro-batches stays within 4/3 of the best
+        equal-count assignment (tests/test_packing.py checks both against brute force).
 
     Warns:
         PackingWarning: for samples longer than the cap (each gets a micro-batch of its own).
 
     Raises:
-        ValueError: bad arguments (named in the message); a sample longer than ``max_seq_len``;
-            fewer samples than the number of micro-batches the DP size and schedule require.
+        ValueError: bad arguments (named in the message); a sample longer than ``max_seq_len``.
+            Fewer samples than micro-batches is not an error (empty micro-batches, see above).
     """
     lengths = _check_lengths(lengths)
     cap = _pos_int("max_tokens_per_micro_batch", max_tokens_per_micro_batch)
@@ -502,20 +510,14 @@ def pack_micro_batches(
     per_rank = max(math.ceil(len(bins) / dp), min_per_rank)
     per_rank = math.ceil(per_rank / mult) * mult
     target = per_rank * dp
-    if target > len(lengths):
-        raise ValueError(
-            f"{len(lengths)} samples cannot fill {target} micro-batches (dp_size={dp} x "
-            f"{per_rank} per rank, required by micro_batch_multiple={mult} and "
-            f"min_micro_batches_per_rank={min_per_rank}); every micro-batch needs a sample: "
-            "use a larger global batch, a smaller dp_size or a schedule with fewer micro-batches"
-        )
     bin_loads = [sum(map(loads.__getitem__, b)) for b in bins]
     if target > len(bins):
-        # split the heaviest multi-sample bins until there are `target` of them
+        # split the heaviest multi-sample bins until there are `target` of them (or every sample
+        # is alone), then add empty micro-batches for the rest
         heap = [(-bin_loads[k], k) for k, b in enumerate(bins) if len(b) > 1]
         heapq.heapify(heap)
-        while len(bins) < target:
-            _, k = heapq.heappop(heap)  # cannot be empty: target <= number of samples
+        while len(bins) < target and heap:
+            _, k = heapq.heappop(heap)
             a, b = _split_bin(bins[k], loads)
             bins[k] = a
             bins.append(b)
@@ -524,6 +526,9 @@ def pack_micro_batches(
             for idx in (k, len(bins) - 1):
                 if len(bins[idx]) > 1:
                     heapq.heappush(heap, (-bin_loads[idx], idx))
+        while len(bins) < target:
+            bins.append([])
+            bin_loads.append(0.0)
     ranks = _deal(bin_loads, dp, per_rank)
     rounds = 8 * dp if max_refine_rounds is None else max(0, int(max_refine_rounds))
     _refine(ranks, bins, lengths, loads, cap, rounds, bin_loads)

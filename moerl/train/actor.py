@@ -51,6 +51,7 @@ micro-batches and DP ranks).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
@@ -68,6 +69,7 @@ from megatron.core.transformer.moe.moe_utils import (
 from moerl.algorithms.logprobs import entropy_from_logits, token_log_probs_from_logits
 from moerl.checkpoint.hf_convert import ShardLayout, gather_megatron_to_hf, hf_to_megatron, load_megatron_state_dict
 from moerl.models.qwen3_moe import build_gpt_model, hf_moe_layer_pattern, transformer_config_from_hf
+from moerl.moe.balancing import install_balancing_losses, set_step_normalisers
 from moerl.pipeline.megatron_stages import stage_model_args
 from moerl.train.batching import MicroBatch, PackedMicroBatch, model_labels, to_label_layout
 from moerl.train.losses import MAX_METRIC_SUFFIX, combine_micro_batch_metrics
@@ -238,7 +240,13 @@ class MegatronActor:
             self.layout = ShardLayout.from_parallel_state(self.tf_config)
             self._fwd_bwd = get_forward_backward_func()
         self.device = next(self.model.parameters()).device
+        # moerl's balancing losses (moerl.moe.balancing): per real sequence, independent of dp_size
+        self._routers = install_balancing_losses(self.model)
+        self.moe_load_balancing_type = moe_load_balancing_type
+        self.moe_aux_loss_coeff = moe_aux_loss_coeff
         self.trainable = trainable
+        # entropy bonus (algorithm.entropy_coef > 0): the training forward keeps the entropy's graph
+        self.entropy_grad = False
         self.use_distributed_optimizer = bool(use_distributed_optimizer)
         if trainable:
             ddp_config = DistributedDataParallelConfig(
@@ -403,20 +411,23 @@ class MegatronActor:
 
     # ----------------------------------------------------------------- compute
     def _token_log_probs(self, logits: torch.Tensor, labels: torch.Tensor, temperature: float):
+        """(log_probs, entropy) [B,S] float32 of the labels under softmax(logits / T); the entropy is
+        differentiable when ``self.entropy_grad`` (an entropy bonus in the loss) and grad is enabled."""
+        grad = self.entropy_grad and torch.is_grad_enabled()
         if self.tp_size > 1 and self.dual:
             # the interpreter's split backward traverses the loss twice: Megatron's vocab-parallel
             # cross entropy overwrites its saved softmax in backward, this one does not
             from moerl.pipeline.megatron_stages import vocab_parallel_log_probs_reentrant
 
             log_probs = vocab_parallel_log_probs_reentrant(logits, labels, temperature)
-            entropy = vocab_parallel_entropy(logits.detach(), temperature)
+            entropy = vocab_parallel_entropy(logits.detach(), temperature)  # no entropy bonus here (schema)
         elif self.tp_size > 1:
             log_probs = vocab_parallel_log_probs(logits, labels, temperature)
-            entropy = vocab_parallel_entropy(logits.detach(), temperature)
+            entropy = vocab_parallel_entropy(logits if grad else logits.detach(), temperature, grad=grad)
         else:
             log_probs = token_log_probs_from_logits(logits, labels, temperature)
-            with torch.no_grad():
-                entropy = entropy_from_logits(logits.detach(), temperature)
+            with torch.set_grad_enabled(grad):
+                entropy = entropy_from_logits(logits if grad else logits.detach(), temperature)
         return log_probs, entropy
 
     def _forward_step(self, temperature: float, loss_fn: Optional[LossFn], num_microbatches: int,
@@ -454,9 +465,15 @@ class MegatronActor:
                 tag = {} if index is None else {"_mb": index[id(mb)]}
                 if loss_fn is None:
                     zero = logits.sum() * 0.0
-                    return zero, {"log_probs": log_probs.detach(), "entropy": entropy, **tag}
+                    return zero, {"log_probs": log_probs.detach(), "entropy": entropy.detach(), **tag}
                 loss, metrics = loss_fn(log_probs, entropy, mb)
                 metrics = dict(metrics)
+                if not mb.sample_indices:
+                    # an empty micro-batch (a packing plan with fewer samples than micro-batches): zero
+                    # loss and zero metrics, but the same metric names as the other ranks' (collectives)
+                    loss = log_probs.sum() * 0.0
+                    metrics = {k: (v if k.endswith(MAX_METRIC_SUFFIX) and math.isfinite(float(v)) else 0.0)
+                               for k, v in metrics.items()}
                 return loss * num_microbatches * self.dp_size, {**metrics, **tag}
 
             return output, loss_func
@@ -550,6 +567,7 @@ class MegatronActor:
         if not self.trainable:
             raise RuntimeError("train_step on a frozen actor (trainable=False)")
         padded = self._prepare(micro_batches)
+        self._set_balancing_normalisers(micro_batches)
         self.ddp_model.train()
         self.ddp_model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -566,6 +584,33 @@ class MegatronActor:
         metrics["update_successful"] = float(bool(update_successful))
         metrics["aux_loss"] = self._aux_loss(n)
         return metrics
+
+    def _set_balancing_normalisers(self, micro_batches: Sequence[MicroBatch]) -> None:
+        """The step's counts for the balancing losses (moerl.moe.balancing.set_step_normalisers):
+        N real sequences and K non-empty micro-batches over all DP ranks (one all-reduce over the DP
+        group), so that seq_aux_loss is the mean over the step's N sequences and aux_loss the mean
+        over its K non-empty micro-batches, however the batch is cut.
+
+        Raises:
+            ValueError: seq_aux_loss on packed (THD) micro-batches (the router sees one row per
+                micro-batch, not one per sequence; moerl.moe.config refuses the recipe).
+        """
+        lb = self.moe_load_balancing_type
+        if not self._routers or not self.moe_aux_loss_coeff or lb not in ("aux_loss", "seq_aux_loss"):
+            set_step_normalisers(self._routers)
+            return
+        if lb == "seq_aux_loss" and any(isinstance(mb, PackedMicroBatch) for mb in micro_batches):
+            raise ValueError("seq_aux_loss needs padded micro-batches (one row per sequence): set train.pack=false "
+                             "or use aux_loss / global_aux_loss")
+        counts = torch.tensor([sum(len(mb.sample_indices) for mb in micro_batches),
+                               sum(1 for mb in micro_batches if mb.sample_indices)],
+                              dtype=torch.float64, device=self.device)
+        if self.dp_size > 1:
+            dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
+        n_seqs, n_nonempty = counts.tolist()
+        slots = len(micro_batches) * self.dp_size
+        set_step_normalisers(self._routers, sequences_per_micro_batch=n_seqs / slots if n_seqs > 0 else None,
+                             aux_loss_scale=slots / n_nonempty if n_nonempty > 0 else 1.0)
 
     def _reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """Sum the last stage's metrics over DP ranks ("*_max" metrics: max), then hand them to every

@@ -72,12 +72,17 @@ def make_micro_batch(
         per_token_fields: optional name -> one list of per-response-token floats per sample
             (e.g. "old_log_probs"); each is placed label-aligned into a [B, S] float32 tensor.
 
+    No samples gives an EMPTY micro-batch (a packing plan with fewer samples than micro-batches):
+    one all-padding row [1, 1] (pad_id, loss mask 0, advantage 0, every per-token field 0) and no
+    sample_indices, so it contributes zero loss and zero tokens but still runs the model's
+    collectives like the other ranks' micro-batches (:func:`padding_mask` marks the row padding).
+
     Raises:
         ValueError: a sample without response tokens, or a per-token field of the wrong length.
     """
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-    seq_len = max(lengths)
-    bsz = len(samples)
+    seq_len = max(lengths, default=1)
+    bsz = max(len(samples), 1)
     tokens = torch.full((bsz, seq_len), pad_id, dtype=torch.long)
     labels = torch.full((bsz, seq_len), pad_id, dtype=torch.long)
     loss_mask = torch.zeros((bsz, seq_len), dtype=torch.float32)
@@ -95,7 +100,7 @@ def make_micro_batch(
         resp_lens.append(len(s.response_ids))
     extras = {}
     for name, values in (per_token_fields or {}).items():
-        t = torch.zeros((bsz, seq_len), dtype=torch.float32)
+        t = torch.zeros((bsz, seq_len), dtype=torch.float32)  # an empty micro-batch keeps the zeros
         for i, v in enumerate(values):
             if len(v) != resp_lens[i]:
                 raise ValueError(
@@ -104,7 +109,7 @@ def make_micro_batch(
                 )
             t[i, starts[i] : starts[i] + resp_lens[i]] = torch.as_tensor(v, dtype=torch.float32)
         extras[name] = t
-    advantages = torch.tensor([float(s.advantage) for s in samples], dtype=torch.float32)
+    advantages = torch.tensor([float(s.advantage) for s in samples] or [0.0], dtype=torch.float32)
     return MicroBatch(tokens, labels, loss_mask, advantages, list(sample_indices), starts, resp_lens, extras,
                       routed_experts=_routing_tensor(samples, seq_len))
 
@@ -265,7 +270,8 @@ def make_packed_micro_batch(
     mb = make_micro_batch(samples, sample_indices, pad_id, per_token_fields)
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     real = sum(lengths)
-    total = -(-real // pad_to_multiple_of) * pad_to_multiple_of
+    # no samples (an empty micro-batch): one padding segment of pad_to_multiple_of tokens
+    total = max(-(-real // pad_to_multiple_of), 1) * pad_to_multiple_of
     tokens = torch.full((1, total), pad_id, dtype=torch.long)
     labels = torch.full((1, total), pad_id, dtype=torch.long)
     positions = torch.zeros((1, total), dtype=torch.long)
@@ -311,16 +317,15 @@ def split_packed_micro_batches(
             ``per_token_fields`` lists are indexed like ``samples``.
 
     Returns:
-        list of :class:`PackedMicroBatch`; ``sample_indices`` index ``samples``.
+        list of :class:`PackedMicroBatch`; ``sample_indices`` index ``samples``. An empty index list
+        gives an empty micro-batch (padding only, see :func:`make_micro_batch`).
 
     Raises:
-        ValueError: an empty micro-batch or an index out of range.
+        ValueError: an index out of range.
     """
     out = []
     for k, idx in enumerate(micro_batches):
         idx = list(idx)
-        if not idx:
-            raise ValueError(f"micro-batch {k} is empty: every packed micro-batch needs at least one sample")
         bad = [i for i in idx if not 0 <= i < len(samples)]
         if bad:
             raise ValueError(f"micro-batch {k} has sample indices {bad} outside [0, {len(samples)})")
@@ -343,7 +348,11 @@ def model_forward_args(mb: MicroBatch) -> tuple[tuple, dict]:
     """
     if isinstance(mb, PackedMicroBatch):
         device = mb.packed_tokens.device
-        return (mb.packed_tokens, mb.packed_position_ids, None), {"packed_seq_params": mb.packed_seq_params(device)}
+        kwargs = {"packed_seq_params": mb.packed_seq_params(device)}
+        pad = padding_mask(mb)
+        if pad is not None:
+            kwargs["padding_mask"] = pad
+        return (mb.packed_tokens, mb.packed_position_ids, None), kwargs
     from moerl.models.qwen3_moe import causal_attention_mask
 
     seq_len = mb.tokens.shape[1]
@@ -365,7 +374,15 @@ def padding_mask(mb: MicroBatch) -> Optional[torch.Tensor]:
 
     Without it the per-micro-batch aux loss would count padding tokens, so two layouts that pad the
     same samples differently (e.g. PP pads every micro-batch to one shape) would train differently.
+
+    A :class:`PackedMicroBatch`: bool [1, T] over the packed row, True past the samples' tokens (the
+    trailing padding segment; all of an empty micro-batch's row), None when there is none.
     """
+    if isinstance(mb, PackedMicroBatch):
+        t, real = mb.num_packed_tokens, mb.num_real_tokens
+        if real == t:
+            return None
+        return (torch.arange(t, device=mb.packed_tokens.device) >= real).unsqueeze(0)
     b, s = mb.tokens.shape
     lengths = [st + n + 1 for st, n in zip(mb.response_starts, mb.response_lengths)]
     if len(lengths) == b and all(n == s for n in lengths):

@@ -41,6 +41,7 @@ def build_actor(ctx) -> tuple[MegatronActor, Optional[MoETelemetry], dict]:
         adam_beta2=cfg.train.adam_beta2, clip_grad=cfg.train.clip_grad,
         moe_aux_loss_coeff=mk["moe_aux_loss_coeff"], moe_load_balancing_type=mk["moe_load_balancing_type"], **pkw,
     )
+    actor.entropy_grad = cfg.algorithm.entropy_coef > 0  # the entropy bonus needs the entropy's gradient
     telemetry = None
     if cfg.moe.telemetry:
         telemetry = MoETelemetry(
@@ -182,3 +183,59 @@ def build_reference(ctx, actor, sync, pkw: dict, resumed_rl: bool, init_sd,
     ref.load_hf_state_dict(ref_sd)
     sync.offload_with(ref, include_optimizer=False)  # weights only
     return ref
+
+
+def build_critic(ctx, actor, sync, pkw: dict, resume_path):
+    """The value model of algorithm.advantage_estimator=gae (moerl.train.critic.MegatronCritic: the
+    policy's architecture with a zero-initialised scalar head and its own Adam, critic.* keys), None for
+    the other estimators. Initialised from the policy's weights at the start of RL; on a resume inside RL
+    it is loaded from the checkpoint's ``critic`` directory."""
+    cfg = ctx.cfg
+    if cfg.algorithm.advantage_estimator != "gae":
+        return None
+    from moerl.train.critic import MegatronCritic
+
+    mk = moe_actor_kwargs(cfg)
+    critic = MegatronCritic(ctx.hf_config, lr=cfg.critic.lr, weight_decay=cfg.critic.weight_decay,
+                            clip_grad=cfg.critic.clip_grad, adam_beta1=cfg.train.adam_beta1,
+                            adam_beta2=cfg.train.adam_beta2, moe_aux_loss_coeff=mk["moe_aux_loss_coeff"],
+                            moe_load_balancing_type=mk["moe_load_balancing_type"], **pkw)
+    with sync.trainer_loaded():
+        critic.load_hf_state_dict(actor.export_hf_state_dict())
+    if resume_path is not None and (Path(resume_path) / "critic").is_dir():
+        from moerl.checkpoint.run_state import layout
+
+        import json
+
+        saved = json.loads((Path(resume_path) / "moerl_complete.json").read_text())["layout"]
+        critic.load(Path(resume_path) / "critic", load_optimizer={"pipeline_schedule": "1f1b", **saved} == layout(cfg))
+        log(f"critic restored from {Path(resume_path) / 'critic'}")
+    sync.offload_with(critic)
+    return critic
+
+
+def train_critic(ctx, critic, part, step: int) -> dict:
+    """One critic update on ``part`` (samples with metadata "old_values" and "returns"): the clipped
+    value loss of moerl.train.losses.critic_loss. Returns metrics prefixed critic/."""
+    from moerl.train.losses import critic_loss
+    from moerl.train.micro_batches import build_micro_batches
+
+    fields = {k: [s.metadata[k] for s in part] for k in ("old_values", "returns")}
+    mbs, _ = build_micro_batches(ctx, part, fields)
+    loss_fn = critic_loss(ctx.cfg.algorithm, global_num_tokens=max(1, sum(sum(s.loss_mask) for s in part)),
+                          global_num_seqs=len(part), seq_token_sum_constant=float(ctx.cfg.rollout.max_new_tokens))
+    return {f"critic/{k}": v for k, v in critic.train_step(mbs, loss_fn).items()}
+
+
+def export_final(ctx, actor, critic, sync) -> None:
+    """Collective: the trained policy as HF weights in <output_dir>/hf_export (with the tokenizer), and
+    the critic (gae) as transformers' Qwen3MoeForTokenClassification (num_labels=1) in hf_critic."""
+    with sync.trainer_loaded():
+        final_sd = actor.export_hf_state_dict(dst=0)
+        critic_sd = critic.export_hf_state_dict(dst=0) if critic is not None else None
+    if world.is_main():
+        save_hf_checkpoint(final_sd, ctx.hf_config, ctx.run_dir / "hf_export", tokenizer=ctx.tokenizer)
+        if critic_sd is not None:
+            from moerl.models.value_head import value_model_hf_config
+
+            save_hf_checkpoint(critic_sd, value_model_hf_config(ctx.hf_config), ctx.run_dir / "hf_critic")

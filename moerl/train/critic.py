@@ -220,6 +220,8 @@ class MegatronCritic(MegatronActor):
                 if loss_fn is None:
                     return output.sum() * 0.0, {"values": values.detach()}
                 loss, metrics = loss_fn(values, mb)
+                if not mb.sample_indices:  # an empty micro-batch of a packing plan: nothing to learn or log
+                    loss, metrics = values.sum() * 0.0, {k: 0.0 for k in metrics}
                 return loss * scale, dict(metrics)
 
             return output, loss_func

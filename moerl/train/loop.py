@@ -35,10 +35,10 @@ from moerl.runtime import world
 from moerl.runtime.distributed import destroy_distributed, init_distributed
 from moerl.runtime.world import broadcast_from_main, log
 from moerl.train.advantages import needs_token_advantages, outcome_advantages, shape_rewards, token_advantages
-from moerl.train.components import (build_actor, build_reference, reset_reference, reward_pool, rollout_servers,
-                                    warm_start)
+from moerl.train.components import (build_actor, build_critic, build_reference, export_final, reset_reference,
+                                    reward_pool, rollout_servers, train_critic, warm_start)
 from moerl.train.losses import policy_loss
-from moerl.train.micro_batches import attach_log_probs, build_micro_batches
+from moerl.train.micro_batches import attach_log_probs, attach_values, build_micro_batches
 from moerl.train.setup import prepare_run
 from moerl.train.sft import evaluate
 from moerl.train.weight_sync import WeightSync
@@ -103,6 +103,7 @@ def _train(ctx, t_start: float) -> dict:
         resumed_rl = resume_path is not None and state.phase == "rl" and state.rl_step > 0
         warm_start(ctx, actor, client, sync, logger, state, samplers, ckpt, resumed=resume_path is not None)
         ref = build_reference(ctx, actor, sync, pkw, resumed_rl, init_sd, rl_step=state.rl_step)
+        ckpt.critic = critic = build_critic(ctx, actor, sync, pkw, resume_path if resumed_rl else None)  # gae
         eval_rows = ctx.eval_rows[: cfg.eval.num_prompts]
         manager = None
         if cluster is not None:  # rank 0: its own client (the producer runs its own event loop)
@@ -128,7 +129,7 @@ def _train(ctx, t_start: float) -> dict:
             actor.routing_replay = RoutingReplay(actor.model, cfg.moe.routing_replay)
         with manager if manager is not None else contextlib.nullcontext():
             for step in range(first, cfg.train.num_steps + 1):
-                metrics = rl_step(ctx, step, actor, ref, manager, sync, timers)
+                metrics = rl_step(ctx, step, actor, ref, manager, sync, timers, critic)
                 state.rl_step, state.weight_version = step, sync.version
                 if telemetry is not None:  # collective: every rank
                     metrics.update({f"moe/{k}": v for k, v in telemetry.step_end(step)["metrics"].items()})
@@ -155,13 +156,11 @@ def _train(ctx, t_start: float) -> dict:
     summary["accuracy_after_rl"] = acc_rl
     log(f"EVAL after RL: greedy accuracy {acc_rl:.4f} on {len(eval_rows)} held-out prompts (after warm start "
         f"{summary['accuracy_after_warm_start']:.4f}, change {100 * (acc_rl - summary['accuracy_after_warm_start']):+.1f} points)")
-    with sync.trainer_loaded():
-        final_sd = actor.export_hf_state_dict(dst=0)
+    export_final(ctx, actor, critic, sync)  # hf_export (and hf_critic), collective
     summary["total_seconds"] = time.time() - t_start
     if resume_path is not None:
         summary["resumed_from"] = str(resume_path)
     if main:
-        save_hf_checkpoint(final_sd, ctx.hf_config, ctx.run_dir / "hf_export", tokenizer=ctx.tokenizer)
         (ctx.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         logger.close()
     log(f"done in {summary['total_seconds']:.0f}s; Megatron checkpoint in {ctx.run_dir / 'checkpoints'}, "
@@ -169,9 +168,10 @@ def _train(ctx, t_start: float) -> dict:
     return summary
 
 
-def rl_step(ctx, step: int, actor, ref, manager, sync, timers) -> dict:
-    """One RL step on every rank: take the step's batch, advantages, old (and reference) log-probs,
-    the update(s), the weight push (wrapped by the manager: pause / drain / continue)."""
+def rl_step(ctx, step: int, actor, ref, manager, sync, timers, critic=None) -> dict:
+    """One RL step on every rank: take the step's batch, advantages, old (and reference) log-probs and
+    values, the critic and policy update(s), the weight push (wrapped by the manager: pause / drain /
+    continue)."""
     cfg, algo, ro = ctx.cfg, ctx.cfg.algorithm, ctx.cfg.rollout
     with timers("rollout"):  # the trainer waits for this step's groups (generated and scored)
         batch = broadcast_from_main(manager.get_batch(step) if manager is not None else None)
@@ -196,12 +196,19 @@ def rl_step(ctx, step: int, actor, ref, manager, sync, timers) -> dict:
                 gather_recorded_routing(actor.routing_replay, part)
             if ref is not None:
                 attach_log_probs(ctx, ref, part, ro.temperature, "ref_log_probs")
-    m.update(token_advantages(ctx, [s for p in parts for s in p]))  # reinforce++ / whitening: per token
+            if critic is not None:
+                attach_values(ctx, critic, part)  # the critic's values before this step's updates
+    flat = [s for p in parts for s in p]  # per token: reinforce++, gae, whitening
+    m.update(token_advantages(ctx, flat, [s.metadata["old_values"] for s in flat] if critic else None))
     diffs = [abs(a - b) for p in parts for s in p for a, b in zip(s.metadata["old_log_probs"], s.rollout_log_probs)]
     m["logprob_abs_diff_mean"] = sum(diffs) / max(1, len(diffs))
     m["logprob_abs_diff_max"] = max(diffs, default=0.0)
     with timers("update"):
         for part in parts:
+            if critic is not None:
+                m.update(train_critic(ctx, critic, part, step))
+                if step <= cfg.critic.warmup_steps:  # critic warm-up: the policy waits
+                    continue
             fields = {"old_log_probs": [s.metadata["old_log_probs"] for s in part],
                       "behaviour_log_probs": [s.rollout_log_probs for s in part],
                       "token_staleness": [[float(batch.trainer_version - v) for v in s.token_versions]

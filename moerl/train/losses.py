@@ -132,3 +132,24 @@ def policy_loss(
         return loss, out
 
     return loss_fn
+
+
+def critic_loss(algo, *, global_num_tokens: int, global_num_seqs: int, seq_token_sum_constant: Optional[float] = None):
+    """Critic loss closure for MegatronCritic.train_step: PPO's clipped value loss
+    (:func:`moerl.algorithms.value.value_loss`, clip algorithm.value_clip) with the policy loss's aggregation
+    mode and global denominators. The micro-batch carries extras "old_values" (the critic's values before
+    this step's updates) and "returns" (GAE returns), label-aligned [B,S] float32.
+
+    Returns loss_fn(values [B,S] with grad, mb) -> (loss, metrics: vf_loss (share of the global value),
+    vf_clip_frac, value_mean (token means weighted by this micro-batch's share of the tokens))."""
+    from moerl.algorithms.value import value_loss
+
+    def loss_fn(values: torch.Tensor, mb: MicroBatch):
+        loss, metrics = value_loss(values, mb.extras["old_values"], mb.extras["returns"], mb.loss_mask,
+                                   clip=algo.value_clip, loss_agg_mode=algo.loss_agg_mode,
+                                   global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
+                                   seq_token_sum_constant=seq_token_sum_constant)
+        share = float(mb.loss_mask.sum()) / global_num_tokens
+        return loss, {k: float(v) if k in SHARE_METRICS else float(v) * share for k, v in metrics.items()}
+
+    return loss_fn

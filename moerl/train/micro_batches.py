@@ -94,9 +94,23 @@ def build_micro_batches(ctx: RunContext, samples: list[Sample], fields=None) -> 
 def attach_log_probs(ctx: RunContext, actor, samples, temperature, key) -> list[list[float]]:
     """Trainer log-probs of every sample's response tokens under ``actor`` (list per sample), on
     every rank: each DP rank computes its share, then the shares are all-gathered."""
+    mbs = build_micro_batches(ctx, samples)[0]
+    return _attach(samples, key, ((mb, lp) for mb, lp, _ in actor.compute_log_probs(mbs, temperature)))
+
+
+def attach_values(ctx: RunContext, critic, samples, key: str = "old_values") -> list[list[float]]:
+    """The critic's value of the state before each response token (moerl.train.critic.MegatronCritic,
+    label-aligned like the log-probs), per sample into ``metadata[key]``, on every rank."""
+    mbs = build_micro_batches(ctx, samples)[0]
+    return _attach(samples, key, zip(mbs, critic.compute_values(mbs)))
+
+
+def _attach(samples, key: str, per_mb) -> list[list[float]]:
+    """Scatter per-micro-batch [B,S] tensors (pairs (mb, tensor) of this DP rank) into one list per
+    sample's response tokens, all-gather them over the ranks, store them in ``metadata[key]``."""
     out: list[Optional[list[float]]] = [None] * len(samples)
-    for mb, lp, _ in actor.compute_log_probs(build_micro_batches(ctx, samples)[0], temperature):
-        for i, resp in zip(mb.sample_indices, mb.gather_response(lp)):
+    for mb, t in per_mb:
+        for i, resp in zip(mb.sample_indices, mb.gather_response(t)):
             out[i] = resp.tolist()
     if world.world_size() > 1:
         parts: list = [None] * world.world_size()
@@ -107,7 +121,7 @@ def attach_log_probs(ctx: RunContext, actor, samples, temperature, key) -> list[
                     out[i] = v
     missing = [i for i, v in enumerate(out) if v is None]
     if missing:  # pragma: no cover - would be a packing bug
-        raise RuntimeError(f"no log-probs were computed for samples {missing[:10]}")
+        raise RuntimeError(f"no {key} were computed for samples {missing[:10]}")
     for s, v in zip(samples, out):
         s.metadata[key] = v
     return out

@@ -55,22 +55,29 @@ def vocab_parallel_log_probs(logits: torch.Tensor, labels: torch.Tensor, tempera
     return -tensor_parallel.vocab_parallel_cross_entropy(scaled, labels.long())
 
 
-@torch.no_grad()
-def vocab_parallel_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+def vocab_parallel_entropy(logits: torch.Tensor, temperature: float, *, grad: bool = False) -> torch.Tensor:
     """Entropy (nats) of ``softmax(logits / T)`` over the whole vocabulary, for vocabulary-parallel
-    logits [B, S, V/tp]; returns float32 [B, S], identical on every TP rank. No gradient.
+    logits [B, S, V/tp]; returns float32 [B, S], identical on every TP rank.
 
-    H = lse - E_p[x] with x = logits / T, computed with a max-shift: the max, sum(exp) and
-    sum(exp * x) are all-reduced over the TP group.
+    H = lse - E_p[x] with x = logits / T, computed with a (detached) max-shift: the max, sum(exp)
+    and sum(exp * x) are all-reduced over the TP group. ``grad=False``: no gradient (a metric).
+    ``grad=True`` (an entropy bonus, algorithm.entropy_coef > 0): the sums are reduced with
+    Megatron's ``reduce_from_tensor_model_parallel_region`` (all-reduce forward, identity backward),
+    so each rank gets dH/d(its logit shard), as Megatron's vocab-parallel cross entropy does.
     """
     from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
     t = _check(logits, temperature)
     group = ps.get_tensor_model_parallel_group()
-    x = logits.float() / t
-    m = x.max(dim=-1).values
-    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    e = torch.exp(x - m.unsqueeze(-1))
-    sums = torch.stack([e.sum(-1), (e * x).sum(-1)])
-    dist.all_reduce(sums, group=group)
-    return m + torch.log(sums[0]) - sums[1] / sums[0]
+    with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+        x = logits.float() / t
+        m = x.detach().max(dim=-1).values
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        e = torch.exp(x - m.unsqueeze(-1))
+        sums = torch.stack([e.sum(-1), (e * x).sum(-1)])
+        if torch.is_grad_enabled():
+            sums = reduce_from_tensor_model_parallel_region(sums)
+        else:
+            dist.all_reduce(sums, group=group)
+        return m + torch.log(sums[0]) - sums[1] / sums[0]
