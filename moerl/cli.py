@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``moerl`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: moerl {train,serve} ...\n")
+        print("usage: moerl {" + ",".join(COMMANDS) + "} ...\n")
         for name, (_, help_) in COMMANDS.items():
             print(f"  {name:6s} {help_}")
         return 0 if argv and argv[0] in ("-h", "--help") else 2

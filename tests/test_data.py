@@ -506,3 +506,32 @@ def test_describe_change():
     now = {k: v for k, v in saved.items() if k != "tokenizer"}
     assert describe_change(saved, now) == "tokenizer no longer recorded (data.tokenizer_path)"
     assert describe_change(now, saved) == "tokenizer not recorded then (data.tokenizer_path)"
+
+
+def test_setup_checks_every_row_before_any_work(tmp_path):
+    """moerl.train.setup.check_rows / check_labels: a row with unparsable metadata, a prompt too long for
+    the context far past the first rows, and countdown rows without metadata['numbers'] are refused,
+    naming the row, the file and the recipe key."""
+    from moerl.data.dataset import DatasetError, load_prompt_dataset
+    from moerl.train.setup import check_labels, check_rows
+
+    def ds_of(rows, name):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return load_prompt_dataset(str(path), "prompt", "label", recipe_key="data.train_path",
+                                   cache_dir=str(tmp_path / "cache")), path
+
+    encode = lambda p: list(p.encode())  # noqa: E731 - one token per byte
+    ds, path = ds_of([{"prompt": "1+2=", "label": "3", "metadata": "{}"}] * 3
+                     + [{"prompt": "1+2=", "label": "3", "metadata": "not json"}], "meta.jsonl")
+    with pytest.raises(DatasetError, match=r"row 4 of .*meta.jsonl \(data.train_path\): field 'metadata'"):
+        check_rows(ds, path, "data.train_path", encode, "prompt", 64, 8)
+    ds, path = ds_of([{"prompt": "1+2=", "label": "3"}] * 1500 + [{"prompt": "x" * 57, "label": "3"}], "long.jsonl")
+    with pytest.raises(DatasetError, match=r"row 1501 of .*the prompt has 57 tokens; with rollout.max_new_tokens \(8\)"):
+        check_rows(ds, path, "data.train_path", encode, "prompt", 64, 8)
+    check_rows(ds, path, "data.train_path", encode, "prompt", 65, 8)  # 57 + 8 fits 65
+    ds, path = ds_of([{"prompt": "p", "label": "24", "metadata": {"numbers": [6, 4]}},
+                      {"prompt": "p", "label": "24"}], "countdown.jsonl")
+    with pytest.raises(DatasetError, match=r"row 2 of .*reward.function=countdown: .*metadata\['numbers'\]"):
+        check_labels(ds, "label", "countdown", path, "data.train_path")
+    check_labels(ds, "label", "exact_match", path, "data.train_path")  # no hook: nothing to check

@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -89,16 +88,6 @@ def test_actor_entropy_keeps_its_graph_only_when_asked():
         if flag:
             (g,) = torch.autograd.grad((ent * w.float()).sum(), x)
             torch.testing.assert_close(g.double(), _reference()[1], rtol=1e-4, atol=1e-5)
-
-
-def test_entropy_bonus_with_tp_and_dualpipe_is_refused():
-    from moerl.config import ConfigError, load_config
-
-    recipe = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_arith.yaml")
-    with pytest.raises(ConfigError, match="algorithm.entropy_coef"):
-        load_config(recipe, ["algorithm.entropy_coef=0.01", "parallel.tp_size=2", "train.pipeline_schedule=dualpipev",
-                             "parallel.pp_size=2", "train.pack=false",
-                             "model.hf_config.num_hidden_layers=4"])
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -56,3 +57,24 @@ def test_cli_jsonl_and_parquet(tmp_path):
     rows = [json.loads(x) for x in dst2.read_text().splitlines()]
     assert rows == [{"prompt": [{"role": "user", "content": f"p{i}"}], "label": str(i * i)} for i in range(3)]
     assert main(["--format", "gsm8k", str(tmp_path / "missing.jsonl"), str(dst)]) == 2
+
+
+def test_cli_refuses_unusable_input_with_exit_2(tmp_path, capsys):
+    """Empty, malformed or answerless inputs and --limit < 1 stop with exit code 2 and one line (no
+    traceback); nothing is written."""
+    dst = tmp_path / "out.jsonl"
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bad.jsonl").write_text('{"question": "a", "answer": "#### 3"}\n{bad\n')
+    (tmp_path / "noans.jsonl").write_text('{"question": "a", "answer": "no marker"}\n')
+    for name, needle in (("empty.jsonl", "empty"), ("bad.jsonl", "cannot read"), ("noans.jsonl", "is --format right")):
+        assert main(["--format", "gsm8k", str(tmp_path / name), str(dst)]) == 2, name
+        assert needle in capsys.readouterr().err, name
+    (tmp_path / "ok.jsonl").write_text('{"question": "a", "answer": "x #### 3"}\n')
+    with pytest.raises(SystemExit) as e:
+        main(["--format", "gsm8k", "--limit", "0", str(tmp_path / "ok.jsonl"), str(dst)])
+    assert e.value.code == 2 and "--limit must be >= 1" in capsys.readouterr().err
+    assert not dst.exists()
+    assert main(["--format", "gsm8k", str(tmp_path / "ok.jsonl"), str(dst)]) == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    assert dst.stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's 0600

@@ -192,8 +192,10 @@ def test_group_function_sees_exactly_its_group(user_file):
         s = p.stats()
         assert (s["timeouts"], s["crashes"], s["exceptions"]) == (1, 1, 0)
         assert len([m for m in logs if "g-hang" in m]) == 1 and len([m for m in logs if "g-die" in m]) == 1
-        with pytest.raises(RewardConfigError, match="per-sample"):
-            p.score([("1", "", {})])
+        # evaluation (one greedy response per prompt): each item is a group of one
+        out = p.score([("7", "", {}), ("sleep", "", {}), ("9", "", {})])
+        assert [(r.score, r.error) for r in out] == [(0.0, None), (-1.0, "timeout"), (0.0, None)]
+        assert [r.metrics.get("n") for r in out] == [1.0, None, 1.0] and out[2].metrics["self"] == 9.0
 
 
 def test_inline_mode(user_file):
@@ -207,6 +209,7 @@ def test_inline_mode(user_file):
         assert _scores(p.score([("a", "a", {}), ("b", "a", {})])) == [1.0, 0.0]
     with RewardPool(f"{user_file}:group_echo", group=True, num_workers=0) as p:
         assert _scores(p.score_group("g", "q", ["7", "5"], "", {})) == [1.0, 0.0]
+        assert [r.metrics["sum"] for r in p.score([("7", "", {}), ("5", "", {})])] == [7.0, 5.0]
 
 
 def test_two_arg_and_builtin_in_workers(user_file):

@@ -233,6 +233,11 @@ def test_countdown_metadata_as_json_and_bad_data():
     check_label("countdown", "24")
     with pytest.raises(ValueError, match="not an integer target"):
         check_label("countdown", "twenty")
+    # with the row's metadata (moerl train checks every row before any work): numbers must be given
+    check_label("countdown", "24", {"numbers": [6, 4]})
+    for bad in ({}, {"numbers": "x"}, {"numbers": [6, 4.0]}):
+        with pytest.raises(ValueError, match=r"metadata\['numbers'\] must be a list of ints"):
+            check_label("countdown", "24", bad)
 
 
 def _chain_sum_entries(n=6):

@@ -95,18 +95,34 @@ def load_rows(path: str) -> list[dict]:
     return [ds[i] for i in range(len(ds))]
 
 
+def _positive_int(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--limit must be >= 1, got {n}")
+    return n
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--format", required=True, choices=["gsm8k", "dapo", "math"])
     ap.add_argument("src", help="input .jsonl / .json / .parquet")
     ap.add_argument("dst", help="output .jsonl of moerl rows")
-    ap.add_argument("--limit", type=int, default=None, help="keep the first N converted rows")
+    ap.add_argument("--limit", type=_positive_int, default=None, help="keep the first N converted rows")
     args = ap.parse_args(argv)
     if not os.path.isfile(args.src):
         print(f"prepare_math_data: input file not found: {args.src}", file=sys.stderr)
         return 2
+    if os.path.getsize(args.src) == 0:
+        print(f"prepare_math_data: input file is empty: {args.src}", file=sys.stderr)
+        return 2
     try:
         rows = load_rows(args.src)
+    except Exception as e:  # noqa: BLE001 - datasets' parse errors (malformed json / parquet) name no line
+        cause = e.__cause__ or e.__context__ or e
+        print(f"prepare_math_data: cannot read {args.src} as {'parquet' if args.src.endswith('.parquet') else 'json lines'}: "
+              f"{type(cause).__name__}: {str(cause)[:300]}", file=sys.stderr)
+        return 2
+    try:
         out, skipped = [], 0
         for row in rows:
             r = convert_row(row, args.format)
@@ -119,11 +135,18 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"prepare_math_data: {e}", file=sys.stderr)
         return 2
+    if not out:
+        print(f"prepare_math_data: no row of {args.src} has a {args.format} answer ({skipped} skipped); "
+              "is --format right?", file=sys.stderr)
+        return 2
     os.makedirs(os.path.dirname(os.path.abspath(args.dst)), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(args.dst)), suffix=".tmp")
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         for r in out:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
     os.replace(tmp, args.dst)
     print(f"wrote {len(out)} rows to {args.dst} ({skipped} skipped without an answer)")
     return 0

@@ -206,6 +206,11 @@ class DataConfig(_Section):
                     f"data.num_train + data.num_eval ({self.num_train + self.num_eval}) exceeds the "
                     f"{space} distinct {self.digits}-digit addition problems; lower them or raise data.digits"
                 )
+        if self.task != "jsonl":
+            given = [k for k in ("train_path", "eval_path") if getattr(self, k) is not None]
+            if given:
+                raise ValueError(" and ".join(f"data.{k}" for k in given) + f" given but data.task is {self.task!r} "
+                                 "(which generates its own prompts): set data.task=jsonl to train on your files")
         if self.task != "reasoning_gym" and self.reasoning_gym is not None:
             raise ValueError(f"data.reasoning_gym is set but data.task is {self.task!r}: set data.task=reasoning_gym "
                              "or remove data.reasoning_gym")
@@ -704,6 +709,10 @@ class RecipeConfig(_Section):
         if self.algorithm.advantage_estimator == "gae" and self.train.pipeline_schedule != "1f1b":
             raise ValueError(f"algorithm.advantage_estimator=gae trains a critic, which runs Megatron's 1F1B schedule "
                              f"only: set train.pipeline_schedule=1f1b (got {self.train.pipeline_schedule})")
+        buf = self.algorithm.overlong_buffer_len
+        if buf is not None and buf >= self.rollout.max_new_tokens:
+            raise ValueError(f"algorithm.overlong_buffer_len ({buf}) must be < rollout.max_new_tokens "
+                             f"({self.rollout.max_new_tokens}): the penalty ramps over the last buffer tokens before it")
         if (self.algorithm.entropy_coef > 0 and self.parallel.tp_size > 1
                 and self.train.pipeline_schedule in ("dualpipe", "dualpipev")):
             raise ValueError("algorithm.entropy_coef > 0 with parallel.tp_size > 1 needs train.pipeline_schedule=1f1b "

@@ -14,7 +14,7 @@ def _canonical_int(text: str) -> str | None:
     return text.lstrip("0") or "0"
 
 
-def check_arithmetic_label(label) -> None:
+def check_arithmetic_label(label, metadata=None) -> None:
     """The ``check_label`` hook of ``arithmetic``: ``label`` must be a non-negative integer (text or int).
 
     Raises:

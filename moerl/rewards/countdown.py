@@ -73,16 +73,27 @@ def evaluate_countdown(expression: str, numbers: list[int]) -> Fraction | None:
     return value
 
 
-def check_countdown_label(label: Any) -> None:
-    """The ``check_label`` hook of ``countdown``: the label (the target) must be an integer.
+def check_countdown_label(label: Any, metadata: Any = None) -> None:
+    """The ``check_label`` hook of ``countdown``: the label (the target) must be an integer and, when
+    ``metadata`` is given, ``metadata["numbers"]`` a list of ints.
 
     Raises:
-        ValueError: it is not.
+        ValueError: either is not.
     """
     try:
         int(str(label).strip())
     except ValueError:
         raise ValueError(f"countdown: label {label!r} is not an integer target (check data.label_key)") from None
+    if metadata is not None:
+        _numbers(metadata)
+
+
+def _numbers(metadata: Any) -> list[int]:
+    numbers = as_metadata(metadata).get("numbers")
+    if not isinstance(numbers, (list, tuple)) or not all(type(x) is int for x in numbers):
+        raise ValueError(f"countdown: metadata['numbers'] must be a list of ints (the numbers the expression may "
+                         f"use), got {numbers!r:.200}")
+    return list(numbers)
 
 
 def countdown_reward(response: str, label: str, metadata: Any) -> float:
@@ -101,10 +112,7 @@ def countdown_reward(response: str, label: str, metadata: Any) -> float:
     """
     check_countdown_label(label)
     target = int(str(label).strip())
-    numbers = as_metadata(metadata).get("numbers")
-    if not isinstance(numbers, (list, tuple)) or not all(type(x) is int for x in numbers):
-        raise ValueError(f"countdown: metadata['numbers'] must be a list of ints, got {numbers!r:.200}")
-    value = evaluate_countdown(countdown_answer(response), list(numbers))
+    value = evaluate_countdown(countdown_answer(response), _numbers(metadata))
     if value is None:
         return 0.0
     return 1.0 if abs(value - target) <= Fraction(1, 10**6) else 0.0

@@ -247,24 +247,24 @@ class RewardPool:
         return out
 
     def score(self, items: Sequence[tuple[str, str, Any]]) -> list[RewardResult]:
-        """Score ``(response, label, metadata)`` items with the per-sample function (evaluation).
+        """Score ``(response, label, metadata)`` items (evaluation: one greedy response per prompt).
         The reward model is not applied (items have no prompt); samples are named ``eval[i]`` in logs.
+        With ``group=True`` each item is scored as a group of one response (``fn([response], label,
+        metadata)``), since an evaluation prompt has only one.
 
         Raises:
-            RewardConfigError: the pool was built with ``group=True``.
             RuntimeError / RewardValueError: as ``score_group``.
         """
-        if self.group:
-            raise RewardConfigError("RewardPool.score needs a per-sample reward.function; this pool has "
-                                    "reward.group=true (score groups with score_group)")
         t0 = time.perf_counter()
-        items = [(r, l, as_metadata(m)) for r, l, m in items]
+        kind = "group" if self.group else "sample"
+        items = [(([r] if self.group else r), l, as_metadata(m)) for r, l, m in items]
         if self.num_workers == 0:
-            raw = [self._run_inline("sample", (r, l, m), f"eval[{i}]") for i, (r, l, m) in enumerate(items)]
+            raw = [self._run_inline(kind, item, f"eval[{i}]") for i, item in enumerate(items)]
         else:
-            futs = [self._submit("rule", "sample", (r, l, m), f"eval[{i}]", self.timeout_s)
-                    for i, (r, l, m) in enumerate(items)]
+            futs = [self._submit("rule", kind, item, f"eval[{i}]", self.timeout_s) for i, item in enumerate(items)]
             raw = [f.result() for f in futs]
+        if self.group:  # one value per group of one
+            raw = [(None, err) if err else (v[0], None) for v, err in raw]
         out = [RewardResult(self.error_value, {}, err) if err else RewardResult(v[0], dict(v[1]))
                for v, err in raw]
         with self._lock:

@@ -38,7 +38,7 @@ KEY = "reward.function"  # the recipe key every resolver error names
 class _Entry:
     fn: RewardFn
     group: bool
-    check_label: Optional[Callable[[Any], None]]
+    check_label: Optional[Callable[[Any, Any], None]]
 
 
 _REGISTRY: dict[str, _Entry] = {}
@@ -46,7 +46,7 @@ _FILE_MODULES: dict[str, Any] = {}  # absolute path -> module loaded from a user
 
 
 def register_reward_fn(name: str, fn: RewardFn, *, group: bool = False,
-                       check_label: Optional[Callable[[Any], None]] = None) -> None:
+                       check_label: Optional[Callable[[Any, Any], None]] = None) -> None:
     """Register a reward function under ``name`` (usable as ``reward.function=<name>``).
 
     Args:
@@ -54,7 +54,7 @@ def register_reward_fn(name: str, fn: RewardFn, *, group: bool = False,
         fn: per-sample ``fn(response, label[, metadata]) -> float | dict`` or, with ``group=True``,
             ``fn(responses, label, metadata) -> list[float | dict]``.
         group: whether ``fn`` scores a whole group of responses.
-        check_label: optional ``hook(label) -> None`` that raises ``ValueError`` for a label the
+        check_label: optional ``hook(label, metadata) -> None`` that raises ``ValueError`` for a label the
             function can never score (run over a dataset's labels by ``check_label``).
 
     Raises:
@@ -297,14 +297,15 @@ def resolve_reward_fn(spec: str, *, group: bool = False) -> Callable:
     return _adapt(fn, spec, group)
 
 
-def check_label(spec: str, label: Any) -> None:
-    """Validate one dataset label for ``spec``: runs the registered ``check_label`` hook if the
-    function has one (``arithmetic``: a non-negative integer; ``countdown``: an integer), else does
-    nothing (user functions and specs with ``:`` have no hook).
+def check_label(spec: str, label: Any, metadata: Any = None) -> None:
+    """Validate one dataset row's label (and metadata, a dict or None) for ``spec``: runs the registered
+    ``check_label`` hook ``hook(label, metadata)`` if the function has one (``arithmetic``: a
+    non-negative integer; ``countdown``: an integer, and ``metadata["numbers"]`` a list of ints), else
+    does nothing (user functions and specs with ``:`` have no hook).
 
     Raises:
         ValueError: from the hook, naming the problem (the caller adds the row and recipe key).
     """
     entry = _REGISTRY.get(spec.strip()) if isinstance(spec, str) else None
     if entry is not None and entry.check_label is not None:
-        entry.check_label(label)
+        entry.check_label(label, metadata)

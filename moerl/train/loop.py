@@ -183,6 +183,8 @@ def rl_step(ctx, step: int, actor, ref, manager, sync, timers, critic=None) -> d
         batch.write_jsonl(ctx.run_dir / "samples.jsonl", step)
     if len(kept) < world.dp_info()[0]:  # nothing (or too little) to share over the DP ranks
         m["skipped_update"] = 1.0
+        log(f"step {step}: no update: {len(kept)} of {len(batch.samples)} samples carry a learning signal (groups with "
+            "equal rewards are dropped by algorithm.filter_uniform_groups; rollout.dynamic_sampling draws more)")
         _push(manager, None, step)
         return m
     n_updates = max(1, int(m["num_samples"]) // cfg.train.global_batch_size)  # one per global batch

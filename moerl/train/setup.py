@@ -85,18 +85,19 @@ def prepare_run(cfg, dist) -> RunContext:
     ranks read what it wrote. An error on rank 0 is re-raised on every rank (no rank hangs).
 
     Raises:
-        moerl.config.loader.ConfigError / ValueError / FileNotFoundError with the recipe key named.
+        moerl.config.loader.ConfigError (any bad input: recipe, data rows, tokenizer, resume checkpoint),
+        DatasetError, FileNotFoundError, with the recipe key named.
     """
     cfg.check_world_size(dist.world_size)
     check_rollout_routing_matches(cfg.moe)
     if dist.world_size <= 1:
-        return _prepare_run(cfg, dist)
+        return _checked(_prepare_run, cfg, dist)
     import torch.distributed as tdist
 
     ctx, err = None, None
     if dist.is_main:
         try:
-            ctx = _prepare_run(cfg, dist)
+            ctx = _checked(_prepare_run, cfg, dist)
         except Exception as e:  # noqa: BLE001 - handed to the other ranks, then re-raised
             err = e
     box = [err]
@@ -104,9 +105,22 @@ def prepare_run(cfg, dist) -> RunContext:
     if box[0] is not None:
         raise box[0]
     if not dist.is_main:
-        ctx = _prepare_run(cfg, dist)
+        ctx = _checked(_prepare_run, cfg, dist)
     tdist.barrier()
     return ctx
+
+
+def _checked(fn, *args):
+    """Run a preparation step; a ValueError it raises is a bad input (the recipe, data, tokenizer or
+    checkpoint it names), re-raised as ConfigError so that ``moerl train`` exits 2 with one line."""
+    from moerl.config.loader import ConfigError
+
+    try:
+        return fn(*args)
+    except (ConfigError, DatasetError):
+        raise
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
 
 
 def _prepare_run(cfg, dist) -> RunContext:
@@ -134,16 +148,11 @@ def _prepare_run(cfg, dist) -> RunContext:
     hf_fields = cfg.model.hf_config.model_dump()
     hf_fields["vocab_size"] = cfg.model.hf_config.resolve_vocab_size(len(tokenizer))
     hf_config = make_hf_config(hf_fields)
-    longest = max(len(encode_prompt(tokenizer, r[d.prompt_key], d.system_prompt))
-                  for ds in (train_ds, eval_ds) for r in ds.select(range(min(len(ds), 1000))))
-    if longest + cfg.rollout.max_new_tokens > hf_config.max_position_embeddings:
-        raise ValueError(
-            f"prompt ({longest} tokens) + rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) exceeds "
-            f"model.hf_config.max_position_embeddings ({hf_config.max_position_embeddings}); raise it"
-        )
     del reward_fn  # resolved above for its errors; the reward workers resolve it again themselves
     for ds, path, key in ((train_ds, train_path, "data.train_path"), (eval_ds, eval_path, "data.eval_path")):
-        check_labels(ds[d.label_key], cfg.reward.function, path, key)
+        check_rows(ds, path, key, lambda prompt: encode_prompt(tokenizer, prompt, d.system_prompt),
+                   d.prompt_key, hf_config.max_position_embeddings, cfg.rollout.max_new_tokens)
+        check_labels(ds, d.label_key, cfg.reward.function, path, key)
     inputs = {"train_data": file_fingerprint(train_path), "eval_data": file_fingerprint(eval_path),
               "train_rows": len(train_ds), "eval_rows": len(eval_ds), "tokenizer": tokenizer_fingerprint(tokenizer)}
     if dist.is_main:
@@ -160,17 +169,49 @@ def _prepare_run(cfg, dist) -> RunContext:
     )
 
 
-def check_labels(labels, reward_spec: str, path, recipe_key: str) -> None:
-    """Every label must be usable by the verifier before any compute (a bad label would otherwise
-    surface only at the first RL step, after the SFT warm start). Only built-in verifiers declare a
-    label check (moerl.rewards.check_label); user functions are not called here.
+def check_rows(ds, path, recipe_key: str, encode, prompt_key: str, max_positions: int, max_new_tokens: int) -> None:
+    """Every row of a prompt dataset, before any compute: its metadata parses (moerl.data.tasks.row_metadata)
+    and its rendered prompt leaves room for the response (``len(encode(prompt)) + max_new_tokens <=
+    max_positions``: rollout.max_new_tokens, model.hf_config.max_position_embeddings).
+
+    Raises:
+        DatasetError: naming the 1-based row, the file, the recipe key and the fix.
+    """
+    from moerl.data.tasks import row_metadata
+
+    has_meta = "metadata" in ds.column_names
+    for i, row in enumerate(ds):
+        if has_meta:
+            try:
+                row_metadata(row)
+            except ValueError as e:
+                raise DatasetError(f"row {i + 1} of {path} ({recipe_key}): field 'metadata': {e}; give a JSON "
+                                   "object (or its text), or leave it out") from None
+        try:
+            n = len(encode(row[prompt_key]))
+        except ValueError as e:
+            raise DatasetError(f"row {i + 1} of {path} ({recipe_key}): {e}") from None
+        if n + max_new_tokens > max_positions:
+            raise DatasetError(
+                f"row {i + 1} of {path} ({recipe_key}): the prompt has {n} tokens; with rollout.max_new_tokens "
+                f"({max_new_tokens}) it exceeds model.hf_config.max_position_embeddings ({max_positions}): raise "
+                "model.hf_config.max_position_embeddings, lower rollout.max_new_tokens or shorten the prompt")
+
+
+def check_labels(ds, label_key: str, reward_spec: str, path, recipe_key: str) -> None:
+    """Every row's label (and metadata) must be usable by the verifier before any compute (a bad one
+    would otherwise surface only at the first RL step, after the SFT warm start). Only built-in
+    verifiers declare a check (moerl.rewards.check_label); user functions are not called here.
 
     Raises:
         DatasetError: naming the 1-based row, the file, the recipe keys and the verifier's complaint.
     """
-    for i, label in enumerate(labels):
+    from moerl.data.tasks import row_metadata
+
+    metas = ds["metadata"] if "metadata" in ds.column_names else [None] * len(ds)
+    for i, (label, meta) in enumerate(zip(ds[label_key], metas)):
         try:
-            check_label(reward_spec, label)
+            check_label(reward_spec, label, row_metadata({"metadata": meta}))
         except ValueError as e:
             raise DatasetError(
                 f"row {i + 1} of {path} ({recipe_key}): label {label!r} cannot be scored by reward.function="
