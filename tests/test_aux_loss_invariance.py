@@ -4,7 +4,8 @@
 * seq_aux_loss on a padded micro-batch equals the mean over its real sequences of each sequence's
   loss computed alone (value and router-weight gradient), including an all-padding row (pipeline
   padding), and does not depend on how the batch is cut into micro-batches.
-* DP=1 vs DP=2 (and EP=2, TP=2 with sequence parallelism) on gloo: the router-weight gradient of
+* DP=1 vs DP=2 (and EP=2, TP=2 with sequence parallelism, PP=2 whose 1F1B pads every micro-batch to
+  one shape) on gloo: the router-weight gradient of
   aux_loss, seq_aux_loss and global_aux_loss is the same for the same global batch, also when a DP
   rank runs an empty micro-batch (defect 3: a packing plan with fewer samples than micro-batches).
   The DP=1 reference runs what each loss averages over: aux_loss the same micro-batches (its
@@ -139,7 +140,8 @@ LENGTHS = (4, 12, 7, 9)
 # per DP rank's micro-batches (sample indices) of the two DP=2 plans; plan "empty" gives rank 1 an
 # empty micro-batch, as pack_micro_batches does when there are fewer samples than micro-batches
 PLANS = {"even": [[[0, 1]], [[2, 3]]], "empty": [[[0], [1, 2]], [[3], []]]}
-LAYOUTS = {"dp1": dict(nproc=1), "dp2": dict(nproc=2), "ep2": dict(nproc=2, ep=2), "tp2": dict(nproc=2, tp=2)}
+LAYOUTS = {"dp1": dict(nproc=1), "dp2": dict(nproc=2), "ep2": dict(nproc=2, ep=2), "tp2": dict(nproc=2, tp=2),
+           "pp2": dict(nproc=2, pp=2)}  # pp2: 1F1B pads every micro-batch to one shape (defect 1's setting)
 
 
 def reference_cut(lb: str, plan) -> list[list[int]]:
@@ -153,7 +155,9 @@ def _worker(layout: str, out_path: str) -> None:
     from moerl.runtime.distributed import destroy_distributed, init_distributed
 
     spec = LAYOUTS[layout]
-    info = init_distributed(tp_size=spec.get("tp", 1), ep_size=spec.get("ep", 1), seed=0, num_threads=1)
+    info = init_distributed(tp_size=spec.get("tp", 1), ep_size=spec.get("ep", 1), pp_size=spec.get("pp", 1), seed=0,
+                            num_threads=1)
+    pp = spec.get("pp", 1)
     try:
         samples = [sample(i, n) for i, n in enumerate(LENGTHS)]
         out = {}
@@ -162,6 +166,10 @@ def _worker(layout: str, out_path: str) -> None:
             for name, plan in PLANS.items():
                 cut = reference_cut(lb, plan) if info.dp_size == 1 else plan[info.dp_rank]
                 v, g = step(actor, [micro_batch(samples, idx) for idx in cut])
+                if pp > 1:  # each stage holds its own layers' routers: concatenate them in stage order
+                    stages = [None] * info.world_size
+                    torch.distributed.all_gather_object(stages, g)
+                    g = torch.cat(stages)
                 out[f"{lb}/{name}"] = (v, g)
             from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
@@ -192,7 +200,7 @@ def dp1(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["dp2", "ep2", "tp2"])
+@pytest.mark.parametrize("layout", ["dp2", "ep2", "tp2", "pp2"])
 def test_balancing_gradient_independent_of_layout(dp1, layout, tmp_path):
     got = launch(layout, tmp_path)
     assert set(got) == set(dp1)
