@@ -509,11 +509,15 @@ def test_describe_change():
 
 
 def test_setup_checks_every_row_before_any_work(tmp_path):
-    """moerl.train.setup.check_rows / check_labels: a row with unparsable metadata, a prompt too long for
+    """moerl.train.setup.check_rows: a row with unparsable metadata, a prompt too long for
     the context far past the first rows, and countdown rows without metadata['numbers'] are refused,
     naming the row, the file and the recipe key."""
     from moerl.data.dataset import DatasetError, load_prompt_dataset
-    from moerl.train.setup import check_labels, check_rows
+    from moerl.train.setup import check_rows
+
+    def check(ds, path, reward="arithmetic", max_positions=64):  # one token per byte
+        check_rows(ds, path, "data.train_path", prompt_key="prompt", label_key="label", encode=str.encode,
+                   reward_spec=reward, max_positions=max_positions, max_new_tokens=8)
 
     def ds_of(rows, name):
         path = tmp_path / name
@@ -521,17 +525,16 @@ def test_setup_checks_every_row_before_any_work(tmp_path):
         return load_prompt_dataset(str(path), "prompt", "label", recipe_key="data.train_path",
                                    cache_dir=str(tmp_path / "cache")), path
 
-    encode = lambda p: list(p.encode())  # noqa: E731 - one token per byte
     ds, path = ds_of([{"prompt": "1+2=", "label": "3", "metadata": "{}"}] * 3
                      + [{"prompt": "1+2=", "label": "3", "metadata": "not json"}], "meta.jsonl")
     with pytest.raises(DatasetError, match=r"row 4 of .*meta.jsonl \(data.train_path\): field 'metadata'"):
-        check_rows(ds, path, "data.train_path", encode, "prompt", 64, 8)
+        check(ds, path)
     ds, path = ds_of([{"prompt": "1+2=", "label": "3"}] * 1500 + [{"prompt": "x" * 57, "label": "3"}], "long.jsonl")
     with pytest.raises(DatasetError, match=r"row 1501 of .*the prompt has 57 tokens; with rollout.max_new_tokens \(8\)"):
-        check_rows(ds, path, "data.train_path", encode, "prompt", 64, 8)
-    check_rows(ds, path, "data.train_path", encode, "prompt", 65, 8)  # 57 + 8 fits 65
+        check(ds, path)
+    check(ds, path, max_positions=65)  # 57 + 8 fits 65
     ds, path = ds_of([{"prompt": "p", "label": "24", "metadata": {"numbers": [6, 4]}},
                       {"prompt": "p", "label": "24"}], "countdown.jsonl")
     with pytest.raises(DatasetError, match=r"row 2 of .*reward.function=countdown: .*metadata\['numbers'\]"):
-        check_labels(ds, "label", "countdown", path, "data.train_path")
-    check_labels(ds, "label", "exact_match", path, "data.train_path")  # no hook: nothing to check
+        check(ds, path, "countdown")
+    check(ds, path, "exact_match")  # no hook: nothing to check

@@ -150,9 +150,9 @@ def _prepare_run(cfg, dist) -> RunContext:
     hf_config = make_hf_config(hf_fields)
     del reward_fn  # resolved above for its errors; the reward workers resolve it again themselves
     for ds, path, key in ((train_ds, train_path, "data.train_path"), (eval_ds, eval_path, "data.eval_path")):
-        check_rows(ds, path, key, lambda prompt: encode_prompt(tokenizer, prompt, d.system_prompt),
-                   d.prompt_key, hf_config.max_position_embeddings, cfg.rollout.max_new_tokens)
-        check_labels(ds, d.label_key, cfg.reward.function, path, key)
+        check_rows(ds, path, key, prompt_key=d.prompt_key, label_key=d.label_key, reward_spec=cfg.reward.function,
+                   encode=lambda prompt: encode_prompt(tokenizer, prompt, d.system_prompt),
+                   max_positions=hf_config.max_position_embeddings, max_new_tokens=cfg.rollout.max_new_tokens)
     inputs = {"train_data": file_fingerprint(train_path), "eval_data": file_fingerprint(eval_path),
               "train_rows": len(train_ds), "eval_rows": len(eval_ds), "tokenizer": tokenizer_fingerprint(tokenizer)}
     if dist.is_main:
@@ -169,54 +169,42 @@ def _prepare_run(cfg, dist) -> RunContext:
     )
 
 
-def check_rows(ds, path, recipe_key: str, encode, prompt_key: str, max_positions: int, max_new_tokens: int) -> None:
-    """Every row of a prompt dataset, before any compute: its metadata parses (moerl.data.tasks.row_metadata)
-    and its rendered prompt leaves room for the response (``len(encode(prompt)) + max_new_tokens <=
-    max_positions``: rollout.max_new_tokens, model.hf_config.max_position_embeddings).
+def check_rows(ds, path, recipe_key: str, *, prompt_key: str, label_key: str, encode, reward_spec: str,
+               max_positions: int, max_new_tokens: int) -> None:
+    """Every row of a prompt dataset, in one pass before any compute (a bad row would otherwise surface
+    only at the first RL step, after the SFT warm start):
+
+    * its ``metadata`` parses (moerl.data.tasks.row_metadata);
+    * its rendered prompt leaves room for the response: ``len(encode(prompt)) + max_new_tokens <=
+      max_positions`` (rollout.max_new_tokens, model.hf_config.max_position_embeddings);
+    * its label (and metadata) can be scored by ``reward_spec`` (moerl.rewards.check_label; only
+      built-in verifiers declare a check, user functions are not called here).
 
     Raises:
-        DatasetError: naming the 1-based row, the file, the recipe key and the fix.
+        DatasetError: naming the 1-based row, the file, the recipe keys and the fix.
     """
     from moerl.data.tasks import row_metadata
 
-    has_meta = "metadata" in ds.column_names
     for i, row in enumerate(ds):
-        if has_meta:
-            try:
-                row_metadata(row)
-            except ValueError as e:
-                raise DatasetError(f"row {i + 1} of {path} ({recipe_key}): field 'metadata': {e}; give a JSON "
-                                   "object (or its text), or leave it out") from None
+        where = f"row {i + 1} of {path} ({recipe_key})"
+        try:
+            meta = row_metadata(row)
+        except ValueError as e:
+            raise DatasetError(f"{where}: field 'metadata': {e}; give a JSON object (or its text), or leave it out") from None
         try:
             n = len(encode(row[prompt_key]))
         except ValueError as e:
-            raise DatasetError(f"row {i + 1} of {path} ({recipe_key}): {e}") from None
+            raise DatasetError(f"{where}: {e}") from None
         if n + max_new_tokens > max_positions:
             raise DatasetError(
-                f"row {i + 1} of {path} ({recipe_key}): the prompt has {n} tokens; with rollout.max_new_tokens "
-                f"({max_new_tokens}) it exceeds model.hf_config.max_position_embeddings ({max_positions}): raise "
+                f"{where}: the prompt has {n} tokens; with rollout.max_new_tokens ({max_new_tokens}) it exceeds "
+                f"model.hf_config.max_position_embeddings ({max_positions}): raise "
                 "model.hf_config.max_position_embeddings, lower rollout.max_new_tokens or shorten the prompt")
-
-
-def check_labels(ds, label_key: str, reward_spec: str, path, recipe_key: str) -> None:
-    """Every row's label (and metadata) must be usable by the verifier before any compute (a bad one
-    would otherwise surface only at the first RL step, after the SFT warm start). Only built-in
-    verifiers declare a check (moerl.rewards.check_label); user functions are not called here.
-
-    Raises:
-        DatasetError: naming the 1-based row, the file, the recipe keys and the verifier's complaint.
-    """
-    from moerl.data.tasks import row_metadata
-
-    metas = ds["metadata"] if "metadata" in ds.column_names else [None] * len(ds)
-    for i, (label, meta) in enumerate(zip(ds[label_key], metas)):
+        label = row[label_key]
         try:
-            check_label(reward_spec, label, row_metadata({"metadata": meta}))
+            check_label(reward_spec, label, meta)
         except ValueError as e:
-            raise DatasetError(
-                f"row {i + 1} of {path} ({recipe_key}): label {label!r} cannot be scored by reward.function="
-                f"{reward_spec}: {e}"
-            ) from None
+            raise DatasetError(f"{where}: label {label!r} cannot be scored by reward.function={reward_spec}: {e}") from None
 
 
 def check_resume_inputs(cfg, run_dir: Path, inputs: dict) -> None:
