@@ -406,7 +406,7 @@ def test_save_every_minutes_saves_when_the_time_is_up(monkeypatch):
     from moerl.checkpoint import run_state as loop
 
     saved = []
-    monkeypatch.setattr(loop, "save_checkpoint", lambda ctx, actor, state, samplers: saved.append(state.step))
+    monkeypatch.setattr(loop, "save_checkpoint", lambda ctx, actor, state, samplers, critic=None: saved.append(state.step))
     cfg = SimpleNamespace(train=SimpleNamespace(save_every=100, save_every_minutes=0.005))  # 0.3 s
     state = SimpleNamespace(step=0, phase="rl")
     ckpt = loop.Checkpointer(SimpleNamespace(cfg=cfg), None, state, {}, Timers())
