@@ -10,11 +10,18 @@ Semantics (SGLang io_struct names):
     ``down_proj`` are mapped onto transformers' fused ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate
     rows first) and ``mlp.experts.down_proj`` [E, H, I]); it must cover every parameter, else nothing
     is changed.
-  * update_weights_from_tensor (UpdateWeightsFromTensorReqInput, reference-server wire format):
-    every element of ``serialized_named_tensors`` is base64 text of
-    ``safetensors.torch.save({hf_name: tensor})`` bytes. Buckets are applied as they arrive; a call
-    that carries ``weight_version`` publishes it only if the buckets received since the last publish
-    (this one included) covered every parameter, else it fails.
+  * update_weights_from_tensor (UpdateWeightsFromTensorReqInput): SGLang's wire format
+    (moerl.rollout.tensor_serde): ``serialized_named_tensors`` holds one MultiprocessingSerializer
+    payload per TP rank and this server (one TP rank) reads element 0, as SGLang's TP rank 0 does;
+    load_format null / "direct" (a list of (name, tensor)) or "flattened_bucket". The earlier
+    moerl format (base64 safetensors bytes) is still read. Trust: payloads are pickles, see
+    moerl.rollout.tensor_serde (listen only on trusted addresses, as SGLang must).
+  * weight_version (every update endpoint): as SGLang's TokenizerManager, a successful call that
+    carries ``weight_version`` sets it, whatever the call covered (slime and AReaL send it with every
+    bucket); the success message says how many weights the updates since the last version left
+    untouched, which is the sender's business (moerl's senders send full state dicts).
+  * update_weights_from_disk also makes /get_model_info report the new ``model_path`` (SGLang
+    ``_update_model_path_info``).
   * init_weights_update_group / update_weights_from_distributed / destroy_weights_update_group: the
     trainer broadcasts each bucket from rank 0 of a gloo group this server joined (CPU only).
 Every update takes the engine's model lock, so it runs between generate batches, never during one.
@@ -191,7 +198,10 @@ class WeightUpdater:
 
     def update_weights_from_disk(self, model_path: str, load_format: Optional[str] = None,
                                  weight_version: Optional[str] = None) -> tuple[bool, str]:
-        """Load a full HF safetensors checkpoint into the live model (all-or-nothing).
+        """Load a full HF safetensors checkpoint into the live model (all-or-nothing; SGLang
+        UpdateWeightFromDiskReqInput). On success ``model_path`` becomes the served model path
+        (/get_model_info, /model_info, /v1/models report it, as SGLang's ``_update_model_path_info``)
+        and ``weight_version``, when given, the version.
 
         Returns (success, message); the message names missing / unknown / mis-shaped weights.
         """
@@ -211,6 +221,7 @@ class WeightUpdater:
                                    f"weights, e.g. {missing[:8]}; nothing was updated")
                 self.mapper.apply(named)
                 self._pending_cover = set()
+                self.model_path = model_path  # SGLang reports the new path on /model_info
                 if weight_version is not None:
                     self.weight_version = str(weight_version)
         except (ValueError, FileNotFoundError, OSError) as e:
@@ -223,26 +234,37 @@ class WeightUpdater:
     def update_weights_from_tensor(self, serialized_named_tensors: list, load_format: Optional[str] = None,
                                    flush_cache: bool = True,
                                    weight_version: Optional[str] = None) -> tuple[bool, str]:
-        """Apply one bucket of named tensors (base64 safetensors bytes per element, see module doc).
+        """Apply one bucket sent in SGLang's format (UpdateWeightsFromTensorReqInput).
 
-        With ``weight_version`` set, the version is published only if every parameter was covered
-        by the buckets received since the last publish; otherwise (False, message naming missing).
+        ``serialized_named_tensors``: list with one MultiprocessingSerializer payload (base64 text)
+        per TP rank; this server is TP rank 0 and reads element 0 (see moerl.rollout.tensor_serde
+        for the payloads of load_format null / "direct" / "flattened_bucket"). An element that is
+        base64 safetensors bytes (moerl's earlier format) is read too. Tensors are HF-named, any
+        dtype (cast to the parameter's). ``weight_version`` is set on success (SGLang semantics).
+        Returns (success, message); nothing is written when the bucket is refused.
         """
-        from safetensors.torch import load as st_load
+        from moerl.rollout.tensor_serde import TENSOR_LOAD_FORMATS, deserialize, named_tensors_from_payload
 
-        if load_format not in (None, "safetensors"):
-            return False, (f"load_format={load_format!r} is not supported by the reference server; "
-                           f"send base64 safetensors bytes with load_format null")
+        if load_format not in TENSOR_LOAD_FORMATS:
+            return False, (f"load_format={load_format!r} is not supported by the reference server "
+                           f"(use one of {list(TENSOR_LOAD_FORMATS)})")
         if not isinstance(serialized_named_tensors, list) or not serialized_named_tensors:
-            return False, "serialized_named_tensors must be a non-empty list of base64 strings"
+            return False, ("serialized_named_tensors must be a non-empty list (one serialized payload "
+                           "per TP rank)")
+        blob = serialized_named_tensors[0]
+        if not isinstance(blob, str):
+            return False, ("serialized_named_tensors[0] must be base64 text (SGLang MultiprocessingSerializer "
+                           f"output_str=True), got {type(blob).__name__}")
         try:
-            named: list[tuple[str, torch.Tensor]] = []
-            for k, blob in enumerate(serialized_named_tensors):
-                if not isinstance(blob, str):
-                    raise ValueError(f"serialized_named_tensors[{k}] must be base64 text of safetensors bytes")
-                named.extend(st_load(base64.b64decode(blob)).items())
-        except Exception as e:  # malformed base64 / safetensors header
-            return False, f"could not decode serialized_named_tensors: {e}"
+            raw = base64.b64decode(blob, validate=True)
+            if raw[:1] != b"\x80" and raw[8:9] == b"{" and load_format in (None, "direct"):
+                from safetensors.torch import load as st_load  # moerl's earlier wire format
+
+                named = list(st_load(raw).items())
+            else:
+                named = named_tensors_from_payload(deserialize(raw), load_format)
+        except Exception as e:  # malformed base64 / pickle / payload shape
+            return False, f"could not decode serialized_named_tensors[0]: {e}"
         return self._apply_bucket(named, weight_version, "update_weights_from_tensor")
 
     # ------------------------------------------------------------------ distributed weight sync
@@ -252,6 +274,8 @@ class WeightUpdater:
                                   backend: str = "gloo") -> tuple[bool, str]:
         """Join the trainer's weight update group as rank ``rank_offset`` (SGLang
         InitWeightsUpdateGroupReqInput; this server is one tp rank, so rank = rank_offset + 0).
+        master_port, rank_offset and world_size may be ints or strings of ints ("29500"), as
+        SGLang's pydantic body coerces them.
 
         Built like SGLang's ``init_custom_process_group``: tcp:// rendezvous at
         master_address:master_port (the trainer, rank 0, hosts the TCPStore), the store prefixed with
@@ -270,9 +294,15 @@ class WeightUpdater:
             return False, "group_name must be a non-empty string"
         if group_name in self._update_groups:
             return False, f"weight update group {group_name!r} already exists; destroy it first"
+        ints = {}
         for key, v in (("master_port", master_port), ("rank_offset", rank_offset), ("world_size", world_size)):
+            # SGLang's pydantic body coerces integer strings ("29500"); so does this server
+            if isinstance(v, str) and v.strip().lstrip("+-").isdigit():
+                v = int(v)
             if not is_int(v):
-                return False, f"{key} must be an integer, got {v!r}"
+                return False, f"{key} must be an integer (or a string of one), got {v!r}"
+            ints[key] = int(v)
+        master_port, rank_offset, world_size = ints["master_port"], ints["rank_offset"], ints["world_size"]
         if not 1 <= rank_offset < world_size:
             return False, f"rank_offset {rank_offset} must lie in 1..world_size-1 ({world_size - 1}); 0 is the trainer"
         timeout = datetime.timedelta(seconds=float(os.environ.get("MOERL_WEIGHT_SYNC_TIMEOUT_S", "600")))
@@ -307,15 +337,18 @@ class WeightUpdater:
 
     def update_weights_from_distributed(self, names: list, dtypes: list, shapes: list,
                                         group_name: str = "weight_update_group",
-                                        weight_version: Optional[str] = None) -> tuple[bool, str]:
+                                        weight_version: Optional[str] = None,
+                                        load_format: Optional[str] = None) -> tuple[bool, str]:
         """Receive one bucket by broadcast from rank 0 of ``group_name`` and apply it (SGLang
         UpdateWeightsFromDistributedReqInput: tensor i is torch.empty(shapes[i], dtype=getattr(torch,
         dtypes[i])) filled by a broadcast from rank 0, in ``names`` order).
 
-        Every tensor is received before anything is checked against the model, so the group stays in
-        step even when the bucket is then refused. Publishing ``weight_version`` follows
-        :meth:`update_weights_from_tensor` (only if the buckets since the last publish covered every
-        parameter). Returns (success, message).
+        With ``load_format="flattened_bucket"`` the bucket arrives as ONE uint8 broadcast of every
+        tensor's bytes back to back in ``names`` order (SGLang ModelRunner
+        ``_update_bucketed_weights_from_distributed`` / FlattenedTensorBucket); otherwise one
+        broadcast per tensor. Every tensor is received before anything is checked against the model,
+        so the group stays in step even when the bucket is then refused. ``weight_version`` is set
+        on success (SGLang semantics, see the module doc). Returns (success, message).
         """
         import torch.distributed as tdist
 
@@ -334,24 +367,37 @@ class WeightUpdater:
             if not isinstance(s, list) or not all(is_int(x) and x >= 0 for x in s):
                 return False, f"shape of {n!r} must be a list of non-negative ints, got {s!r}"
             specs.append((n, dt, s))
+        if load_format not in (None, "auto", "flattened_bucket"):
+            return False, (f"load_format={load_format!r} is not supported by the reference server "
+                           f"(use null or 'flattened_bucket')")
         try:
             named = [(n, torch.empty(s, dtype=dt)) for n, dt, s in specs]
+            if load_format == "flattened_bucket" and named:
+                from moerl.rollout.tensor_serde import flatten_bucket
+
+                flat, meta = flatten_bucket(named)
+                bufs = [flat]
+            else:
+                bufs = [t for _, t in named]
             works = []
-            for _, t in named:
+            for t in bufs:
                 opts = tdist.BroadcastOptions()
                 opts.rootRank = 0
                 works.append(pg.broadcast([t], opts))
             for w in works:
                 w.wait()
+            if load_format == "flattened_bucket" and named:
+                named = [(m.name, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)) for m in meta]
         except Exception as e:
             return False, (f"Failed to update parameter online: {e}. The weights may be partially updated; "
                            f"discard them.")
         return self._apply_bucket(named, weight_version, "update_weights_from_distributed")
 
     def _apply_bucket(self, named: list, weight_version: Optional[str], endpoint: str) -> tuple[bool, str]:
-        """Apply one bucket of HF-named tensors; with ``weight_version`` publish it, but only if the
-        buckets since the last published version covered every model weight (else refuse and keep
-        the old version). Returns SGLang's (success, message)."""
+        """Apply one bucket of HF-named tensors (all or none of it); on success set
+        ``weight_version`` when given (SGLang TokenizerManager ``_update_weight_version_if_provided``:
+        every successful call carrying a version sets it). The message says when the updates since
+        the last version did not cover every model weight. Returns SGLang's (success, message)."""
         with self._model_lock:
             try:
                 self._pending_cover |= self.mapper.apply(named)
@@ -361,10 +407,9 @@ class WeightUpdater:
             if weight_version is not None:
                 missing = self.mapper.missing(self._pending_cover)
                 self._pending_cover = set()
-                if missing:
-                    return False, (f"weight_version {weight_version!r} not published: the updates since "
-                                   f"the last version did not cover {len(missing)} model weights, e.g. "
-                                   f"{missing[:8]}")
                 self.weight_version = str(weight_version)
                 msg += f" Weight version updated to {weight_version}."
+                if missing:
+                    msg += (f" (The updates since the previous version left {len(missing)} model weights "
+                            f"as they were, e.g. {missing[:4]}.)")
         return True, msg

@@ -256,14 +256,15 @@ def create_app(engine: ReferenceEngine, server_args: Optional[dict] = None):
         if not isinstance(body, dict) or any(k not in body for k in ("names", "dtypes", "shapes")):
             return JSONResponse({"success": False, "message": "body needs names, dtypes, shapes (+ group_name)"},
                                 status_code=400)
-        if body.get("load_format") not in (None, "auto"):
+        if body.get("load_format") not in (None, "auto", "flattened_bucket"):
             return JSONResponse({"success": False, "message": f"load_format={body['load_format']!r} is not "
-                                 f"supported by the reference server (use null)"}, status_code=400)
+                                 f"supported by the reference server (use null or 'flattened_bucket')"},
+                                status_code=400)
         if body.get("abort_all_requests"):
             engine.abort(abort_all=True)
         ok, msg = await run_in_threadpool(
             engine.update_weights_from_distributed, body["names"], body["dtypes"], body["shapes"],
-            body.get("group_name", "weight_update_group"), body.get("weight_version"))
+            body.get("group_name", "weight_update_group"), body.get("weight_version"), body.get("load_format"))
         return JSONResponse({"success": ok, "message": msg}, status_code=200 if ok else 400)
 
     @app.post("/pause_generation")
@@ -329,6 +330,9 @@ def create_app(engine: ReferenceEngine, server_args: Optional[dict] = None):
         engine.abort(rid=body.get("rid") or None, abort_all=bool(body.get("abort_all", False)))
         return Response(status_code=200)
 
+    from moerl.rollout.server_routes import install_extra_routes  # info aliases, profiler, OpenAI API
+
+    install_extra_routes(app, engine, args)
     return app
 
 

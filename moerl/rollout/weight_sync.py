@@ -5,11 +5,12 @@ and all ending with every server reporting the new ``weight_version`` on /get_mo
   * disk:   write an HF safetensors directory per version (atomically), sharded into files of about
             ``bucket_bytes`` (``model.safetensors.index.json``), POST /update_weights_from_disk
             {model_path, weight_version} to each server, keep only the new and previous directories.
-  * tensor: POST /update_weights_from_tensor per bucket; each element of serialized_named_tensors is
-            base64 text of safetensors bytes (the moerl reference server's wire format; real SGLang
-            expects its own MultiprocessingSerializer and needs another sender). weight_version rides
-            on the last bucket; the reference server then checks that the buckets covered every
-            parameter.
+  * tensor: POST /update_weights_from_tensor per bucket in SGLang's own wire format (load_format null,
+            serialized_named_tensors = one MultiprocessingSerializer payload per TP rank of the
+            server, as /get_server_info's tp_size says; see moerl.rollout.tensor_serde), so the same
+            sender feeds real SGLang and the reference server. Tensors travel inline (CPU copies in
+            the pickle), not as CUDA IPC handles: the server may be on another machine.
+            weight_version rides on the last bucket (SGLang sets it on that call).
   * distributed: SGLang's NCCL/gloo path. Once: POST /init_weights_update_group {master_address,
             master_port, rank_offset, world_size, group_name, backend} to every server while the
             trainer joins the same group as rank 0 (:class:`DistributedWeightUpdater`). Per bucket:
@@ -191,10 +192,34 @@ def sync_weights_from_disk(server_urls: Sequence[str], hf_state_dict: Mapping[st
 
 
 def serialize_bucket(named_tensors: Mapping[str, torch.Tensor]) -> str:
-    """base64 text of ``safetensors.torch.save(named_tensors)`` (reference-server wire format)."""
+    """base64 text of ``safetensors.torch.save(named_tensors)``: moerl's earlier wire format, which
+    the reference server still reads (real SGLang does not; :func:`sync_weights_from_tensor` sends
+    SGLang's format, moerl.rollout.tensor_serde.serialize_named_tensors)."""
     from safetensors.torch import save
 
     return base64.b64encode(save(dict(named_tensors))).decode("ascii")
+
+
+def server_tp_sizes(server_urls: Sequence[str], *, timeout_s: float = 30.0,
+                    http_client: Optional[httpx.Client] = None) -> list[int]:
+    """tp_size of each server from GET /get_server_info (SGLang ServerArgs.tp_size; 1 when absent).
+
+    Raises:
+        WeightSyncError: a server did not answer (names it).
+    """
+    out = []
+    client = http_client or httpx.Client(timeout=timeout_s, trust_env=False)
+    try:
+        for url in server_urls:
+            try:
+                info = client.get(url.rstrip("/") + "/get_server_info").json()
+            except (httpx.HTTPError, ValueError) as e:
+                raise WeightSyncError(f"{url}/get_server_info failed: {type(e).__name__}: {e}") from e
+            out.append(max(1, int(info.get("tp_size") or 1)))
+    finally:
+        if http_client is None:
+            client.close()
+    return out
 
 
 def make_buckets(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[dict[str, torch.Tensor]]:
@@ -219,14 +244,17 @@ def make_buckets(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> list
 def sync_weights_from_tensor(server_urls: Sequence[str], hf_state_dict: Mapping[str, torch.Tensor],
                              weight_version: str, bucket_bytes: int = 64 << 20, *, timeout_s: float = 600.0,
                              http_client: Optional[httpx.Client] = None) -> int:
-    """Send the weights in buckets via /update_weights_from_tensor (reference-server format).
+    """Send the weights in buckets via /update_weights_from_tensor in SGLang's wire format
+    (UpdateWeightsFromTensorReqInput; load_format null; one MultiprocessingSerializer payload per TP
+    rank of each server, tp_size read from /get_server_info once per call).
 
     Every bucket goes to every server before the next one; the last bucket carries weight_version
-    and flush_cache=True. Returns the number of buckets sent (0, nothing serialized, when
-    ``server_urls`` is empty).
+    and flush_cache=True. The servers apply what they get (SGLang semantics): ``hf_state_dict``
+    must cover every weight the servers should change. Returns the number of buckets sent (0,
+    nothing serialized, when ``server_urls`` is empty).
     Raises:
-        WeightSyncError: a server refused a bucket (e.g. unknown name, or the buckets did not cover
-            every parameter) or reports another weight_version afterwards.
+        WeightSyncError: a server refused a bucket (e.g. an unknown name) or /get_server_info, or
+            reports another weight_version afterwards.
     """
     if not isinstance(weight_version, str) or not weight_version:
         raise ValueError(f"weight_version must be a non-empty string, got {weight_version!r}")
@@ -235,11 +263,18 @@ def sync_weights_from_tensor(server_urls: Sequence[str], hf_state_dict: Mapping[
         raise ValueError("hf_state_dict is empty")
     if not server_urls:  # nothing to send to (e.g. every server restarting: the restorer catches them up)
         return 0
+    from moerl.rollout.tensor_serde import serialize_named_tensors
+
+    by_tp: dict[int, list[str]] = {}
+    for url, tp in zip(server_urls, server_tp_sizes(server_urls, timeout_s=timeout_s, http_client=http_client)):
+        by_tp.setdefault(tp, []).append(url)
     for k, bucket in enumerate(buckets):  # one bucket on the CPU at a time
         last = k == len(buckets) - 1
-        payload = {"serialized_named_tensors": [serialize_bucket(_cpu_tensors(bucket))], "load_format": None,
-                   "flush_cache": last, "weight_version": weight_version if last else None}
-        _post_all(server_urls, "/update_weights_from_tensor", payload, timeout_s, http_client)
+        blob = serialize_named_tensors(bucket)[0]
+        for tp, urls in by_tp.items():
+            payload = {"serialized_named_tensors": [blob] * tp, "load_format": None,
+                       "flush_cache": last, "weight_version": weight_version if last else None}
+            _post_all(urls, "/update_weights_from_tensor", payload, timeout_s, http_client)
     verify_weight_version(server_urls, weight_version, http_client=http_client)
     return len(buckets)
 

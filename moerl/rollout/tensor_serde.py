@@ -1,0 +1,261 @@
+"""SGLang's wire format for /update_weights_from_tensor: MultiprocessingSerializer payloads.
+
+SGLang 0.5.9 (``sglang.srt.utils.common.MultiprocessingSerializer``) sends tensors as base64 text of
+a pickle written by ``multiprocessing.reduction.ForkingPickler``; ``serialized_named_tensors`` of
+``UpdateWeightsFromTensorReqInput`` holds one such string per TP rank, and TP rank r unpickles
+element r (``sglang.srt.managers.tp_worker``). What the pickle holds depends on ``load_format``:
+
+  * ``None`` / ``"direct"``: a list of ``(name, tensor)`` pairs (HF on-disk names); a tensor may be
+    wrapped in ``LocalSerializedTensor`` (``values``: one nested serialized tensor per rank).
+  * ``"flattened_bucket"``: ``{"flattened_tensor": uint8 [N], "metadata": [FlattenedTensorMetadata
+    (name, shape, dtype, start_idx, end_idx, numel)]}`` (``sglang.srt.weight_sync.tensor_bucket``):
+    tensor i is ``flattened_tensor[start_idx:end_idx].view(dtype).reshape(shape)``.
+
+A tensor inside the pickle is either inline (plain pickling: ``torch._utils._rebuild_tensor_v2`` on
+bytes; what :func:`serialize_named_tensors` writes, readable by SGLang and by this module on any
+machine), or a same-host shared-memory handle (ForkingPickler with torch.multiprocessing's
+reducers: a CPU storage by file descriptor or file name; a CUDA tensor by CUDA IPC handle, which a
+CPU server cannot open: refused with a clear error).
+
+Trust: unpickling data from the network is what SGLang does, and it is only as safe as the network.
+:func:`deserialize` resolves only an allow-list of exact globals (tensor / storage rebuilders,
+dtypes, ``torch.Size``, ``OrderedDict`` and stand-ins for SGLang's two payload classes; it replaces
+``torch.storage._load_from_bytes`` by a ``torch.load(weights_only=True)``), so a payload cannot
+name arbitrary callables; but the server must still listen only on addresses that trusted trainers
+reach (``--host``: loopback or a private cluster network), as SGLang's must.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import pickle
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Optional, Union
+
+import torch
+
+__all__ = ["FlattenedTensorMetadata", "LocalSerializedTensor", "TENSOR_LOAD_FORMATS", "deserialize",
+           "flatten_bucket", "named_tensors_from_payload", "serialize", "serialize_named_tensors"]
+
+#: load_format values of /update_weights_from_tensor that the reference server reads.
+TENSOR_LOAD_FORMATS = (None, "direct", "flattened_bucket")
+
+
+@dataclass
+class FlattenedTensorMetadata:
+    """Stand-in for ``sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata`` (same fields):
+    tensor ``name`` is bytes ``start_idx:end_idx`` (``numel`` bytes) of the flattened uint8 bucket,
+    viewed as ``dtype`` and reshaped to ``shape``."""
+
+    name: str
+    shape: Any
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int
+
+
+@dataclass
+class LocalSerializedTensor:
+    """Stand-in for ``sglang.srt.model_executor.model_runner.LocalSerializedTensor``: ``values[r]``
+    is the serialized tensor for TP rank r (what verl sends per tensor)."""
+
+    values: list
+
+    def get(self, rank: int) -> torch.Tensor:
+        """The tensor of TP rank ``rank`` (ValueError when there is no such element)."""
+        if not 0 <= rank < len(self.values):
+            raise ValueError(f"LocalSerializedTensor has {len(self.values)} values, no rank {rank}")
+        return deserialize(self.values[rank])
+
+
+def _load_storage_bytes(b: bytes):
+    # torch.storage._load_from_bytes unpickles with weights_only=False; a storage needs no more than this
+    return torch.load(io.BytesIO(b), weights_only=True)
+
+
+def _no_cuda_ipc(*args, **kwargs):
+    raise ValueError("the payload holds CUDA tensors (CUDA IPC handles), which the CPU reference server "
+                     "cannot open; serialize CPU tensors (e.g. moerl.rollout.tensor_serde.serialize_named_tensors)")
+
+
+def _allowed() -> dict[tuple[str, str], Any]:
+    import collections
+
+    import torch._utils as tu
+    import torch.multiprocessing.reductions as red
+
+    table: dict[tuple[str, str], Any] = {
+        ("collections", "OrderedDict"): collections.OrderedDict,
+        ("torch._utils", "_rebuild_tensor_v2"): tu._rebuild_tensor_v2,
+        ("torch._utils", "_rebuild_tensor"): tu._rebuild_tensor,
+        ("torch._utils", "_rebuild_parameter"): tu._rebuild_parameter,
+        ("torch.storage", "_load_from_bytes"): _load_storage_bytes,
+        ("torch", "Size"): torch.Size, ("torch", "Tensor"): torch.Tensor,
+        ("torch", "UntypedStorage"): torch.UntypedStorage, ("torch", "device"): torch.device,
+        ("torch._tensor", "_rebuild_from_type_v2"): torch._tensor._rebuild_from_type_v2,
+        ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
+        ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"): _no_cuda_ipc,
+        ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"): FlattenedTensorMetadata,
+        ("sglang.srt.model_executor.model_runner", "LocalSerializedTensor"): LocalSerializedTensor,
+        ("moerl.rollout.tensor_serde", "FlattenedTensorMetadata"): FlattenedTensorMetadata,
+        ("moerl.rollout.tensor_serde", "LocalSerializedTensor"): LocalSerializedTensor,
+    }
+    for n in ("rebuild_tensor", "rebuild_storage_fd", "rebuild_storage_filename", "rebuild_typed_storage",
+              "rebuild_storage_empty", "rebuild_typed_storage_child"):  # same-host shared memory (CPU)
+        if hasattr(red, n):
+            table[("torch.multiprocessing.reductions", n)] = getattr(red, n)
+    try:
+        from multiprocessing.resource_sharer import DupFd
+
+        table[("multiprocessing.resource_sharer", "DupFd")] = DupFd
+    except ImportError:  # pragma: no cover - not on this platform
+        pass
+    for n in ("list", "dict", "tuple", "set", "frozenset", "int", "float", "str", "bytes", "bool", "object"):
+        table[("builtins", n)] = __builtins__[n] if isinstance(__builtins__, dict) else getattr(__builtins__, n)
+    return table
+
+
+_ALLOWED: Optional[dict] = None
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        global _ALLOWED
+        if _ALLOWED is None:
+            _ALLOWED = _allowed()
+        got = _ALLOWED.get((module, name))
+        if got is None and module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            got = getattr(torch, name)
+        if got is None:
+            raise ValueError(f"the payload names {module}.{name}, which the reference server does not "
+                             f"unpickle (only tensors, storages, dtypes and SGLang's bucket classes)")
+        return got
+
+
+def deserialize(data: Union[str, bytes]) -> Any:
+    """Read one MultiprocessingSerializer payload (base64 text, or the raw pickle bytes).
+
+    Implements the reading side of SGLang's ``MultiprocessingSerializer.deserialize`` with an
+    allow-list of globals (see the module docstring for the trust assumption).
+    Raises:
+        ValueError: not base64, not a pickle, or a pickle naming a global outside the allow-list
+            (the message names it); CUDA IPC handles.
+    """
+    if isinstance(data, str):
+        try:
+            data = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise ValueError(f"not base64 text: {e}") from e
+    if not isinstance(data, (bytes, bytearray)):
+        raise ValueError(f"expected base64 text or bytes, got {type(data).__name__}")
+    try:
+        return _RestrictedUnpickler(io.BytesIO(data)).load()
+    except ValueError:
+        raise
+    except Exception as e:  # truncated / corrupt pickle, failed storage rebuild
+        raise ValueError(f"could not unpickle the payload: {type(e).__name__}: {e}") from e
+
+
+def _unflatten(bucket: Any) -> list[tuple[str, torch.Tensor]]:
+    if not isinstance(bucket, dict) or "flattened_tensor" not in bucket or "metadata" not in bucket:
+        raise ValueError('load_format "flattened_bucket" needs a dict {"flattened_tensor", "metadata"}, '
+                         f"got {type(bucket).__name__}")
+    flat, meta = bucket["flattened_tensor"], bucket["metadata"]
+    if not isinstance(flat, torch.Tensor) or flat.dim() != 1:
+        raise ValueError("flattened_tensor must be a 1-D tensor")
+    flat = flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+    out = []
+    for m in meta:
+        for f in ("name", "shape", "dtype", "start_idx", "end_idx"):
+            if not hasattr(m, f):
+                raise ValueError(f"flattened bucket metadata entry lacks {f!r}")
+        if not 0 <= m.start_idx <= m.end_idx <= flat.numel():
+            raise ValueError(f"flattened bucket metadata of {m.name!r}: bytes {m.start_idx}:{m.end_idx} "
+                             f"outside the {flat.numel()}-byte bucket")
+        try:
+            out.append((m.name, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(tuple(m.shape))))
+        except RuntimeError as e:
+            raise ValueError(f"flattened bucket tensor {m.name!r}: {e}") from e
+    return out
+
+
+def named_tensors_from_payload(obj: Any, load_format: Optional[str] = None,
+                               tp_rank: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """The ``(name, tensor)`` list of one deserialized payload, as SGLang's ModelRunner reads it.
+
+    Args:
+        obj: what :func:`deserialize` returned for this rank's element.
+        load_format: None or "direct" (a list of (name, tensor | LocalSerializedTensor)) or
+            "flattened_bucket" (a dict flattened_tensor + metadata, see the module docstring).
+        tp_rank: rank whose value a LocalSerializedTensor yields.
+    Raises:
+        ValueError: another load_format, or a payload of the wrong shape (message names it).
+    """
+    if load_format == "flattened_bucket":
+        return _unflatten(obj)
+    if load_format not in (None, "direct"):
+        raise ValueError(f"load_format={load_format!r} is not supported; use one of {list(TENSOR_LOAD_FORMATS)}")
+    if isinstance(obj, Mapping):  # a dict {name: tensor} is accepted as well (same pairs)
+        obj = list(obj.items())
+    if not isinstance(obj, (list, tuple)):
+        raise ValueError(f"the payload must be a list of (name, tensor) pairs, got {type(obj).__name__}")
+    out = []
+    for k, pair in enumerate(obj):
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and isinstance(pair[0], str)):
+            raise ValueError(f"payload element {k} must be a (name, tensor) pair")
+        name, t = pair
+        if isinstance(t, LocalSerializedTensor):
+            t = t.get(tp_rank)
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"payload element {k} ({name!r}) holds a {type(t).__name__}, not a tensor")
+        out.append((name, t))
+    return out
+
+
+def serialize(obj: Any) -> str:
+    """base64 text of a plain pickle of ``obj`` with tensors inline (SGLang's
+    ``MultiprocessingSerializer.serialize(obj, output_str=True)`` reads the same bytes; no shared
+    memory, so the receiver may be on another machine). Tensors must be on the CPU."""
+    buf = io.BytesIO()
+    pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def serialize_named_tensors(named: Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]],
+                            tp_size: int = 1) -> list[str]:
+    """``serialized_named_tensors`` for /update_weights_from_tensor with load_format null: one
+    identical element per TP rank of the receiving server (SGLang gives element r to TP rank r).
+
+    Args:
+        named: {HF name: tensor} or (name, tensor) pairs; any dtype, any device (copied to the CPU,
+            contiguous).
+        tp_size: TP size of the receiving server (>= 1).
+    Raises:
+        ValueError: tp_size < 1.
+    """
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    items = list(named.items()) if isinstance(named, Mapping) else list(named)
+    blob = serialize([(n, t.detach().to("cpu").contiguous()) for n, t in items])
+    return [blob] * tp_size
+
+
+def flatten_bucket(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list[FlattenedTensorMetadata]]:
+    """Flatten tensors into one uint8 tensor [sum of bytes] plus metadata, the layout of SGLang's
+    FlattenedTensorBucket (tensor bytes back to back in order). Used by load_format
+    "flattened_bucket" of /update_weights_from_distributed (one broadcast per bucket).
+    Raises:
+        ValueError: no tensors.
+    """
+    meta, parts, at = [], [], 0
+    for name, t in named:
+        b = t.contiguous().reshape(-1).view(torch.uint8)
+        meta.append(FlattenedTensorMetadata(name, tuple(t.shape), t.dtype, at, at + b.numel(), b.numel()))
+        parts.append(b)
+        at += b.numel()
+    if not parts:
+        raise ValueError("cannot flatten an empty bucket")
+    return torch.cat(parts), meta
