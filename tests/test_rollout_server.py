@@ -188,7 +188,9 @@ def test_stop_token_included_and_generation_stops(shared, ref_models):
     for o in outs:
         ids = o["output_ids"]
         assert EOS not in ids[:-1]
-        assert (o["meta_info"]["finish_reason"]["type"] == "stop") == (bool(ids) and ids[-1] == EOS)
+        # SGLang checks max_new_tokens before the stop tokens: eos as the 20th token is "length"
+        ends_on_eos = bool(ids) and ids[-1] == EOS
+        assert (o["meta_info"]["finish_reason"]["type"] == "stop") == (ends_on_eos and len(ids) < 20)
 
 
 def test_parallel_sampling_n_and_text_input(shared):
@@ -201,13 +203,25 @@ def test_parallel_sampling_n_and_text_input(shared):
 
 @pytest.mark.parametrize("body,needle", [
     ({"input_ids": [4, 5], "sampling_params": {"temprature": 1.0}}, "temprature"),
-    ({"input_ids": [4, 5], "sampling_params": {"stop": ["x"]}}, "stop"),
+    ({"input_ids": [4, 5], "sampling_params": {"stop": 5}}, "sampling_params.stop"),
+    ({"input_ids": [4, 5], "sampling_params": {"stop": ["x", 1]}}, "sampling_params.stop"),
+    ({"input_ids": [4, 5], "sampling_params": {"frequency_penalty": 2.5}}, "sampling_params.frequency_penalty"),
+    ({"input_ids": [4, 5], "sampling_params": {"presence_penalty": -3}}, "sampling_params.presence_penalty"),
+    ({"input_ids": [4, 5], "sampling_params": {"repetition_penalty": 2.1}}, "sampling_params.repetition_penalty"),
+    ({"input_ids": [4, 5], "sampling_params": {"stream_interval": 0}}, "sampling_params.stream_interval"),
+    ({"input_ids": [4, 5], "return_logprob": True, "logprob_start_len": 3}, "logprob_start_len"),
+    ({"input_ids": [4, 5], "return_logprob": True, "logprob_start_len": -2}, "logprob_start_len"),
+    ({"input_ids": [4, 5], "return_logprob": True, "top_logprobs_num": -1}, "top_logprobs_num"),
+    ({"input_ids": [4, 5], "return_logprob": True, "token_ids_logprob": [4, 999]}, "token_ids_logprob"),
+    ({"input_ids": [[4, 5], [6]], "return_logprob": True, "top_logprobs_num": [1]}, "top_logprobs_num"),
+    ({"input_ids": [4, 5], "return_logprob": True, "token_ids_logprob": [[4]], "sampling_params": {"n": 2}},
+     "token_ids_logprob"),
     ({"input_ids": [4, 5], "sampling_params": {"top_p": 0.0}}, "top_p"),
     ({"input_ids": [4, 5], "sampling_params": {"top_k": 0}}, "top_k"),
     ({"input_ids": [4, 5], "text": "1"}, "exactly one"),
     ({"input_ids": [4, 999]}, "vocabulary"),
     ({"input_ids": [[4, 5], [6]], "sampling_params": [{}]}, "one per prompt"),
-    ({"input_ids": [4, 5], "stream": True}, "stream"),
+    ({"input_ids": [4, 5], "sampling_params": {"stop_regex": "x+"}}, "stop_regex"),
 ])
 def test_bad_requests_name_the_field(shared, body, needle):
     _, client = shared
@@ -225,6 +239,229 @@ def test_info_endpoints(shared, ckpts):
     assert info["weight_version"] == "default"
     assert client.get("/get_server_info").json()["weight_version"] == "default"
     assert client.post("/flush_cache").status_code == 200
+
+
+# ----------------------------------------------------------------------------- SGLang fields: stop strings,
+# penalties, log-prob options, streaming (each was refused with HTTP 400 before; semantics of sglang 0.5.9)
+
+
+def _reference_decode(model, tok, prompt, max_new, *, T=0.0, seed=None, freq=0.0, pres=0.0,
+                      stop_ids=(EOS,), stop_strs=()):
+    """Independent reference from the HF model's logits: one full forward per step (no KV cache),
+    SGLang's penalties on the raw logits (count * frequency_penalty + presence_penalty over the tokens
+    generated so far), greedy argmax or the server's documented sampling (inverse CDF in vocabulary
+    order at uniforms torch.rand(max_new, Generator(seed), float64)), and SGLang's finish order
+    (length, stop token, stop string in the decoded tail of stop_str_max_len + 2 tokens).
+    Returns (tokens, logprobs, per-step log-prob vectors [V], finish_reason)."""
+    u = torch.rand(max_new, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) if T > 0 else None
+    max_len = max((len(tok.encode(x, add_special_tokens=False)) for x in stop_strs), default=0)
+    out, lps, dists, counts = [], [], [], None
+    for t in range(max_new):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + out])).logits[0, -1].float()
+        counts = torch.zeros_like(logits) if counts is None else counts
+        logits = logits - freq * counts - pres * (counts > 0).float()
+        if T == 0:
+            logp = torch.log_softmax(logits, -1)
+            nxt = int(torch.argmax(logits))
+        else:
+            logp = torch.log_softmax(logits / T, -1)
+            cdf = torch.softmax(logits / T, -1).double().cumsum(0)
+            nxt = min(int(torch.searchsorted(cdf, (u[t] * cdf[-1]).reshape(1), right=True)), len(cdf) - 1)
+        out.append(nxt)
+        lps.append(float(logp[nxt]))
+        dists.append(logp)
+        counts[nxt] += 1
+        n = len(out)
+        if n >= max_new:
+            return out, lps, dists, {"type": "length", "length": max_new}
+        if nxt in stop_ids:
+            return out, lps, dists, {"type": "stop", "matched": nxt}
+        tail = tok.decode(out[-min(max_len + 2, n):]) if stop_strs else ""
+        hit = [x for x in stop_strs if x in tail]
+        if hit:
+            return out, lps, dists, {"type": "stop", "matched": hit[0]}
+    raise AssertionError("unreachable")
+
+
+def _stop_string_from(tok, free, start=2, fresh=False):
+    """A 2-character stop string taken from a free-running response (plain characters only; with
+    ``fresh`` its first character does not occur earlier, so no earlier chunk is held back)."""
+    j = next(j for j in range(start, len(free) - 1) if free[j] > 2 and free[j + 1] > 2
+             and not (fresh and free[j] in free[:j]))
+    return tok.decode(free[j: j + 2])
+
+
+@pytest.mark.parametrize("T,seed,freq,pres", [(0.0, None, 0.0, 0.0), (0.0, None, 0.8, 0.5),
+                                               (1.0, 5, 0.6, 0.0), (0.8, 9, -0.5, 1.0)])
+def test_stop_strings_and_penalties_match_reference(shared, ref_models, T, seed, freq, pres):
+    engine, client = shared
+    model, tok, prompt = ref_models[0], engine.tokenizer, PROMPTS[0]
+    free, *_ = _reference_decode(model, tok, prompt, 24, T=T, seed=seed, freq=freq, pres=pres, stop_ids=())
+    stop = _stop_string_from(tok, free)
+    stops = ["never-there", stop]
+    ref, ref_lps, _, finish = _reference_decode(model, tok, prompt, 24, T=T, seed=seed, freq=freq, pres=pres,
+                                                stop_strs=tuple(stops))
+    sp = {"temperature": T, "max_new_tokens": 24, "stop": stops, "frequency_penalty": freq,
+          "presence_penalty": pres}
+    if seed is not None:
+        sp["sampling_seed"] = seed
+    out = _gen(client, {"input_ids": prompt, "sampling_params": sp, "return_logprob": True})
+    assert out["output_ids"] == ref, (out["output_ids"], ref)
+    assert out["meta_info"]["finish_reason"] == finish
+    got = torch.tensor([e[0] for e in out["meta_info"]["output_token_logprobs"]])
+    assert torch.allclose(got, torch.tensor(ref_lps), atol=1e-5, rtol=0)
+    text = tok.decode(ref, skip_special_tokens=True)
+    if finish.get("matched") == stop:  # SGLang cuts the text (not the ids) at the stop string
+        assert stop in text and out["text"] == text[: text.find(stop)]
+    # no_stop_trim keeps it
+    kept = _gen(client, {"input_ids": prompt, "sampling_params": {**sp, "no_stop_trim": True}})
+    assert kept["output_ids"] == ref and kept["text"] == text
+
+
+def test_penalties_change_the_output_and_repetition_penalty_is_accepted_as_in_sglang(shared):
+    _, client = shared
+    base = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
+    plain = _gen(client, {"input_ids": PROMPTS[1], "sampling_params": base})["output_ids"]
+    pen = _gen(client, {"input_ids": PROMPTS[1], "sampling_params": {**base, "frequency_penalty": 2.0}})["output_ids"]
+    assert pen != plain and max(pen.count(t) for t in set(pen)) <= max(plain.count(t) for t in set(plain))
+    # sglang 0.5.9 validates repetition_penalty ([0, 2]) but has no penalizer for it: same output
+    rep = _gen(client, {"input_ids": PROMPTS[1], "sampling_params": {**base, "repetition_penalty": 1.7}})
+    assert rep["output_ids"] == plain
+
+
+def test_ignore_eos_disables_stop_token_ids_as_in_sglang(shared):
+    _, client = shared
+    base = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
+    free = _gen(client, {"input_ids": PROMPTS[2], "sampling_params": base})["output_ids"]
+    out = _gen(client, {"input_ids": PROMPTS[2], "sampling_params": {**base, "stop_token_ids": [free[3]]}})
+    assert out["output_ids"] == free and out["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
+    cut = _gen(client, {"input_ids": PROMPTS[2], "sampling_params": {**base, "ignore_eos": False,
+                                                                     "stop_token_ids": [free[3]]}})
+    k = cut["meta_info"]["completion_tokens"]
+    assert cut["output_ids"] == free[:k] and cut["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+@pytest.mark.parametrize("start", [0, 2, -1])
+def test_input_and_top_logprobs_match_reference(shared, ref_models, start):
+    """logprob_start_len, top_logprobs_num and token_ids_logprob (SGLang's own tests send
+    logprob_start_len 0): prompt log-probs of the raw logits, output ones of the tempered penalized
+    distribution, in SGLang's [logprob, id, text] entries with None at the first prompt position."""
+    engine, client = shared
+    model, tok, prompt = ref_models[0], engine.tokenizer, PROMPTS[2]
+    T, seed, freq, k, want = 0.7, 21, 0.3, 4, [3, 7]
+    ref, ref_lps, dists, _ = _reference_decode(model, tok, prompt, 10, T=T, seed=seed, freq=freq)
+    body = {"input_ids": prompt, "return_logprob": True, "top_logprobs_num": k, "token_ids_logprob": want,
+            "return_text_in_logprobs": True,
+            "sampling_params": {"temperature": T, "sampling_seed": seed, "max_new_tokens": 10,
+                                "frequency_penalty": freq}}
+    if start != -1:
+        body["logprob_start_len"] = start
+    meta = _gen(client, body)["meta_info"]
+    s = len(prompt) - 1 if start == -1 else start
+    with torch.no_grad():
+        plp = torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0].float(), -1)
+    inp = meta["input_token_logprobs"]
+    assert [e[1] for e in inp] == prompt[s:] and [e[2] for e in inp] == [tok.decode([t]) for t in prompt[s:]]
+    assert inp[0][0] is None and meta["input_top_logprobs"][0] is None and meta["input_token_ids_logprobs"][0] is None
+    for j in range(1, len(prompt) - s):
+        pos = s + j - 1  # the position that predicts prompt[s + j]
+        assert abs(inp[j][0] - float(plp[pos, prompt[s + j]])) < 1e-5
+        top = meta["input_top_logprobs"][j]
+        v, ix = plp[pos].topk(k)
+        assert [e[1] for e in top] == ix.tolist() and torch.allclose(torch.tensor([e[0] for e in top]), v, atol=1e-5)
+        assert [e[1] for e in meta["input_token_ids_logprobs"][j]] == want
+        assert torch.allclose(torch.tensor([e[0] for e in meta["input_token_ids_logprobs"][j]]), plp[pos, want], atol=1e-5)
+    out = meta["output_token_logprobs"]
+    assert [e[1] for e in out] == ref
+    assert torch.allclose(torch.tensor([e[0] for e in out]), torch.tensor(ref_lps), atol=1e-5)
+    assert len(meta["output_top_logprobs"]) == len(meta["output_token_ids_logprobs"]) == len(ref)
+    for t, d in enumerate(dists):
+        v, ix = d.topk(k)
+        top = meta["output_top_logprobs"][t]
+        assert [e[1] for e in top] == ix.tolist() and [e[2] for e in top] == [tok.decode([i]) for i in ix.tolist()]
+        assert torch.allclose(torch.tensor([e[0] for e in top]), v, atol=1e-5)
+        ids = meta["output_token_ids_logprobs"][t]
+        assert [e[1] for e in ids] == want and torch.allclose(torch.tensor([e[0] for e in ids]), d[want], atol=1e-5)
+
+
+def test_prompt_scoring_with_zero_new_tokens(shared, ref_models):
+    """max_new_tokens 0 + logprob_start_len 0: the prompt's log-probs only (prompt scoring)."""
+    _, client = shared
+    prompt = PROMPTS[0]
+    out = _gen(client, {"input_ids": prompt, "return_logprob": True, "logprob_start_len": 0,
+                        "sampling_params": {"max_new_tokens": 0}})
+    with torch.no_grad():
+        plp = torch.log_softmax(ref_models[0](input_ids=torch.tensor([prompt])).logits[0].float(), -1)
+    ref = [None] + [float(plp[j - 1, prompt[j]]) for j in range(1, len(prompt))]
+    got = out["meta_info"]["input_token_logprobs"]
+    assert got[0] == [None, prompt[0], None]
+    assert all(abs(g[0] - r) < 1e-5 for g, r in zip(got[1:], ref[1:]))
+    assert out["output_ids"] == [] and out["meta_info"]["output_token_logprobs"] == []
+
+
+def _sse_events(resp) -> list:
+    """Parse SGLang's server-sent events: 'data: {json}' blocks separated by blank lines, ending 'data: [DONE]'."""
+    import json
+
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+    blocks = resp.text.split("\n\n")
+    assert blocks[-1] == "" and blocks[-2] == "data: [DONE]", resp.text[-200:]
+    assert all(b.startswith("data: ") for b in blocks[:-1])
+    return [json.loads(b[len("data: "):]) for b in blocks[:-2]]
+
+
+def _without_latency(item: dict) -> dict:
+    meta = {k: v for k, v in item["meta_info"].items() if k != "e2e_latency"}
+    return {**item, "meta_info": meta}
+
+
+@pytest.mark.parametrize("sp_extra", [{"temperature": 1.0, "sampling_seed": 4},
+                                      {"temperature": 0.0, "stream_interval": 3}])
+def test_stream_concatenation_equals_non_streamed(shared, sp_extra):
+    engine, client = shared
+    free = _gen(client, {"input_ids": PROMPTS[0], "sampling_params": {**sp_extra, "max_new_tokens": 20,
+                                                                     "ignore_eos": True}})["output_ids"]
+    stop = _stop_string_from(engine.tokenizer, free, start=5, fresh=True)
+    body = {"input_ids": PROMPTS[0], "rid": "s1", "return_logprob": True, "top_logprobs_num": 2,
+            "sampling_params": {**sp_extra, "max_new_tokens": 20, "stop": stop}}
+    full = _gen(client, body)
+    events = _sse_events(client.post("/generate", json={**body, "stream": True}))
+    assert len(events) >= 2 and all("index" not in e for e in events)
+    assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
+    assert _without_latency(events[-1]) == _without_latency(full)
+    # each chunk is the whole result so far (SGLang without --stream-output): the deltas concatenate
+    text, ids = "", []
+    for e in events:
+        assert e["text"].startswith(text) and e["output_ids"][: len(ids)] == ids
+        assert stop not in e["text"]  # a chunk never shows the stop string (SGLang holds it back)
+        text, ids = e["text"], e["output_ids"]
+        assert len(e["meta_info"]["output_token_logprobs"]) == len(ids) == e["meta_info"]["completion_tokens"]
+    assert (text, ids) == (full["text"], full["output_ids"])
+    interval = sp_extra.get("stream_interval")
+    if interval:  # SGLang: a chunk after tokens 1, 1 + interval, ... (plus the final one)
+        assert all(len(e["output_ids"]) % interval == 1 for e in events[:-1])
+
+
+def test_batched_stream_carries_index(shared):
+    _, client = shared
+    body = {"input_ids": PROMPTS[:2], "rid": "b", "sampling_params": {"temperature": 1.0, "sampling_seed": 8,
+                                                          "max_new_tokens": 6, "n": 2}}
+    full = _gen(client, body)
+    events = _sse_events(client.post("/generate", json={**body, "stream": True}))
+    finals = {e["index"]: e for e in events if e["meta_info"]["finish_reason"] is not None}
+    assert sorted(finals) == [0, 1, 2, 3]
+    for i, item in enumerate(full):
+        f = {k: v for k, v in finals[i].items() if k != "index"}
+        assert _without_latency(f) == _without_latency(item)
+
+
+def test_stream_bad_input_is_an_error_event(shared):
+    """SGLang answers 200 and sends {"error": {"message"}} as an event before [DONE]."""
+    _, client = shared
+    events = _sse_events(client.post("/generate", json={"input_ids": [4, 5], "stream": True,
+                                                       "sampling_params": {"top_p": 0.0}}))
+    assert len(events) == 1 and "top_p" in events[0]["error"]["message"]
 
 
 # ----------------------------------------------------------------------------- abort

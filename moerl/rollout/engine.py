@@ -56,6 +56,7 @@ Semantics the trainer relies on:
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import logging
@@ -92,14 +93,14 @@ _SAMPLING_DEFAULTS: dict[str, Any] = {
     "no_stop_trim": False,
     "spaces_between_special_tokens": True,
     "stream_interval": None,
+    "stop": None,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
 }
 # SGLang sampling_params keys accepted only at their no-op value (value -> predicate "is no-op").
 _SAMPLING_NOOP: dict[str, Any] = {
-    "stop": lambda v: v in (None, "", []),
     "stop_regex": lambda v: v in (None, "", []),
-    "frequency_penalty": lambda v: v in (None, 0, 0.0),
-    "presence_penalty": lambda v: v in (None, 0, 0.0),
-    "repetition_penalty": lambda v: v in (None, 1, 1.0),
     "min_new_tokens": lambda v: v in (None, 0),
     "json_schema": lambda v: v is None,
     "regex": lambda v: v is None,
@@ -110,10 +111,6 @@ _SAMPLING_NOOP: dict[str, Any] = {
 }
 # Top-level GenerateReqInput keys accepted only at their no-op value.
 _REQUEST_NOOP: dict[str, Any] = {
-    "stream": lambda v: not v,
-    "logprob_start_len": lambda v: v in (None, -1),
-    "top_logprobs_num": lambda v: v in (None, 0),
-    "token_ids_logprob": lambda v: not v,
     "return_hidden_states": lambda v: not v,
     "input_embeds": lambda v: v is None,
     "image_data": lambda v: not v,
@@ -128,7 +125,14 @@ _REQUEST_IGNORED = {"log_metrics", "routed_dp_rank", "data_parallel_rank", "prio
                     "return_entropy", "no_logs", "received_time", "routing_key", "conversation_id",
                     "background", "return_bytes", "model"}  # the last three are added by sglang-router
 _REQUEST_KEYS = {"text", "input_ids", "sampling_params", "return_logprob", "return_text_in_logprobs",
-                 "rid", "return_routed_experts"}
+                 "rid", "return_routed_experts", "stream", "logprob_start_len", "top_logprobs_num",
+                 "token_ids_logprob"}
+# meta_info keys a /generate answer (or stream chunk) can carry: every one is a key of SGLang's
+# TokenizerManager meta_info (tests/test_sglang_contract.py checks both directions).
+META_INFO_KEYS = frozenset({
+    "id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "weight_version",
+    "e2e_latency", "routed_experts", "input_token_logprobs", "output_token_logprobs",
+    "input_top_logprobs", "output_top_logprobs", "input_token_ids_logprobs", "output_token_ids_logprobs"})
 
 
 # ----------------------------------------------------------------------------- request parsing
@@ -139,7 +143,14 @@ class SamplingSpec:
     """Validated sampling parameters of one item (SGLang semantics).
 
     top_k = 0 and top_p = 1 and min_p = 0 mean no filtering; greedy = temperature < 1e-6.
-    stop_ids: token ids that end the response (stop_token_ids plus eos unless ignore_eos).
+    stop_ids: token ids that end the response (stop_token_ids plus eos; none at all with ignore_eos,
+    as in SGLang's Req._check_token_based_finish).
+    stop_strs: stop strings (sampling_params.stop); stop_str_max_len: the longest one in tokens
+        (SGLang SamplingParams.normalize), which sizes the decoded tail they are searched in.
+    frequency_penalty, presence_penalty: SGLang's penaltylib (subtracted from the logits of tokens
+        already generated in this response: count * frequency_penalty + presence_penalty).
+    repetition_penalty: validated ([0, 2]) and otherwise unused, exactly as in SGLang 0.5.9 (which
+        has no repetition penalizer; only its OpenAI layer and gRPC server pass the field on).
     """
 
     max_new_tokens: int
@@ -151,15 +162,31 @@ class SamplingSpec:
     seed: Optional[int]
     skip_special_tokens: bool
     greedy: bool
+    stop_strs: tuple[str, ...] = ()
+    stop_str_max_len: int = 0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    no_stop_trim: bool = False
+    stream_interval: Optional[int] = None
 
     @property
     def filtered(self) -> bool:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
+    @property
+    def penalized(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
 
 def parse_sampling_params(sp: Optional[dict], *, vocab_size: int, eos_ids: Iterable[int],
-                          where: str = "sampling_params") -> SamplingSpec:
+                          where: str = "sampling_params", tokenizer=None) -> SamplingSpec:
     """Validate one SGLang ``sampling_params`` dict and return a :class:`SamplingSpec`.
+
+    Implements sglang.srt.sampling.sampling_params.SamplingParams (0.5.9): the same keys, defaults,
+    ranges (frequency/presence_penalty in [-2, 2], repetition_penalty in [0, 2], ...) and ``stop``
+    as a string or a list of strings. ``tokenizer`` (a transformers tokenizer, optional) measures the
+    stop strings in tokens as SGLang does; without it their length in characters is used.
 
     Raises:
         ValueError: an unknown key, a key this server implements only at its no-op value, or a value
@@ -190,6 +217,13 @@ def parse_sampling_params(sp: Optional[dict], *, vocab_size: int, eos_ids: Itera
     min_p = get("min_p")
     if not _is_num(min_p) or not (0.0 <= min_p <= 1.0):
         raise ValueError(f"{where}.min_p must be in [0, 1], got {min_p!r}")
+    penalties = {}
+    for key, lo, hi in (("frequency_penalty", -2.0, 2.0), ("presence_penalty", -2.0, 2.0),
+                        ("repetition_penalty", 0.0, 2.0)):
+        v = get(key)
+        if not _is_num(v) or not (lo <= v <= hi):
+            raise ValueError(f"{where}.{key} must be in [{lo:g}, {hi:g}], got {v!r}")
+        penalties[key] = float(v)
     max_new = sp.get("max_new_tokens", _SAMPLING_DEFAULTS["max_new_tokens"])
     if max_new is not None and (not _is_int(max_new) or max_new < 0):
         raise ValueError(f"{where}.max_new_tokens must be an integer >= 0 (or null = up to the "
@@ -200,13 +234,22 @@ def parse_sampling_params(sp: Optional[dict], *, vocab_size: int, eos_ids: Itera
     for t in stop_token_ids:
         if not 0 <= t < vocab_size:
             raise ValueError(f"{where}.stop_token_ids contains {t}, outside the vocabulary [0, {vocab_size})")
+    stop = sp.get("stop")
+    stop_strs = [stop] if isinstance(stop, str) else (stop if stop is not None else [])
+    if not isinstance(stop_strs, (list, tuple)) or not all(isinstance(x, str) for x in stop_strs):
+        raise ValueError(f"{where}.stop must be a string or a list of strings, got {stop!r}")
+    if tokenizer is not None:
+        stop_len = max((len(tokenizer.encode(x, add_special_tokens=False)) for x in stop_strs), default=0)
+    else:
+        stop_len = max((len(x) for x in stop_strs), default=0)
+    stream_interval = sp.get("stream_interval")
+    if stream_interval is not None and (not _is_int(stream_interval) or stream_interval < 1):
+        raise ValueError(f"{where}.stream_interval must be an integer >= 1 or null, got {stream_interval!r}")
     seed = sp.get("sampling_seed")
     if seed is not None and not _is_int(seed):
         raise ValueError(f"{where}.sampling_seed must be an integer or null, got {seed!r}")
     ignore_eos = bool(get("ignore_eos"))
-    stop_ids = set(int(t) for t in stop_token_ids)
-    if not ignore_eos:
-        stop_ids.update(int(t) for t in eos_ids)
+    stop_ids = set() if ignore_eos else set(int(t) for t in stop_token_ids) | set(int(t) for t in eos_ids)
     return SamplingSpec(
         max_new_tokens=-1 if max_new is None else int(max_new),
         temperature=float(temperature),
@@ -217,6 +260,11 @@ def parse_sampling_params(sp: Optional[dict], *, vocab_size: int, eos_ids: Itera
         seed=None if seed is None else int(seed),
         skip_special_tokens=bool(get("skip_special_tokens")),
         greedy=float(temperature) < _GREEDY_EPS,
+        stop_strs=tuple(stop_strs),
+        stop_str_max_len=stop_len,
+        no_stop_trim=bool(get("no_stop_trim")),
+        stream_interval=None if stream_interval is None else int(stream_interval),
+        **penalties,
     )
 
 
@@ -232,12 +280,28 @@ class _RowSampler:
     definitions) on softmax(logits / T_i), and inverts the CDF at uniform u[i, t] drawn in advance
     from torch.Generator(seed_i). Rows without filtering use the CDF in vocabulary order, rows with
     filtering the CDF in descending-probability order; the choice depends on the row only.
-    Recorded: tokens [B, max_new] int64, logprobs [B, max_new] fp32 = log_softmax(logits / T_i)
-    (T_i = 1 when greedy) at the chosen token, before filtering.
+    Penalties (SGLang penaltylib, before temperature): logits_t - frequency_penalty_i * count_i(v)
+    - presence_penalty_i * [count_i(v) > 0], count_i(v) = occurrences of v among row i's tokens
+    0..t-1 of this response (the prompt does not count). Greedy rows take the argmax of these logits.
+    Recorded: tokens [B, max_new] int64, logprobs [B, max_new] fp32 = log_softmax(penalized logits /
+    T_i) (T_i = 1 when greedy) at the chosen token, before filtering (SGLang's Sampler); with
+    ``top_n`` > 0 also top_vals / top_ids [B, max_new, top_n] (the top_n largest of that
+    distribution, descending), and for each row i in ``token_ids`` (row -> list of ids) the
+    log-probs of those ids per step, tokid_vals[i] [max_new, len(ids)].
     """
 
-    def __init__(self, specs: list[SamplingSpec], seeds: list[int], prompt_len: int, max_new: int):
+    def __init__(self, specs: list[SamplingSpec], seeds: list[int], prompt_len: int, max_new: int,
+                 top_n: int = 0, token_ids: Optional[dict[int, list[int]]] = None):
         B = len(specs)
+        self.freq = torch.tensor([s.frequency_penalty for s in specs], dtype=torch.float32)[:, None]
+        self.pres = torch.tensor([s.presence_penalty for s in specs], dtype=torch.float32)[:, None]
+        self.penalized = any(s.penalized for s in specs)
+        self.counts: Optional[torch.Tensor] = None  # [B, V] fp32 once a step ran with penalties
+        self.top_n = int(top_n)
+        self.top_vals = torch.zeros(B, max_new, self.top_n, dtype=torch.float32)
+        self.top_ids = torch.zeros(B, max_new, self.top_n, dtype=torch.long)
+        self.token_ids = {i: torch.tensor(ids, dtype=torch.long) for i, ids in (token_ids or {}).items()}
+        self.tokid_vals = {i: torch.zeros(max_new, len(ids), dtype=torch.float32) for i, ids in self.token_ids.items()}
         self.prompt_len = prompt_len
         self.steps = 0
         self.tokens = torch.zeros(B, max_new, dtype=torch.long)
@@ -259,6 +323,10 @@ class _RowSampler:
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         t = input_ids.shape[1] - self.prompt_len
         logits = scores.float()
+        if self.penalized:
+            if self.counts is None:
+                self.counts = torch.zeros_like(logits)
+            logits = logits - self.freq * self.counts - self.pres * (self.counts > 0).float()
         scaled = logits / self.temps[:, None]
         logp = torch.log_softmax(scaled, dim=-1)
         tokens = torch.argmax(logits, dim=-1)
@@ -283,6 +351,14 @@ class _RowSampler:
             tokens[rows] = idx.gather(1, pos[:, None]).squeeze(1)
         self.tokens[:, t] = tokens
         self.logprobs[:, t] = logp.gather(1, tokens[:, None]).squeeze(1)
+        if self.penalized:
+            self.counts[torch.arange(len(tokens)), tokens] += 1.0
+        if self.top_n:
+            vals, ids = logp.topk(min(self.top_n, logp.shape[1]), dim=-1)
+            self.top_vals[:, t, : vals.shape[1]] = vals
+            self.top_ids[:, t, : ids.shape[1]] = ids
+        for i, ids in self.token_ids.items():
+            self.tokid_vals[i][t] = logp[i, ids]
         self.steps = t + 1
         out = torch.full_like(scores, float("-inf"))
         out.scatter_(1, tokens[:, None], 0.0)
@@ -296,42 +372,101 @@ class _RowSampler:
 
 
 class _RowStop:
-    """transformers StoppingCriteria: row i is done after one of its stop tokens, at its
-    max_new_tokens, or when its item was aborted. Returns a BoolTensor [B].
+    """transformers StoppingCriteria deciding, once per decode step, which rows are finished and why.
 
-    Called by ``model.generate`` once per decode step, after the step's tokens were chosen; first
-    ``on_step(step, rids)`` runs (step = tokens generated per row so far, 1-based; rids = the batch's
-    item ids), so an abort it makes (``ReferenceEngine.step_hook``) takes effect at this very step.
-    An item aborted at step k keeps exactly its first k tokens.
+    Called by ``model.generate`` after each step's tokens were chosen; first ``on_step(step, rids)``
+    runs (step = tokens generated per row so far, 1-based; rids = the batch's item ids), so an abort
+    it makes (``ReferenceEngine.step_hook``) takes effect at this very step. Then, for every row still
+    running, in SGLang's order (Req.check_finished, sglang 0.5.9): max_new_tokens reached ->
+    {"type": "length", "length": max_new}; the new token is a stop id -> {"type": "stop", "matched":
+    id}; a stop string occurs in the decoded tail (the last stop_str_max_len + 2 tokens, stop strings
+    tried in the order given) -> {"type": "stop", "matched": the string}; the item was aborted ->
+    {"type": "abort", "message": "Aborted"} (it keeps exactly its tokens so far). ``finish[i]`` =
+    (tokens kept, finish_reason) once row i finished. Rows that go on and stream get
+    ``on_partial(item, row, n_tokens)`` every stream_interval tokens (SGLang's rule), except while
+    the decoded tail could be the start of a stop string (SGLang withholds those chunks).
+    Returns a BoolTensor [B]: rows that are finished.
     """
 
-    def __init__(self, sampler: _RowSampler, items: list["_Item"],
-                 on_step: Optional[Callable[[int, list[str]], None]] = None):
+    def __init__(self, sampler: _RowSampler, items: list["_Item"], tokenizer=None,
+                 on_step: Optional[Callable[[int, list[str]], None]] = None,
+                 on_partial: Optional[Callable[["_Item", int, int], None]] = None):
         self.sampler = sampler
         self.items = items
+        self.tokenizer = tokenizer
         self.on_step = on_step
-        S = max(1, max(len(it.spec.stop_ids) for it in items))
-        self.stop_ids = torch.full((len(items), S), -1, dtype=torch.long)
-        for i, it in enumerate(items):
-            if it.spec.stop_ids:
-                self.stop_ids[i, : len(it.spec.stop_ids)] = torch.tensor(it.spec.stop_ids)
-        self.max_new_rows = torch.tensor([it.max_new for it in items], dtype=torch.long)
-        self.abort_step: list[Optional[int]] = [None] * len(items)
-        self.finished = [False] * len(items)  # row stopped at an earlier step (an abort then is moot)
+        self.on_partial = on_partial
+        self.stop_sets = [frozenset(it.spec.stop_ids) for it in items]
+        self.finish: list[Optional[tuple[int, dict]]] = [None] * len(items)
+
+    def _tail(self, i: int, n: int, spec: SamplingSpec) -> str:
+        k = min(spec.stop_str_max_len + 2, n)
+        return self.tokenizer.decode(self.sampler.tokens[i, n - k: n].tolist())
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
         t = self.sampler.steps - 1
+        n = t + 1
         if self.on_step is not None:
-            self.on_step(t + 1, [it.rid for it in self.items])
-        last = self.sampler.tokens[:, t]
-        done = (last[:, None] == self.stop_ids).any(1) | (t + 1 >= self.max_new_rows)
+            self.on_step(n, [it.rid for it in self.items])
+        last = self.sampler.tokens[:, t].tolist()
         for i, it in enumerate(self.items):
-            if it.aborted and self.abort_step[i] is None and not self.finished[i]:
-                self.abort_step[i] = t + 1
-        if any(a is not None for a in self.abort_step):
-            done |= torch.tensor([a is not None for a in self.abort_step])
-        self.finished = [f or bool(d) for f, d in zip(self.finished, done.tolist())]
-        return done
+            if self.finish[i] is not None:
+                continue
+            spec = it.spec
+            tail = self._tail(i, n, spec) if spec.stop_strs else ""
+            if n >= it.max_new:
+                self.finish[i] = (n, {"type": "length", "length": it.max_new})
+            elif last[i] in self.stop_sets[i]:
+                self.finish[i] = (n, {"type": "stop", "matched": last[i]})
+            elif spec.stop_strs and any(x in tail for x in spec.stop_strs):
+                self.finish[i] = (n, {"type": "stop", "matched": next(x for x in spec.stop_strs if x in tail)})
+            elif it.aborted:
+                self.finish[i] = (n, {"type": "abort", "message": "Aborted"})  # SGLang FINISH_ABORT()
+            elif it.request.stream and self.on_partial is not None:
+                interval = spec.stream_interval or 1
+                due = (n % interval == 1) if interval > 1 else True
+                if due and not _stop_prefix_pending(tail, spec.stop_strs):
+                    self.on_partial(it, i, n)
+        return torch.tensor([f is not None for f in self.finish])
+
+
+def _stop_prefix_pending(tail: str, stop_strs: tuple[str, ...]) -> bool:
+    """SGLang's Req.check_match_stop_str_prefix: the decoded tail contains a stop string or ends
+    with the beginning of one (a streamed chunk then waits)."""
+    if not tail:
+        return False
+    for x in stop_strs:
+        if not x:
+            continue
+        if x in tail or any(tail[-j:] == x[:j] for j in range(1, min(len(tail), len(x)) + 1)):
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class LogprobSpec:
+    """What one item asks for besides its output log-probs (SGLang GenerateReqInput, per item).
+
+    start: the resolved logprob_start_len (absolute position in the prompt, 0 <= start <= prompt
+        length; -1 in the request means prompt length - 1, SGLang's default).
+    top_n: top_logprobs_num (0 = no top log-probs).
+    token_ids: token_ids_logprob (None = not asked).
+    """
+
+    start: int
+    top_n: int = 0
+    token_ids: Optional[tuple[int, ...]] = None
+
+
+@dataclass
+class _Row:
+    """What one item produced: tokens, their log-probs, finish_reason, and the optional extras."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    finish: Optional[dict]
+    top: Optional[list] = None  # per token: [(logprob, id)] * top_n
+    tokid: Optional[list] = None  # per token: [(logprob, id)] for token_ids_logprob
 
 
 @dataclass(eq=False)
@@ -345,33 +480,53 @@ class _Item:
     base_rid: Optional[str]  # the rid the request was sent with (abort matches it too)
     request: "_Request"
     aborted: bool = False
-    result: Optional[tuple] = None  # (tokens, logprobs, finish_reason, weight_version)
+    result: Optional[tuple] = None  # (_Row, weight_version)
     return_routed_experts: bool = False
     routed_experts: Optional[Any] = None  # int32 [prompt + completion - 1, num_layers, topk] once run
+    index: int = 0  # position in the request's list of items
+    lp: Optional[LogprobSpec] = None  # None: return_logprob is off for this item
+    input_lp: Optional[tuple] = None  # (vals [P-1], top [P-1] or None, tokid [P-1] or None), P = prompt - start
 
 
 class _Request:
-    """A submitted /generate request: its items and a future resolved when all of them are done."""
+    """A submitted /generate request: its items and a future resolved when all of them are done.
 
-    def __init__(self, single: bool, return_lp: list[bool], text_in_lp: bool):
+    Streaming (``stream``): the scheduler thread appends ("partial", item index, _Row) events to
+    ``updates`` and calls ``notify`` (set by the HTTP layer) after each event and each finished item.
+    """
+
+    def __init__(self, single: bool, return_lp: list[bool], text_in_lp: bool, stream: bool = False):
         self.single = single
         self.return_lp = return_lp
         self.text_in_lp = text_in_lp
+        self.stream = stream
         self.items: list[_Item] = []
         self.t0 = time.time()
         self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self.updates: collections.deque = collections.deque()
+        self.notify: Optional[Callable[[], None]] = None
+        self.sent_final: set[int] = set()
         self._left = 0
         self._lock = threading.Lock()
+
+    def push(self, event: tuple) -> None:
+        self.updates.append(event)
+        self._wake()
+
+    def _wake(self) -> None:
+        notify = self.notify
+        if notify is not None:
+            notify()
 
     def item_done(self, error: Optional[BaseException] = None) -> None:
         with self._lock:
             self._left -= 1
-            if self.future.done():
-                return
-            if error is not None:
-                self.future.set_exception(RuntimeError(f"generation failed: {error!r}"))
-            elif self._left == 0:
-                self.future.set_result(None)
+            if not self.future.done():
+                if error is not None:
+                    self.future.set_exception(RuntimeError(f"generation failed: {error!r}"))
+                elif self._left == 0:
+                    self.future.set_result(None)
+        self._wake()
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -516,16 +671,73 @@ class ReferenceEngine(WeightUpdater):
         rls = rl if isinstance(rl, list) else [bool(rl)] * bs
         if len(rls) != bs:
             raise ValueError(f"return_logprob is a list of {len(rls)} but the batch has {bs} prompts")
+        lps = self._logprob_specs(body, prompts, rls, n)
         if n > 1:  # SGLang parallel sampling: the whole batch repeated n times
             single = False
-            prompts, sps, rls = prompts * n, sps * n, rls * n
+            prompts, sps, rls, lps = prompts * n, sps * n, rls * n, lps * n
             if len(rids) == bs:
                 rids = [f"{r}_{k}" for k in range(n) for r in rids]
         specs = [parse_sampling_params(s, vocab_size=self.vocab_size, eos_ids=self.eos_ids,
                                        where="sampling_params" if isinstance(sp, dict) or sp is None
-                                       else f"sampling_params[{i % bs}]")
+                                       else f"sampling_params[{i % bs}]", tokenizer=self.tokenizer)
                  for i, s in enumerate(sps)]
-        return single, prompts, specs, rids, [bool(x) for x in rls]
+        return single, prompts, specs, rids, [bool(x) for x in rls], lps
+
+    def _logprob_specs(self, body: dict, prompts: list[list[int]], rls: list, n: int) -> list[Optional[LogprobSpec]]:
+        """Per prompt: the :class:`LogprobSpec` of ``logprob_start_len``, ``top_logprobs_num`` and
+        ``token_ids_logprob`` (each a value for all prompts or a list of one per prompt, as in
+        SGLang's GenerateReqInput), or None where return_logprob is off (SGLang then ignores them).
+
+        Raises:
+            ValueError: a wrong type, a list of the wrong length, token ids outside the vocabulary,
+                or logprob_start_len beyond the prompt (SGLang's message; it answers 400 too).
+        """
+        bs = len(prompts)
+
+        def per_prompt(key: str, default, check) -> list:
+            v = body.get(key)
+            vs = v if isinstance(v, list) and (key != "token_ids_logprob" or (v and isinstance(v[0], list))) \
+                else [v] * bs
+            if len(vs) != bs:
+                raise ValueError(f"{key} is a list of {len(vs)} but the batch has {bs} prompts")
+            out = []
+            for i, x in enumerate(vs):
+                x = default if x is None else x
+                if not check(x):
+                    raise ValueError(f"{key}{'' if len(vs) == 1 else f'[{i}]'} = {x!r} is invalid: " + check.__doc__)
+                out.append(x)
+            return out
+
+        def start_ok(x):
+            """logprob_start_len must be -1 (default: logprobs of the output tokens only) or an integer >= 0"""
+            return _is_int(x) and x >= -1
+
+        def top_ok(x):
+            """top_logprobs_num must be an integer >= 0 (0 = off)"""
+            return _is_int(x) and 0 <= x
+
+        def ids_ok(x):
+            """token_ids_logprob must be a list of token ids in the vocabulary"""
+            return isinstance(x, list) and all(_is_int(t) and 0 <= t < self.vocab_size for t in x)
+
+        tl = body.get("token_ids_logprob")
+        if n > 1 and isinstance(tl, list) and tl and isinstance(tl[0], list):
+            raise ValueError("Cannot use list token_ids_logprob with parallel_sample_num > 1")
+        starts = per_prompt("logprob_start_len", -1, start_ok)
+        tops = per_prompt("top_logprobs_num", 0, top_ok)
+        ids = per_prompt("token_ids_logprob", [], ids_ok)
+        out: list[Optional[LogprobSpec]] = []
+        for i, p in enumerate(prompts):
+            if not rls[i]:
+                out.append(None)
+                continue
+            start = len(p) - 1 if starts[i] == -1 else starts[i]
+            if start > len(p):
+                raise ValueError(f"logprob_start_len={start} is higher than the number of input tokens "
+                                 f"{len(p)} (input {i}). Please use a smaller logprob_start_len.")
+            top_n = min(int(tops[i]), self.vocab_size)
+            out.append(LogprobSpec(start=start, top_n=top_n, token_ids=tuple(ids[i]) if ids[i] else None))
+        return out
 
     def submit(self, body: dict) -> _Request:
         """Validate a /generate body and queue its items; returns at once (see :meth:`response`).
@@ -534,11 +746,12 @@ class ReferenceEngine(WeightUpdater):
             ValueError: malformed request (the message names the field).
             RuntimeError: the engine is closed.
         """
-        single, prompts, specs, rids, return_lp = self._normalize(body)
+        single, prompts, specs, rids, return_lp, lps = self._normalize(body)
         base_rid = body.get("rid") if isinstance(body.get("rid"), str) else None
-        req = _Request(single, return_lp, bool(body.get("return_text_in_logprobs", False)))
-        req.items = [_Item(p, s, self._clip_max_new(p, s, i), r, base_rid, req)
-                     for i, (p, s, r) in enumerate(zip(prompts, specs, rids))]
+        req = _Request(single, return_lp, bool(body.get("return_text_in_logprobs", False)),
+                       stream=bool(body.get("stream", False)))
+        req.items = [_Item(p, s, self._clip_max_new(p, s, i), r, base_rid, req, index=i, lp=lp)
+                     for i, (p, s, r, lp) in enumerate(zip(prompts, specs, rids, lps))]
         for it, flag in zip(req.items, self._routed_flags(body, len(req.items))):
             it.return_routed_experts = flag
         req._left = len(req.items)
@@ -580,37 +793,114 @@ class ReferenceEngine(WeightUpdater):
         return rec
 
     def response(self, req: _Request):
-        """The SGLang-shaped result of a finished request: a dict, or a list for batched input."""
+        """The SGLang-shaped result of a finished request: a dict, or a list for batched input.
+
+        Item: {"text", "output_ids", "meta_info"} (see the module docstring for meta_info).
+        Raises:
+            RuntimeError: generation failed.
+        """
         req.future.result()
         latency = time.time() - req.t0
-        results = []
-        for i, it in enumerate(req.items):
-            tokens, lps, finish, version = it.result
-            meta = {
-                "id": it.rid,
-                "finish_reason": finish,
-                "prompt_tokens": len(it.prompt),
-                "completion_tokens": len(tokens),
-                "cached_tokens": 0,
-                "weight_version": version,
-                "e2e_latency": latency,
-            }
-            if it.return_routed_experts:
-                from moerl.moe.routing_replay import encode_routed_experts
-
-                routed = it.routed_experts
-                if routed is None:  # never run (aborted in the queue / max_new_tokens 0): no positions
-                    cfg = self.model.config
-                    routed = torch.zeros((0, cfg.num_hidden_layers, cfg.num_experts_per_tok), dtype=torch.int32)
-                meta["routed_experts"] = encode_routed_experts(routed)
-            if req.return_lp[i]:
-                meta["output_token_logprobs"] = [
-                    [lp, tok, self.tokenizer.decode([tok]) if req.text_in_lp else None]
-                    for lp, tok in zip(lps, tokens)
-                ]
-            text = self.tokenizer.decode(tokens, skip_special_tokens=it.spec.skip_special_tokens)
-            results.append({"text": text, "output_ids": tokens, "meta_info": meta})
+        results = [self._item_dict(it, *it.result, latency=latency) for it in req.items]
         return results[0] if req.single else results
+
+    def stream_updates(self, req: _Request) -> tuple[list[dict], bool]:
+        """The stream chunks of ``req`` that are new since the last call, and whether it is done.
+
+        SGLang 0.5.9 (TokenizerManager._handle_batch_output without --stream-output): every chunk
+        is a whole result so far: cumulative "text" (incomplete UTF-8 at the end held back),
+        cumulative "output_ids", meta_info with the log-prob lists so far and finish_reason None;
+        the last chunk of an item is its full result (exactly what the non-streamed answer holds
+        for it). Batched input (a list, or n > 1): chunks of all items interleave as they come and
+        each carries "index", the item's position in the answer list.
+        Raises:
+            RuntimeError: generation failed (the HTTP layer sends it as an error event).
+        """
+        chunks = []
+        while req.updates:
+            _, i, row = req.updates.popleft()
+            if i in req.sent_final:
+                continue
+            it = req.items[i]
+            chunks.append(self._item_dict(it, row, self.weight_version, latency=None))
+        for it in req.items:
+            if it.result is not None and it.index not in req.sent_final:
+                req.sent_final.add(it.index)
+                chunks.append(self._item_dict(it, *it.result, latency=time.time() - req.t0))
+        if req.future.done() and req.future.exception() is not None:
+            raise req.future.exception()
+        return chunks, req.future.done() and len(req.sent_final) == len(req.items)
+
+    def _item_dict(self, it: _Item, row: _Row, version: str, latency: Optional[float]) -> dict:
+        """One SGLang result item from ``row`` (``row.finish`` None: a partial stream chunk)."""
+        tokens, finish = row.tokens, row.finish
+        meta = {
+            "id": it.rid,
+            "finish_reason": finish,
+            "prompt_tokens": len(it.prompt),
+            "completion_tokens": len(tokens),
+            "cached_tokens": 0,
+            "weight_version": version,
+        }
+        if latency is not None:
+            meta["e2e_latency"] = latency
+        if it.return_routed_experts and finish is not None:
+            from moerl.moe.routing_replay import encode_routed_experts
+
+            routed = it.routed_experts
+            if routed is None:  # never run (aborted in the queue / max_new_tokens 0): no positions
+                cfg = self.model.config
+                routed = torch.zeros((0, cfg.num_hidden_layers, cfg.num_experts_per_tok), dtype=torch.int32)
+            meta["routed_experts"] = encode_routed_experts(routed)
+        if it.lp is not None:
+            meta.update(self._logprob_meta(it, row))
+        text = self._text(it.spec, tokens, finish)
+        out = {"text": text, "output_ids": list(tokens), "meta_info": meta}
+        if it.request.stream and not it.request.single:
+            out["index"] = it.index
+        return out
+
+    def _text(self, spec: SamplingSpec, tokens: list[int], finish: Optional[dict]) -> str:
+        """SGLang's detokenization: decode, then (unless no_stop_trim) cut a matched stop token
+        (the last id) or everything from the first occurrence of a matched stop string; a partial
+        chunk's text (finish None) holds back an incomplete UTF-8 character at its end."""
+        matched = (finish or {}).get("matched") if not spec.no_stop_trim else None
+        ids = tokens[:-1] if isinstance(matched, int) and not isinstance(matched, bool) and tokens else tokens
+        text = self.tokenizer.decode(ids, skip_special_tokens=spec.skip_special_tokens)
+        if isinstance(matched, str) and matched:
+            pos = text.find(matched)
+            text = text[:pos] if pos != -1 else text
+        if finish is None:
+            text = text.rstrip("\ufffd")
+        return text
+
+    def _logprob_meta(self, it: _Item, row: _Row) -> dict:
+        """SGLang's log-prob meta_info (TokenizerManager.add_logprob_to_meta_info): entries are
+        [logprob, token_id, text or None] (text with return_text_in_logprobs); input lists cover
+        prompt[start:] and their first entry has no log-prob (None, as in SGLang); top / token-id
+        lists hold one list of entries per position (None at the first input position)."""
+        text_on = it.request.text_in_lp
+        dec = (lambda t: self.tokenizer.decode([t])) if text_on else (lambda t: None)  # noqa: E731
+        entries = lambda pairs: [[lp, t, dec(t)] for lp, t in pairs]  # noqa: E731
+        lp = it.lp
+        ids = it.prompt[lp.start:]
+        meta: dict = {}
+        inp = it.input_lp
+        if ids:
+            vals = [None] + (list(inp[0]) if inp is not None else [None] * (len(ids) - 1))
+        else:
+            vals = []
+        meta["input_token_logprobs"] = [[v, t, dec(t)] for v, t in zip(vals, ids)]
+        meta["output_token_logprobs"] = entries(zip(row.logprobs, row.tokens))
+        if lp.top_n > 0:
+            top_in = (inp[1] if inp is not None and inp[1] is not None else [[]] * (len(ids) - 1)) if ids else []
+            meta["input_top_logprobs"] = ([None] + [entries(x) or None for x in top_in]) if ids else []
+            meta["output_top_logprobs"] = [entries(x) for x in (row.top or [])]
+        if lp.token_ids is not None:
+            tok_in = (inp[2] if inp is not None and inp[2] is not None else [[]] * (len(ids) - 1)) if ids else []
+            meta["input_token_ids_logprobs"] = ([None] + [entries(x) or None for x in tok_in]) if ids else []
+            meta["output_token_ids_logprobs"] = [entries(x) for x in (row.tokid or [])]
+        return meta
 
     def generate(self, body: dict):
         """Serve one /generate body (SGLang GenerateReqInput shape); blocks until it is done.
@@ -665,7 +955,7 @@ class ReferenceEngine(WeightUpdater):
                 logger.debug("batch of %d rows (prompt length %d, %d queued) in %.1f ms", len(batch), length,
                              len(self._pending), 1000 * (time.monotonic() - t_batch))
                 for it, row in zip(batch, rows):
-                    it.result = row + (version,)
+                    it.result = (row, version)
             except BaseException as e:  # report to the waiting requests, keep serving
                 logger.exception("generate batch failed")
                 error = e
@@ -688,21 +978,74 @@ class ReferenceEngine(WeightUpdater):
         for it in pending:
             it.request.item_done(RuntimeError("the engine was closed"))
 
-    def _generate_rows(self, items: list[_Item]) -> list[tuple]:
-        """Run one generate batch; returns (tokens, logprobs, finish_reason) per item."""
-        live = [it for it in items if not it.aborted and it.max_new > 0]
-        rows: dict[int, tuple] = {}
+    @staticmethod
+    def _empty_row(it: _Item, finish: dict) -> _Row:
+        lp = it.lp
+        return _Row([], [], finish, top=[] if lp is not None and lp.top_n else None,
+                    tokid=[] if lp is not None and lp.token_ids is not None else None)
+
+    def _generate_rows(self, items: list[_Item]) -> list[_Row]:
+        """Run one generate batch (items of one prompt length); returns one :class:`_Row` per item."""
+        rows: dict[int, _Row] = {}
         for it in items:
             if it.aborted:
-                rows[id(it)] = ([], [], {"type": "abort", "message": "Abort in waiting queue"})
-            elif it.max_new == 0:
-                rows[id(it)] = ([], [], {"type": "length", "length": 0})
+                rows[id(it)] = self._empty_row(it, {"type": "abort", "message": "Abort in waiting queue"})
+        self._input_logprobs([it for it in items if not it.aborted])
+        for it in items:
+            if not it.aborted and it.max_new == 0:
+                rows[id(it)] = self._empty_row(it, {"type": "length", "length": 0})
+        live = [it for it in items if not it.aborted and it.max_new > 0]
         if live:
             for it, row in zip(live, self._run_generate(live)):
                 rows[id(it)] = row
         return [rows[id(it)] for it in items]
 
-    def _run_generate(self, items: list[_Item]) -> list[tuple]:
+    def _input_logprobs(self, items: list[_Item]) -> None:
+        """Prompt log-probs (SGLang's input_token_logprobs and friends) of the items that ask for
+        positions before the prompt's last token (logprob_start_len <= prompt length - 2), from one
+        forward of those prompts (equal lengths: no padding). Sets ``it.input_lp`` = (vals, top,
+        tokid), one entry per token prompt[start + 1:], taken from log_softmax of the raw fp32 logits
+        at the position before it: no temperature, no penalties (SGLang's logits processor)."""
+        need = [it for it in items if it.lp is not None and it.lp.start <= len(it.prompt) - 2]
+        if not need:
+            return
+        with torch.inference_mode():
+            ids = torch.tensor([it.prompt for it in need], dtype=torch.long)
+            logits = self.model(input_ids=ids).logits.float()  # [b, L, V]
+        for j, it in enumerate(need):
+            s = it.lp.start
+            logp = torch.log_softmax(logits[j, s: len(it.prompt) - 1], dim=-1)  # predicts prompt[s+1:]
+            nxt = torch.tensor(it.prompt[s + 1:], dtype=torch.long)
+            vals = logp.gather(1, nxt[:, None]).squeeze(1).tolist()
+            top = None
+            if it.lp.top_n:
+                v, x = logp.topk(it.lp.top_n, dim=-1)
+                top = [list(zip(a, b)) for a, b in zip(v.tolist(), x.tolist())]
+            tokid = None
+            if it.lp.token_ids is not None:
+                want = list(it.lp.token_ids)
+                tokid = [list(zip(r, want)) for r in logp[:, want].tolist()]
+            it.input_lp = (vals, top, tokid)
+
+    def _on_partial(self, sampler: _RowSampler):
+        """The _RowStop callback that queues a stream chunk of row i after n tokens."""
+        def push(it: _Item, i: int, n: int) -> None:
+            it.request.push(("partial", it.index, self._row_of(sampler, i, n, it, None)))
+        return push
+
+    @staticmethod
+    def _row_of(sampler: _RowSampler, i: int, n: int, it: _Item, finish: Optional[dict]) -> _Row:
+        row = _Row(sampler.tokens[i, :n].tolist(), sampler.logprobs[i, :n].tolist(), finish)
+        if it.lp is not None and it.lp.top_n:
+            k = it.lp.top_n
+            row.top = [list(zip(v, x)) for v, x in zip(sampler.top_vals[i, :n, :k].tolist(),
+                                                        sampler.top_ids[i, :n, :k].tolist())]
+        if it.lp is not None and it.lp.token_ids is not None:
+            want = list(it.lp.token_ids)
+            row.tokid = [list(zip(r, want)) for r in sampler.tokid_vals[i][:n].tolist()]
+        return row
+
+    def _run_generate(self, items: list[_Item]) -> list[_Row]:
         from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
         B = len(items)
@@ -716,8 +1059,12 @@ class ReferenceEngine(WeightUpdater):
             n = len(it.prompt)
             input_ids[i, L - n:] = torch.tensor(it.prompt, dtype=torch.long)
             attention_mask[i, L - n:] = 1
-        sampler = _RowSampler(specs, seeds, prompt_len=L, max_new=max_new)
-        stopper = _RowStop(sampler, items, on_step=self._on_decode_step)
+        top_n = max((it.lp.top_n for it in items if it.lp is not None), default=0)
+        token_ids = {i: list(it.lp.token_ids) for i, it in enumerate(items)
+                     if it.lp is not None and it.lp.token_ids is not None}
+        sampler = _RowSampler(specs, seeds, prompt_len=L, max_new=max_new, top_n=top_n, token_ids=token_ids)
+        stopper = _RowStop(sampler, items, self.tokenizer, on_step=self._on_decode_step,
+                           on_partial=self._on_partial(sampler))
         gen_cfg = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new,
                                    pad_token_id=self.pad_id, use_cache=True)
         # return_routed_experts: forward hooks on the MoE gates record every call's top-k ids
@@ -731,24 +1078,12 @@ class ReferenceEngine(WeightUpdater):
         routes = recorder.collect(B) if recorder is not None else None  # [B, L + decode calls, layers, k]
         rows = []
         for i, it in enumerate(items):
-            stop = set(it.spec.stop_ids)
-            limit = min(it.max_new, sampler.steps)
-            aborted = stopper.abort_step[i] is not None
-            if aborted:
-                limit = min(limit, stopper.abort_step[i])
-            toks = sampler.tokens[i, :limit].tolist()
-            lps = sampler.logprobs[i, :limit].tolist()
-            cut = next((j + 1 for j, t in enumerate(toks) if t in stop), None)
-            if cut is not None:
-                rows.append((toks[:cut], lps[:cut], {"type": "stop", "matched": toks[cut - 1]}))
-            elif aborted:
-                rows.append((toks, lps, {"type": "abort", "message": "Aborted"}))  # SGLang FINISH_ABORT()
-            else:
-                rows.append((toks, lps, {"type": "length", "length": it.max_new}))
+            n, finish = stopper.finish[i] or (min(it.max_new, sampler.steps), {"type": "length", "length": it.max_new})
+            rows.append(self._row_of(sampler, i, n, it, finish))
             if routes is not None and it.return_routed_experts:
                 # SGLang: prompt + completion - 1 positions (the last token is never fed back)
-                n = len(it.prompt)
-                it.routed_experts = routes[i, L - n: L + len(rows[-1][0]) - 1].clone()
+                m = len(it.prompt)
+                it.routed_experts = routes[i, L - m: L + n - 1].clone()
         return rows
 
     def abort(self, rid: Optional[str] = None, abort_all: bool = False) -> None:
@@ -779,7 +1114,8 @@ class ReferenceEngine(WeightUpdater):
     def _answer_aborted_in_queue(self, items: list[_Item]) -> None:
         for it in items:
             it.aborted = True
-            it.result = ([], [], {"type": "abort", "message": "Abort in waiting queue"}, self.weight_version)
+            it.result = (self._empty_row(it, {"type": "abort", "message": "Abort in waiting queue"}),
+                         self.weight_version)
             it.request.item_done()
 
     # ------------------------------------------------------------------ pause / continue (SGLang RL API)

@@ -15,7 +15,9 @@ moerl.rollout.engine_weights the weight-update handlers it inherits (:class:`Wei
 modules that was importable from here stays importable from here.
 
 Endpoints (SGLang names; see http_server.py / io_struct.py of sglang):
-    POST /generate                    GenerateReqInput subset (moerl.rollout.engine)
+    POST /generate                    GenerateReqInput subset (moerl.rollout.engine): stop strings,
+                                      penalties, stream (server-sent events), logprob_start_len,
+                                      top_logprobs_num, token_ids_logprob as in SGLang
     POST /update_weights_from_disk    {model_path, load_format?, weight_version?, abort_all_requests?}
     POST /update_weights_from_tensor  {serialized_named_tensors, load_format?, flush_cache?,
                                        weight_version?, abort_all_requests?}
@@ -193,13 +195,60 @@ def create_app(engine: ReferenceEngine, server_args: Optional[dict] = None):
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):
+        """SGLang /generate (http_server.generate_request): the JSON result, or with ``stream: true``
+        server-sent events ``data: {chunk}\\n\\n`` ... ``data: [DONE]\\n\\n`` (chunks: see
+        ReferenceEngine.stream_updates; a client that goes away aborts its items, as SGLang's
+        create_abort_task does). Bad input: HTTP 400 {"error": {"message"}} naming the field; with
+        stream true SGLang answers 200 and sends that error object as an event before [DONE], and so
+        does this server."""
+        import json as _json
+
+        from fastapi.responses import StreamingResponse
+
+        def sse(obj) -> bytes:
+            return b"data: " + _json.dumps(obj).encode() + b"\n\n"
+
+        async def error_events(message: str):
+            yield sse({"error": {"message": message}})
+            yield b"data: [DONE]\n\n"
+
+        async def events(req):
+            loop = asyncio.get_running_loop()
+            wake = asyncio.Event()
+            req.notify = lambda: loop.call_soon_threadsafe(wake.set)
+            wake.set()  # events may have come before the listener
+            done = False
+            try:
+                while not done:
+                    await wake.wait()
+                    wake.clear()
+                    try:
+                        chunks, done = engine.stream_updates(req)
+                    except RuntimeError as e:
+                        yield sse({"error": {"message": str(e)}})
+                        done = True
+                        break
+                    for c in chunks:
+                        yield sse(c)
+                yield b"data: [DONE]\n\n"
+            finally:
+                req.notify = None
+                if not done:
+                    for it in req.items:
+                        engine.abort(it.rid)
+
         body = await body_of(request)
+        stream = isinstance(body, dict) and bool(body.get("stream"))
         try:
             req = engine.submit(body)
         except ValueError as e:
+            if stream:
+                return StreamingResponse(error_events(str(e)), media_type="text/event-stream")
             return error(str(e))
         except RuntimeError as e:
             return error(str(e), 503)
+        if stream:
+            return StreamingResponse(events(req), media_type="text/event-stream")
         try:
             await asyncio.wrap_future(req.future)
         except RuntimeError as e:
