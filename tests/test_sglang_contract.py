@@ -137,6 +137,31 @@ def response_keys(tree: ast.Module) -> tuple[set[str], set[str]]:
     return top, meta
 
 
+def subscript_keys(node: ast.AST, var: str) -> set[str]:
+    """Keys of every ``var["key"] = ...`` under ``node``."""
+    out = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Assign):
+            for t in n.targets:
+                if (isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id == var
+                        and isinstance(t.slice, ast.Constant) and isinstance(t.slice.value, str)):
+                    out.add(t.slice.value)
+    return out
+
+
+def init_defaults(tree: ast.Module, cls: str) -> dict:
+    """{argument: literal default} of ``cls.__init__`` (non-literal defaults are left out)."""
+    init = next(n for n in _classes(tree)[cls].body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    args = init.args.args[len(init.args.args) - len(init.args.defaults):]
+    out = {}
+    for a, d in zip(args, init.args.defaults):
+        try:
+            out[a.arg] = ast.literal_eval(d)
+        except ValueError:
+            pass
+    return out
+
+
 def server_flags(tree: ast.Module) -> dict[str, bool]:
     """{--flag: takes_no_value} of every parser.add_argument in server_args.py."""
     out = {}
@@ -325,6 +350,58 @@ def test_reference_server_implements_only_sglang_names(sglang_src, tmp_path):
     assert set(out) <= top, set(out) - top
     assert set(out["meta_info"]) <= meta, set(out["meta_info"]) - meta
     assert set(out["meta_info"]["finish_reason"]) <= api.FINISH_REASON_FIELDS
+
+
+def test_generate_fields_served_are_sglang_fields(sglang_src, tmp_path):
+    """Every /generate field the reference server accepts and every key it answers with (meta_info
+    with all log-prob options, stream chunks with "index", finish reasons of stop strings) exists in
+    sglang's io_struct.py / sampling_params.py / tokenizer_manager.py / schedule_batch.py, and the
+    sampling defaults are SGLang's: the server cannot drift from SGLang unseen."""
+    from moerl.rollout import engine as eng
+    from moerl.rollout.testing import make_tiny_moe_checkpoint
+
+    gen = class_fields(sglang_src["io_struct"], "GenerateReqInput")
+    assert set(eng._REQUEST_KEYS) <= gen, sorted(set(eng._REQUEST_KEYS) - gen)
+    assert {"stream", "logprob_start_len", "top_logprobs_num", "token_ids_logprob"} <= set(eng._REQUEST_KEYS)
+    defaults = init_defaults(sglang_src["sampling_params"], "SamplingParams")
+    for key, value in eng._SAMPLING_DEFAULTS.items():
+        assert key in defaults and defaults[key] == value, (key, value, defaults.get(key))
+    assert {"stop", "frequency_penalty", "presence_penalty", "repetition_penalty"} <= set(eng._SAMPLING_DEFAULTS)
+    top, meta = response_keys(sglang_src["tokenizer_manager"])
+    assert eng.META_INFO_KEYS <= meta, sorted(eng.META_INFO_KEYS - meta)
+    chunk_top = top | subscript_keys(function(sglang_src["tokenizer_manager"], "_handle_batch_request"), "result")
+    assert "index" in chunk_top
+
+    make_tiny_moe_checkpoint(str(tmp_path), seed=0)
+    engine = eng.ReferenceEngine(str(tmp_path))
+    try:
+        from fastapi.testclient import TestClient
+
+        from moerl.rollout.server import create_app
+
+        body = {"input_ids": [[4, 5, 6], [7, 8, 9]], "return_logprob": True, "logprob_start_len": 0,
+                "top_logprobs_num": 2, "token_ids_logprob": [4], "return_text_in_logprobs": True,
+                "return_routed_experts": True, "rid": "c",
+                "sampling_params": {"max_new_tokens": 4, "sampling_seed": 1, "stop": ["zz"],
+                                    "frequency_penalty": 0.1, "presence_penalty": 0.1, "repetition_penalty": 1.0}}
+        outs = engine.generate(body)
+        for out in outs:
+            assert set(out) <= top and set(out["meta_info"]) == eng.META_INFO_KEYS, set(out["meta_info"])
+        r = TestClient(create_app(engine)).post("/generate", json={**body, "stream": True})
+        import json
+
+        chunks = [json.loads(b[6:]) for b in r.text.split("\n\n") if b.startswith("data: {")]
+        assert chunks and all(set(c) <= chunk_top and set(c["meta_info"]) <= eng.META_INFO_KEYS for c in chunks)
+        stopped = engine.generate({"input_ids": [4, 5, 6], "sampling_params": {
+            "max_new_tokens": 8, "temperature": 0.0, "stop": [engine.tokenizer.decode([t]) for t in range(3, 43)]}})
+    finally:
+        engine.close()
+    assert isinstance(stopped["meta_info"]["finish_reason"]["matched"], str)
+    finish = set()
+    for n in ast.walk(sglang_src["schedule_batch"]):
+        if isinstance(n, ast.ClassDef) and n.name == "FINISH_MATCHED_STR":
+            finish |= dict_keys(n)
+    assert set(stopped["meta_info"]["finish_reason"]) == finish == {"type", "matched"}
 
 
 # ----------------------------------------------------------------------------- launch flags

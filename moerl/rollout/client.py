@@ -40,12 +40,13 @@ GENERATE_REQUEST_FIELDS = frozenset({
 #: sampling_params keys (sglang SamplingParams.__init__ arguments).
 SAMPLING_PARAM_FIELDS = frozenset({
     "temperature", "top_p", "top_k", "min_p", "max_new_tokens", "stop_token_ids", "sampling_seed",
-    "n", "ignore_eos", "skip_special_tokens", "no_stop_trim"})
+    "n", "ignore_eos", "skip_special_tokens", "no_stop_trim", "stop", "frequency_penalty", "presence_penalty",
+    "repetition_penalty"})
 #: /generate response item: top level, meta_info, finish_reason (sglang TokenizerManager output).
 GENERATE_RESPONSE_FIELDS = frozenset({"text", "output_ids", "meta_info"})
 META_INFO_FIELDS = frozenset({
     "id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
-    "output_token_logprobs", "weight_version", "e2e_latency", "routed_experts"})
+    "output_token_logprobs", "weight_version", "e2e_latency", "routed_experts", "input_token_logprobs"})
 FINISH_REASON_FIELDS = frozenset({"type", "matched", "length", "message"})
 #: control endpoints: path -> (sglang io_struct request class or None for no body, fields moerl sends).
 SGLANG_ENDPOINTS: dict[str, tuple[Optional[str], frozenset]] = {
@@ -402,6 +403,30 @@ def group_requests(prompt_ids: list[int], n_samples_per_prompt: int, sampling_pa
             body["rid"] = f"{rid}-{k}"
         bodies.append(body)
     return bodies
+
+
+def prompt_logprobs_request(prompt_ids: list[int], rid: Optional[str] = None) -> dict:
+    """The /generate body that scores a prompt: no new tokens, the log-prob of every prompt token
+    from the first on (SGLang: ``max_new_tokens`` 0, ``return_logprob``, ``logprob_start_len`` 0).
+    Read the answer with :func:`parse_prompt_logprobs`."""
+    body: dict = {"input_ids": list(prompt_ids), "sampling_params": {"max_new_tokens": 0},
+                  "return_logprob": True, "logprob_start_len": 0}
+    if rid is not None:
+        body["rid"] = rid
+    return body
+
+
+def parse_prompt_logprobs(item: dict) -> list[Optional[float]]:
+    """Per prompt token, log p(token | the tokens before it) from meta_info.input_token_logprobs
+    (SGLang's [logprob, token_id, text] entries); the first is None (nothing predicts it).
+
+    Raises:
+        RolloutRequestError: the answer has no input_token_logprobs (send prompt_logprobs_request's body).
+    """
+    entries = (item.get("meta_info") or {}).get("input_token_logprobs")
+    if entries is None:
+        raise RolloutRequestError("input_token_logprobs missing: send return_logprob=True, logprob_start_len=0")
+    return [e[0] for e in entries]
 
 
 @dataclass
