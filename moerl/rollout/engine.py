@@ -8,8 +8,12 @@ moerl.rollout.engine_weights.WeightUpdater.
 
 /generate request: ``input_ids`` (list[int] or list[list[int]]) or ``text`` (str or list[str]);
 ``sampling_params`` (dict, or list of dicts, one per prompt) with temperature, top_p, top_k (-1 = off),
-min_p, max_new_tokens, stop_token_ids, sampling_seed, ignore_eos, n, skip_special_tokens, no_stop_trim;
-``return_logprob``, ``return_text_in_logprobs``, ``rid``, ``return_routed_experts`` (bool or one per
+min_p, max_new_tokens, stop_token_ids, stop (str or list of str), frequency_penalty, presence_penalty,
+repetition_penalty (validated, unused: sglang 0.5.9 has no penalizer for it), sampling_seed, ignore_eos,
+n, skip_special_tokens, no_stop_trim, stream_interval; ``stream`` (server-sent events, see
+:meth:`ReferenceEngine.stream_updates`); ``return_logprob`` with ``logprob_start_len``,
+``top_logprobs_num``, ``token_ids_logprob`` (each a value or one per prompt);
+``return_text_in_logprobs``, ``rid``, ``return_routed_experts`` (bool or one per
 prompt; meta_info.routed_experts = base64 int32 [prompt_tokens + completion_tokens - 1, num_hidden_layers,
 num_experts_per_tok], SGLang's format, see moerl.moe.routing_replay; always enabled here, real SGLang
 needs --enable-return-routed-experts). Other SGLang fields are accepted only at their
@@ -17,17 +21,24 @@ no-op value (an error names the field otherwise). Batched input returns a list o
 (with ``n`` > 1 the batch is repeated n times, as SGLang does).
 
 Response item: {text, output_ids, meta_info: {id, finish_reason, prompt_tokens, completion_tokens,
-cached_tokens, weight_version, e2e_latency, output_token_logprobs?}}; finish_reason is
-{"type": "stop", "matched": token_id} | {"type": "length", "length": max_new_tokens} |
-{"type": "abort", "message": str}.
+cached_tokens, weight_version, e2e_latency, routed_experts?, and with return_logprob:
+input_token_logprobs, output_token_logprobs, input_top_logprobs? / output_top_logprobs? (top_logprobs_num
+> 0), input_token_ids_logprobs? / output_token_ids_logprobs? (token_ids_logprob)}} (META_INFO_KEYS);
+entries are [logprob, token_id, text or None]; the input lists cover prompt[logprob_start_len:]
+(default: the last prompt token only) and start with None, as in SGLang. finish_reason is
+{"type": "stop", "matched": token_id | stop string} | {"type": "length", "length": max_new_tokens} |
+{"type": "abort", "message": str}, decided per step in SGLang's order (length, stop id, stop string).
 
 Semantics the trainer relies on:
   * Log-probs: output_token_logprobs[t] = [log_softmax(logits_t / temperature)[y_t], y_t, None]
-    where logits_t are the model's raw fp32 logits; plain log_softmax(logits_t) when greedy
+    where logits_t are the model's raw fp32 logits minus the frequency/presence penalties (none by
+    default); plain log_softmax(logits_t) when greedy. Prompt log-probs use the raw logits only
     (temperature < 1e-6). They are taken BEFORE top-k / top-p / min-p filtering, so a trainer that
     divides its logits by the same temperature reproduces them exactly (up to fp rounding).
   * output_ids include the stop token when the response stopped on one (stop_token_ids, the
-    tokenizer's eos and the model config's eos_token_id unless ignore_eos); tokens after it are cut.
+    tokenizer's eos and the model config's eos_token_id; none with ignore_eos, as in SGLang); tokens
+    after it are cut. A stop string keeps every id up to the one that completed it; ``text`` is cut
+    before the stop string (and before a stop token), unless no_stop_trim.
     max_new_tokens is clipped so that prompt + response fits max_position_embeddings.
   * Sampling: each item draws its uniforms from its own torch.Generator seeded by its sampling_seed
     (or a fresh random seed), inverse-CDF over the (filtered) distribution at that temperature. An
