@@ -95,6 +95,7 @@ def _allowed() -> dict[tuple[str, str], Any]:
         ("torch.storage", "_load_from_bytes"): _load_storage_bytes,
         ("torch", "Size"): torch.Size, ("torch", "Tensor"): torch.Tensor,
         ("torch", "UntypedStorage"): torch.UntypedStorage, ("torch", "device"): torch.device,
+        ("torch.storage", "UntypedStorage"): torch.UntypedStorage, ("torch.storage", "TypedStorage"): torch.TypedStorage,
         ("torch._tensor", "_rebuild_from_type_v2"): torch._tensor._rebuild_from_type_v2,
         ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
         ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"): _no_cuda_ipc,
