@@ -7,7 +7,7 @@ the trainer side (this process) holds a second random copy of the weights as an 
 pushes it with moerl.rollout.weight_sync in every mode:
 
 * ``disk``        sharded HF safetensors written (fsynced) per version, /update_weights_from_disk.
-* ``tensor``      /update_weights_from_tensor per bucket (base64 safetensors in JSON).
+* ``tensor``      /update_weights_from_tensor per bucket (SGLang's serialized named tensors, base64 in JSON).
 * ``distributed`` /init_weights_update_group once (not timed), then per bucket
                   /update_weights_from_distributed + a gloo broadcast from the trainer.
 

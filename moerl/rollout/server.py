@@ -24,8 +24,12 @@ Endpoints (SGLang names; see http_server.py / io_struct.py of sglang):
     POST /init_weights_update_group   {master_address, master_port, rank_offset, world_size,
                                        group_name?, backend? (gloo only here)}
     POST /update_weights_from_distributed {names, dtypes, shapes, group_name?, flush_cache?,
-                                       weight_version?, load_format? (null), abort_all_requests?}
+                                       weight_version?, load_format? (null | auto | flattened_bucket),
+                                       abort_all_requests?}
     POST /destroy_weights_update_group {group_name?}
+    Also (moerl.rollout.server_routes, moerl.rollout.openai_api): GET /model_info, /server_info (aliases),
+    /v1/models, /v1/loads, POST /weights_checker, /start_profile, /stop_profile, and the OpenAI-compatible
+    POST /v1/completions, /v1/chat/completions (non-streaming; chat applies the tokenizer's template).
     GET|POST /flush_cache, GET /health, GET /health_generate, GET /get_model_info,
     GET /get_weight_version, GET /get_server_info, POST /abort_request {rid, abort_all}
     POST /release_memory_occupation, /resume_memory_occupation {tags: null | [weights, kv_cache,
