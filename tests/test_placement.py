@@ -85,7 +85,9 @@ def test_colocated_release_resume_order_from_server_log(cluster):
     _run_steps(cluster, placement, trainer, 2, "c")
     assert all(o["meta_info"]["weight_version"] == "c2" for o in _rollout(cluster, 3))
     calls = _calls(_log(cluster)[start:])
-    step = ["release:all", "resume:weights", "update_weights_from_tensor", "resume:kv_cache,cuda_graph", "generate"]
+    # (sync_weights_from_tensor reads each server's tp_size first: one copy of the payload per TP rank)
+    step = ["release:all", "resume:weights", "get_server_info", "update_weights_from_tensor",
+            "resume:kv_cache,cuda_graph", "generate"]
     assert calls == ["generate"] + step + step, calls
     # trainer side: offload before the servers' weights come back, reload only after a release
     assert trainer == [("train", 1), ("offload",), ("reload",), ("train", 2), ("offload",)]
@@ -123,7 +125,7 @@ def test_disaggregated_issues_no_memory_calls(cluster):
     placement = RolloutPlacement("disaggregated", cluster.server_urls,
                                  offload_trainer=lambda: trainer.append(("offload",)))
     _run_steps(cluster, placement, trainer, 1, "d")
-    assert _calls(_log(cluster)[start:]) == ["generate", "update_weights_from_tensor"]
+    assert _calls(_log(cluster)[start:]) == ["generate", "get_server_info", "update_weights_from_tensor"]
     assert trainer == [("train", 1)] and placement.events == []
     with pytest.raises(ValueError, match="rollout.placement"):
         RolloutPlacement("shared")
