@@ -4,6 +4,8 @@ tokenizer's, usage counts tokens, bad fields answer 400 naming the field (SGLang
 
 from __future__ import annotations
 
+import json
+
 import os
 
 import pytest
@@ -65,9 +67,9 @@ def test_completions_token_prompts_n_and_logprobs(served):
     body = r.json()
     assert len(body["choices"]) == 4 and [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     assert body["usage"]["prompt_tokens"] == 5 and body["usage"]["completion_tokens"] == 16  # each prompt once
-    c0, c1, c2 = body["choices"][:3]  # sample-major (SGLang's order): choices 0 and 2 answer prompt 0
-    assert c0["text"] == c2["text"] == tok.decode(tok.convert_tokens_to_ids(c0["logprobs"]["tokens"]))
-    assert c1["text"] != c0["text"] or c1["logprobs"]["token_logprobs"] != c0["logprobs"]["token_logprobs"]
+    c0, c1, c2 = body["choices"][:3]  # prompt-major (SGLang's order): choices 0 and 1 answer prompt 0
+    assert c0["text"] == c1["text"] == tok.decode(tok.convert_tokens_to_ids(c0["logprobs"]["tokens"]))
+    assert c2["text"] != c0["text"] or c2["logprobs"]["token_logprobs"] != c0["logprobs"]["token_logprobs"]
     lp = c0["logprobs"]
     assert set(lp) == {"text_offset", "token_logprobs", "tokens", "top_logprobs"}
     ids = tok.convert_tokens_to_ids(lp["tokens"])
@@ -140,3 +142,60 @@ def test_chat_without_a_template_is_refused(tmp_path):
         assert r.status_code == 400 and "chat template" in r.json()["message"]
     finally:
         engine.close()
+
+
+def test_review_fixes_match_sglang(served, tmp_path):
+    """From an outside review against SGLang 0.5.9: batched n > 1 is prompt-major (TokenizerManager.
+    _handle_batch_request), a sampling_seed outside int64 is a 400 for that request only, completions
+    refuse max_tokens <= 0 (CompletionRequest.validate_max_tokens_positive), /start_profile with an
+    output_dir that cannot be created is a 400, /model_info has model_type and architectures, an abort
+    finish_reason carries status_code and err_type (FINISH_ABORT.to_json), and chat takes unset sampling
+    fields from generation_config.json (ModelConfig.get_default_sampling_params)."""
+    client, tok, _, path = served
+    # prompt-major: 2 prompts x n=2, greedy -> [p0, p0, p1, p1]
+    r = client.post("/generate", json={"input_ids": [[4, 5, 6], [7, 8]], "rid": "pm",
+                                       "sampling_params": {"max_new_tokens": 3, "temperature": 0, "n": 2}})
+    outs = r.json()
+    alone = [client.post("/generate", json={"input_ids": p, "sampling_params": {"max_new_tokens": 3,
+                                                                                 "temperature": 0}}).json()
+             for p in ([4, 5, 6], [7, 8])]
+    assert [o["output_ids"] for o in outs] == [alone[0]["output_ids"]] * 2 + [alone[1]["output_ids"]] * 2
+    assert len({o["meta_info"]["id"] for o in outs}) == 4
+    # a seed beyond int64
+    r = client.post("/generate", json={"input_ids": [4, 5], "sampling_params": {"sampling_seed": 2**70}})
+    assert r.status_code == 400 and "sampling_seed" in r.text
+    # completions: max_tokens must be positive
+    r = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["param"] == "max_tokens" and "positive" in r.json()["message"]
+    # profiler output_dir that cannot be created
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    r = client.post("/start_profile", json={"output_dir": str(blocker / "sub")})
+    assert r.status_code == 400 and "output_dir" in r.text
+    info = client.get("/model_info").json()
+    assert info["model_type"] == "qwen3_moe" and info["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert info["has_image_understanding"] is False and info["has_audio_understanding"] is False
+    # an abort finish_reason has SGLang's four keys
+    from moerl.rollout.engine import abort_reason
+
+    assert abort_reason("Aborted") == {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+    # chat: unset sampling fields come from generation_config.json, set ones win
+    from moerl.rollout.openai_api import chat_to_generate, model_sampling_defaults
+
+    cfg_dir = tmp_path / "gen"
+    cfg_dir.mkdir()
+    (cfg_dir / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 20,
+                                                                "do_sample": True}))
+    defaults = model_sampling_defaults(str(cfg_dir))
+    assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    msgs = [{"role": "user", "content": "abc"}]
+    sp = chat_to_generate({"messages": msgs, "top_p": 0.5}, tok_with_template(tok), defaults)["sampling_params"]
+    assert (sp["temperature"], sp["top_p"], sp["top_k"]) == (0.6, 0.5, 20)
+    sp = chat_to_generate({"messages": msgs}, tok_with_template(tok), {})["sampling_params"]
+    assert sp["temperature"] == 1.0 and sp.get("top_p", 1.0) == 1.0
+    assert model_sampling_defaults(str(tmp_path)) == {}
+
+
+def tok_with_template(tok):
+    tok.chat_template = TEMPLATE
+    return tok

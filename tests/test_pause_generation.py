@@ -102,7 +102,7 @@ def test_abort_pause_answers_running_rows_with_tokens_so_far_and_queued_ones_wit
     outs = engine.response(running)
     for prompt, out in zip([[4, 5, 13], [6, 7, 8]], outs):
         meta, toks = out["meta_info"], out["output_ids"]
-        assert meta["finish_reason"] == {"type": "abort", "message": "Aborted"}
+        assert meta["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
         assert 3 <= len(toks) < 200 and meta["completion_tokens"] == len(toks)
         assert [e[1] for e in meta["output_token_logprobs"]] == toks
         ref = _logprobs_at(ref_models[0], prompt, toks, T)
@@ -110,7 +110,8 @@ def test_abort_pause_answers_running_rows_with_tokens_so_far_and_queued_ones_wit
     assert len(outs[0]["output_ids"]) == len(outs[1]["output_ids"])  # one batch, stopped at one step
     q = engine.response(queued)
     assert q["output_ids"] == [] and q["meta_info"]["output_token_logprobs"] == []
-    assert q["meta_info"]["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
+    assert q["meta_info"]["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue", "status_code": None,
+                                                 "err_type": None}
 
 
 # ----------------------------------------------------------------------------- (b) exactly k steps, then resume

@@ -47,7 +47,7 @@ GENERATE_RESPONSE_FIELDS = frozenset({"text", "output_ids", "meta_info"})
 META_INFO_FIELDS = frozenset({
     "id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
     "output_token_logprobs", "weight_version", "e2e_latency", "routed_experts", "input_token_logprobs"})
-FINISH_REASON_FIELDS = frozenset({"type", "matched", "length", "message"})
+FINISH_REASON_FIELDS = frozenset({"type", "matched", "length", "message", "status_code", "err_type"})
 #: control endpoints: path -> (sglang io_struct request class or None for no body, fields moerl sends).
 SGLANG_ENDPOINTS: dict[str, tuple[Optional[str], frozenset]] = {
     "/generate": ("GenerateReqInput", GENERATE_REQUEST_FIELDS),

@@ -18,7 +18,7 @@ prompt; meta_info.routed_experts = base64 int32 [prompt_tokens + completion_toke
 num_experts_per_tok], SGLang's format, see moerl.moe.routing_replay; always enabled here, real SGLang
 needs --enable-return-routed-experts). Other SGLang fields are accepted only at their
 no-op value (an error names the field otherwise). Batched input returns a list of results, in order
-(with ``n`` > 1 the batch is repeated n times, as SGLang does).
+(with ``n`` > 1 each prompt is repeated n times in place, prompt-major, as SGLang does).
 
 Response item: {text, output_ids, meta_info: {id, finish_reason, prompt_tokens, completion_tokens,
 cached_tokens, weight_version, e2e_latency, routed_experts?, and with return_logprob:
@@ -27,7 +27,7 @@ input_token_logprobs, output_token_logprobs, input_top_logprobs? / output_top_lo
 entries are [logprob, token_id, text or None]; the input lists cover prompt[logprob_start_len:]
 (default: the last prompt token only) and start with None, as in SGLang. finish_reason is
 {"type": "stop", "matched": token_id | stop string} | {"type": "length", "length": max_new_tokens} |
-{"type": "abort", "message": str}, decided per step in SGLang's order (length, stop id, stop string).
+{"type": "abort", "message": str, "status_code": None, "err_type": None}, decided per step in SGLang's order (length, stop id, stop string).
 
 Semantics the trainer relies on:
   * Log-probs: output_token_logprobs[t] = [log_softmax(logits_t / temperature)[y_t], y_t, None]
@@ -190,6 +190,12 @@ class SamplingSpec:
         return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
+def abort_reason(message: str) -> dict:
+    """SGLang's ``FINISH_ABORT(message).to_json()`` (managers/schedule_batch.py): the finish_reason of
+    an aborted item, ``{"type": "abort", "message", "status_code": None, "err_type": None}``."""
+    return {"type": "abort", "message": message, "status_code": None, "err_type": None}
+
+
 def parse_sampling_params(sp: Optional[dict], *, vocab_size: int, eos_ids: Iterable[int],
                           where: str = "sampling_params", tokenizer=None) -> SamplingSpec:
     """Validate one SGLang ``sampling_params`` dict and return a :class:`SamplingSpec`.
@@ -257,8 +263,8 @@ def parse_sampling_params(sp: Optional[dict], *, vocab_size: int, eos_ids: Itera
     if stream_interval is not None and (not _is_int(stream_interval) or stream_interval < 1):
         raise ValueError(f"{where}.stream_interval must be an integer >= 1 or null, got {stream_interval!r}")
     seed = sp.get("sampling_seed")
-    if seed is not None and not _is_int(seed):
-        raise ValueError(f"{where}.sampling_seed must be an integer or null, got {seed!r}")
+    if seed is not None and not (_is_int(seed) and -2**63 <= seed < 2**63):
+        raise ValueError(f"{where}.sampling_seed must be a 64-bit integer or null, got {seed!r}")
     ignore_eos = bool(get("ignore_eos"))
     stop_ids = set() if ignore_eos else set(int(t) for t in stop_token_ids) | set(int(t) for t in eos_ids)
     return SamplingSpec(
@@ -432,7 +438,7 @@ class _RowStop:
             elif spec.stop_strs and any(x in tail for x in spec.stop_strs):
                 self.finish[i] = (n, {"type": "stop", "matched": next(x for x in spec.stop_strs if x in tail)})
             elif it.aborted:
-                self.finish[i] = (n, {"type": "abort", "message": "Aborted"})  # SGLang FINISH_ABORT()
+                self.finish[i] = (n, abort_reason("Aborted"))  # SGLang FINISH_ABORT()
             elif it.request.stream and self.on_partial is not None:
                 interval = spec.stream_interval or 1
                 due = (n % interval == 1) if interval > 1 else True
@@ -683,14 +689,14 @@ class ReferenceEngine(WeightUpdater):
         if len(rls) != bs:
             raise ValueError(f"return_logprob is a list of {len(rls)} but the batch has {bs} prompts")
         lps = self._logprob_specs(body, prompts, rls, n)
-        if n > 1:  # SGLang parallel sampling: the whole batch repeated n times
-            single = False
-            prompts, sps, rls, lps = prompts * n, sps * n, rls * n, lps * n
+        if n > 1:  # SGLang parallel sampling (TokenizerManager._handle_batch_request): prompt-major,
+            single = False  # the n samples of prompt 0, then those of prompt 1, ...
+            prompts, sps, rls, lps = ([x for x in xs for _ in range(n)] for xs in (prompts, sps, rls, lps))
             if len(rids) == bs:
-                rids = [f"{r}_{k}" for k in range(n) for r in rids]
+                rids = [f"{r}_{k}" for r in rids for k in range(n)]
         specs = [parse_sampling_params(s, vocab_size=self.vocab_size, eos_ids=self.eos_ids,
                                        where="sampling_params" if isinstance(sp, dict) or sp is None
-                                       else f"sampling_params[{i % bs}]", tokenizer=self.tokenizer)
+                                       else f"sampling_params[{i // n}]", tokenizer=self.tokenizer)
                  for i, s in enumerate(sps)]
         return single, prompts, specs, rids, [bool(x) for x in rls], lps
 
@@ -1000,7 +1006,7 @@ class ReferenceEngine(WeightUpdater):
         rows: dict[int, _Row] = {}
         for it in items:
             if it.aborted:
-                rows[id(it)] = self._empty_row(it, {"type": "abort", "message": "Abort in waiting queue"})
+                rows[id(it)] = self._empty_row(it, abort_reason("Abort in waiting queue"))
         self._input_logprobs([it for it in items if not it.aborted])
         for it in items:
             if not it.aborted and it.max_new == 0:
@@ -1125,7 +1131,7 @@ class ReferenceEngine(WeightUpdater):
     def _answer_aborted_in_queue(self, items: list[_Item]) -> None:
         for it in items:
             it.aborted = True
-            it.result = (self._empty_row(it, {"type": "abort", "message": "Abort in waiting queue"}),
+            it.result = (self._empty_row(it, abort_reason("Abort in waiting queue")),
                          self.weight_version)
             it.request.item_done()
 
@@ -1217,7 +1223,10 @@ class ReferenceEngine(WeightUpdater):
     # ------------------------------------------------------------------ info
 
     def model_info(self) -> dict:
+        cfg = self.model.config
         return {"model_path": self.model_path, "tokenizer_path": self.tokenizer_path,
                 "is_generation": True, "preferred_sampling_params": None,
-                "weight_version": self.weight_version}
+                "weight_version": self.weight_version, "has_image_understanding": False,
+                "has_audio_understanding": False, "model_type": getattr(cfg, "model_type", None),
+                "architectures": getattr(cfg, "architectures", None)}
 

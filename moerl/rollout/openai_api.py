@@ -22,9 +22,8 @@ Answers: ``{"id", "object": "text_completion" | "chat.completion", "created", "m
 "completion_tokens", "total_tokens", "prompt_tokens_details": null, "reasoning_tokens": 0},
 "metadata": {"weight_version"}}``; finish_reason is the native finish_reason type ("stop", "length",
 "abort") and matched_stop its ``matched``; usage counts each prompt once and every choice's tokens
-(SGLang UsageProcessor; for several prompts with n > 1 SGLang sums every n-th answer, which counts
-some prompts twice: here each of the B prompts counts once). Choices come in the engine's (SGLang's
-GenerateReqInput) order, sample-major: choice i answers prompt i % B.
+(SGLang UsageProcessor: every n-th answer). Choices come in the engine's (SGLang's TokenizerManager)
+order, prompt-major: choice i answers prompt i // n.
 
 Refused with HTTP 400 and SGLang's ErrorResponse ``{"object": "error", "message", "type":
 "BadRequestError", "param": <field>, "code": 400}``: stream=true, echo=true, suffix, best_of other
@@ -36,6 +35,8 @@ template, and any field of the wrong type.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import time
 from typing import Any, Optional
 
@@ -146,8 +147,8 @@ def completion_to_generate(body: Any) -> dict:
     _check_type(body, "max_tokens", int, "an integer")
     _check_type(body, "logprobs", int, "an integer")
     max_tokens = 16 if body.get("max_tokens") is None else body["max_tokens"]
-    if max_tokens < 0:
-        raise OpenAIRequestError(f"max_tokens must be >= 0, got {max_tokens}", "max_tokens")
+    if max_tokens < 1:  # SGLang CompletionRequest.validate_max_tokens_positive
+        raise OpenAIRequestError(f"max_tokens must be positive, got {max_tokens}", "max_tokens")
     prompt = body.get("prompt")
     gen: dict[str, Any] = {}
     is_ints = lambda x: isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in x)  # noqa: E731
@@ -191,7 +192,24 @@ def _message_text(m: Any, i: int) -> dict:
     return m
 
 
-def chat_to_generate(body: Any, tokenizer) -> dict:
+#: sampling fields a chat request takes from the model's generation_config.json when it leaves them unset
+#: (SGLang ModelConfig.get_default_sampling_params with --sampling-defaults model, its default), and the
+#: OpenAI defaults otherwise (ChatCompletionRequest._DEFAULT_SAMPLING_PARAMS).
+CHAT_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+def model_sampling_defaults(model_path: str) -> dict:
+    """The non-null ``temperature, top_p, top_k, min_p, repetition_penalty`` of ``model_path``'s
+    generation_config.json ({} when there is none), as SGLang's get_default_sampling_params reads them."""
+    path = os.path.join(model_path, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    return {k: cfg[k] for k in CHAT_SAMPLING_DEFAULTS if cfg.get(k) is not None}
+
+
+def chat_to_generate(body: Any, tokenizer, model_defaults: Optional[dict] = None) -> dict:
     """Map a ChatCompletionRequest body (dict) to a /generate body, applying the chat template.
 
     Raises:
@@ -231,7 +249,9 @@ def chat_to_generate(body: Any, tokenizer) -> dict:
         max_new = body.get("max_tokens")
     if max_new is not None and max_new < 0:
         raise OpenAIRequestError(f"max_completion_tokens must be >= 0, got {max_new}", "max_completion_tokens")
-    gen: dict[str, Any] = {"input_ids": ids, "sampling_params": _sampling(body, max_new)}
+    # user value > the model's generation_config > OpenAI's default (SGLang ChatCompletionRequest.to_sampling_params)
+    unset = {k: v for k, v in {**CHAT_SAMPLING_DEFAULTS, **(model_defaults or {})}.items() if body.get(k) is None}
+    gen: dict[str, Any] = {"input_ids": ids, "sampling_params": _sampling({**body, **unset}, max_new)}
     if body.get("logprobs"):
         gen["return_logprob"] = True
         gen["return_text_in_logprobs"] = True
@@ -244,7 +264,7 @@ def chat_to_generate(body: Any, tokenizer) -> dict:
 
 def _usage(outs: list[dict], n: int) -> dict:
     completion = sum(o["meta_info"]["completion_tokens"] for o in outs)
-    prompt = sum(o["meta_info"]["prompt_tokens"] for o in outs[:max(1, len(outs) // max(1, n))])
+    prompt = sum(o["meta_info"]["prompt_tokens"] for o in outs[::max(1, n)])  # prompt-major: one per prompt
     return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
             "prompt_tokens_details": None, "reasoning_tokens": 0}
 
@@ -288,13 +308,15 @@ def install_openai_routes(app, engine) -> None:
     model_path)."""
     from fastapi.responses import JSONResponse
 
+    defaults = model_sampling_defaults(engine.model_path)  # read once at start-up, as SGLang does
+
     async def run(request: Request, chat: bool):
         try:
             body = await request.json()
         except ValueError:
             body = None
         try:
-            gen = chat_to_generate(body, engine.tokenizer) if chat else completion_to_generate(body)
+            gen = (chat_to_generate(body, engine.tokenizer, defaults) if chat else completion_to_generate(body))
             req = engine.submit(gen)
         except OpenAIRequestError as e:
             return JSONResponse(_error_body(str(e), e.param), status_code=400)

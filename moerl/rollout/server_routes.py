@@ -161,8 +161,11 @@ class CpuProfiler:
         with self.lock:
             if self.active:
                 raise ValueError("Profiling is already in progress. Call /stop_profile first.")
-            out_dir = body.get("output_dir") or os.environ.get("SGLANG_TORCH_PROFILER_DIR", "/tmp")
-            os.makedirs(out_dir, exist_ok=True)
+            out_dir = os.path.expanduser(body.get("output_dir") or os.environ.get("SGLANG_TORCH_PROFILER_DIR", "/tmp"))
+            try:
+                os.makedirs(out_dir, exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"output_dir {out_dir!r} cannot be created: {e.strerror or e}") from None
             prefix = body.get("profile_prefix")
             self.path = os.path.join(out_dir, (f"{prefix}-" if prefix else "") + f"{time.time()}-TP-0.trace.json.gz")
             self.opts = {"record_shapes": body.get("record_shapes") is not False,
