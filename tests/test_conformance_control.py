@@ -286,3 +286,21 @@ def test_pickles_naming_other_globals_are_refused(live):
     evil = base64.b64encode(pickle.dumps([("x", os.getcwd)])).decode()
     r = c.post("/update_weights_from_tensor", json={"serialized_named_tensors": [evil]})
     assert r.status_code == 400 and "does not unpickle" in r.json()["message"]
+
+
+def test_update_weight_version_and_memory_occupation_by_get(live, ckpts, refs):
+    """SGLang 0.5.9 routes found missing by an outside review: POST /update_weight_version sets the
+    version without touching the weights (UpdateWeightVersionReqInput), and /release_memory_occupation /
+    /resume_memory_occupation answer GET as well as POST."""
+    _, c = live
+    _reset(c, ckpts[0])
+    r = c.post("/update_weight_version", json={"new_version": "v-renamed"})
+    assert r.status_code == 200 and r.json() == {"success": True, "message": "Weight version updated to v-renamed",
+                                                 "new_version": "v-renamed"}
+    assert c.get("/get_model_info").json()["weight_version"] == "v-renamed"
+    assert _greedy(c)[0] == _ref_greedy(refs[0])  # weights unchanged
+    assert c.post("/update_weight_version", json={"version": "x"}).status_code == 400
+    assert c.get("/release_memory_occupation").status_code == 200
+    assert c.post("/generate", json={"input_ids": [4, 5], "sampling_params": {"max_new_tokens": 1}}).status_code == 503
+    assert c.get("/resume_memory_occupation").status_code == 200
+    assert _greedy(c)[0] == _ref_greedy(refs[0])

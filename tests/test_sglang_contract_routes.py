@@ -27,6 +27,7 @@ BODY_CLASS = {
     "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
     "/weights_checker": "CheckWeightsReqInput",
     "/start_profile": "ProfileReqInput",
+    "/update_weight_version": "UpdateWeightVersionReqInput",
 }
 
 

@@ -153,7 +153,7 @@ def _install_request_log_and_memory(app, engine: "ReferenceEngine", request_log:
         except ValueError:
             return None
 
-    @app.post("/release_memory_occupation")
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
     async def release_memory_occupation(request: Request):
         try:
             tags = tags_of(await _json_body(request))
@@ -168,7 +168,7 @@ def _install_request_log_and_memory(app, engine: "ReferenceEngine", request_log:
         await run_in_threadpool(release)
         return JSONResponse(None, status_code=200)
 
-    @app.post("/resume_memory_occupation")
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
     async def resume_memory_occupation(request: Request):
         try:
             tags = tags_of(await _json_body(request))

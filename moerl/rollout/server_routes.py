@@ -29,6 +29,9 @@ path, methods, body fields (sglang io_struct) and answer shape of sglang/srt/ent
     GET|POST /stop_profile                 writes ``[<prefix>-]<profile_id>-TP-0.trace.json.gz`` (Chrome
                                           trace, SGLang's name) into output_dir; answers "Stop
                                           profiling. This will take some time.\n"
+    POST /update_weight_version {new_version, abort_all_requests?=true}  sets the weight_version (weights
+                                          untouched), after aborting every request unless told not to;
+                                          {"success": true, "message", "new_version"}
     POST /v1/completions, /v1/chat/completions   moerl.rollout.openai_api
 
 Errors: a bad body answers HTTP 400 whose message names the field (SGLang's pydantic answers 422);
@@ -233,6 +236,18 @@ def install_extra_routes(app, engine, args: Optional[dict] = None) -> None:
             return json.loads(raw)
         except ValueError:
             return None
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request):
+        # UpdateWeightVersionReqInput {new_version: str, abort_all_requests: bool = True}
+        body = await json_body(request, allow_empty=False)
+        if not isinstance(body, dict) or not isinstance(body.get("new_version"), str):
+            return JSONResponse({"success": False, "message": "body needs new_version (a string)"}, status_code=400)
+        if body.get("abort_all_requests", True):
+            engine.abort(abort_all=True)
+        engine.weight_version = body["new_version"]
+        return {"success": True, "message": f"Weight version updated to {body['new_version']}",
+                "new_version": body["new_version"]}
 
     @app.get("/v1/models")
     async def available_models():
