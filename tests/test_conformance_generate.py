@@ -153,3 +153,32 @@ def test_refusals_are_sglang_style_400s(url):
     r = httpx.post(f"{url}/generate", trust_env=False, json={"input_ids": PROMPT, "return_logprob": True,
                                                 "logprob_start_len": 99}, timeout=60)
     assert r.status_code == 400 and "logprob_start_len" in r.json()["error"]["message"]
+
+
+def test_context_length_is_checked_as_sglang_does(tmp_path):
+    """SGLang 0.5.9 TokenizerManager._validate_one_request (no --allow-auto-truncate): a prompt as long as
+    the context, or prompt + max_new_tokens reaching it, is a 400 with SGLang's message; one token less
+    is served; max_new_tokens null takes the room left."""
+    from fastapi.testclient import TestClient
+
+    from moerl.rollout.server import ReferenceEngine, create_app
+    from moerl.rollout.testing import make_tiny_moe_checkpoint
+
+    make_tiny_moe_checkpoint(str(tmp_path), seed=0)
+    engine = ReferenceEngine(str(tmp_path))
+    try:
+        c = TestClient(create_app(engine))
+        ctx = engine.max_positions
+        prompt = [4] * (ctx - 10)
+        r = c.post("/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 10}})
+        assert r.status_code == 400 and "exceeds the model's maximum context length of" in r.text, r.text
+        r = c.post("/generate", json={"input_ids": [4] * ctx, "sampling_params": {"max_new_tokens": 1}})
+        assert r.status_code == 400 and "is longer than the model's context length" in r.text, r.text
+        r = c.post("/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 9, "ignore_eos": True,
+                                                                               "temperature": 0}})
+        assert r.status_code == 200 and len(r.json()["output_ids"]) == 9, r.text
+        r = c.post("/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": None,
+                                                                               "ignore_eos": True, "temperature": 0}})
+        assert r.status_code == 200 and len(r.json()["output_ids"]) == 9, r.text
+    finally:
+        engine.close()

@@ -532,7 +532,9 @@ def test_setup_checks_every_row_before_any_work(tmp_path):
     ds, path = ds_of([{"prompt": "1+2=", "label": "3"}] * 1500 + [{"prompt": "x" * 57, "label": "3"}], "long.jsonl")
     with pytest.raises(DatasetError, match=r"row 1501 of .*the prompt has 57 tokens; with rollout.max_new_tokens \(8\)"):
         check(ds, path)
-    check(ds, path, max_positions=65)  # 57 + 8 fits 65
+    with pytest.raises(DatasetError, match="row 1501 .* reaches"):
+        check(ds, path, max_positions=65)  # 57 + 8 = 65 reaches the context: SGLang refuses it
+    check(ds, path, max_positions=66)
     ds, path = ds_of([{"prompt": "p", "label": "24", "metadata": {"numbers": [6, 4]}},
                       {"prompt": "p", "label": "24"}], "countdown.jsonl")
     with pytest.raises(DatasetError, match=r"row 2 of .*reward.function=countdown: .*metadata\['numbers'\]"):

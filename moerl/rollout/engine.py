@@ -39,7 +39,8 @@ Semantics the trainer relies on:
     tokenizer's eos and the model config's eos_token_id; none with ignore_eos, as in SGLang); tokens
     after it are cut. A stop string keeps every id up to the one that completed it; ``text`` is cut
     before the stop string (and before a stop token), unless no_stop_trim.
-    max_new_tokens is clipped so that prompt + response fits max_position_embeddings.
+    prompt + max_new_tokens must stay below max_position_embeddings, else HTTP 400 (SGLang's check; a null
+    or -1 max_new_tokens takes the room left).
   * Sampling: each item draws its uniforms from its own torch.Generator seeded by its sampling_seed
     (or a fresh random seed), inverse-CDF over the (filtered) distribution at that temperature. An
     item's tokens therefore depend only on (its prompt, its sampling params, the weights): not on the
@@ -930,14 +931,24 @@ class ReferenceEngine(WeightUpdater):
         return self.response(self.submit(body))
 
     def _clip_max_new(self, prompt: list[int], spec: SamplingSpec, i: int) -> int:
-        room = (self.max_positions - len(prompt)) if self.max_positions else None
-        if room is not None and room <= 0:
-            raise ValueError(f"input_ids[{i}] has {len(prompt)} tokens but the model's context is "
-                             f"{self.max_positions} tokens (max_position_embeddings)")
+        """max_new_tokens of item ``i``, checked as SGLang's TokenizerManager._validate_one_request does
+        (context = max_position_embeddings, no --allow-auto-truncate): the prompt must be shorter than the
+        context and prompt + max_new_tokens must stay below it (ValueError -> HTTP 400 with SGLang's
+        message); no limit given (null / -1): whatever room the context leaves."""
+        ctx = self.max_positions
+        if ctx and len(prompt) >= ctx:
+            raise ValueError(f"The input ({len(prompt)} tokens) is longer than the model's context length "
+                             f"({ctx} tokens). (input {i})")
         m = spec.max_new_tokens
         if m < 0:
-            return room if room is not None else 2048
-        return min(m, room) if room is not None else m
+            return ctx - len(prompt) - 1 if ctx else 2048
+        if ctx and m + len(prompt) >= ctx:
+            raise ValueError(
+                f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You requested "
+                f"a total of {m + len(prompt)} tokens: {len(prompt)} tokens from the input messages and {m} tokens "
+                f"for the completion. Please reduce the number of tokens in the input messages or the completion to "
+                f"fit within the limit. (input {i})")
+        return m
 
     def _schedule_loop(self) -> None:
         while True:

@@ -175,8 +175,9 @@ def check_rows(ds, path, recipe_key: str, *, prompt_key: str, label_key: str, en
     only at the first RL step, after the SFT warm start):
 
     * its ``metadata`` parses (moerl.data.tasks.row_metadata);
-    * its rendered prompt leaves room for the response: ``len(encode(prompt)) + max_new_tokens <=
-      max_positions`` (rollout.max_new_tokens, model.hf_config.max_position_embeddings);
+    * its rendered prompt leaves room for the response: ``len(encode(prompt)) + max_new_tokens <
+      max_positions`` (rollout.max_new_tokens, model.hf_config.max_position_embeddings; SGLang refuses
+      a request that reaches the context length);
     * its label (and metadata) can be scored by ``reward_spec`` (moerl.rewards.check_label; only
       built-in verifiers declare a check, user functions are not called here).
 
@@ -195,10 +196,10 @@ def check_rows(ds, path, recipe_key: str, *, prompt_key: str, label_key: str, en
             n = len(encode(row[prompt_key]))
         except ValueError as e:
             raise DatasetError(f"{where}: {e}") from None
-        if n + max_new_tokens > max_positions:
+        if n + max_new_tokens >= max_positions:  # SGLang refuses a request that reaches the context length
             raise DatasetError(
-                f"{where}: the prompt has {n} tokens; with rollout.max_new_tokens ({max_new_tokens}) it exceeds "
-                f"model.hf_config.max_position_embeddings ({max_positions}): raise "
+                f"{where}: the prompt has {n} tokens; with rollout.max_new_tokens ({max_new_tokens}) it reaches "
+                f"model.hf_config.max_position_embeddings ({max_positions}), which SGLang refuses: raise "
                 "model.hf_config.max_position_embeddings, lower rollout.max_new_tokens or shorten the prompt")
         label = row[label_key]
         try:
