@@ -24,12 +24,10 @@ import torch
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("MOERL_WEIGHT_SYNC_TIMEOUT_S", "60")
 
-from transformers import AutoModelForCausalLM  # noqa: E402
 
 from moerl.rollout import client as api  # noqa: E402
 from moerl.rollout.launcher import wait_healthy  # noqa: E402
 from moerl.rollout.server import load_safetensors_dir  # noqa: E402
-from moerl.rollout.testing import make_tiny_moe_checkpoint  # noqa: E402
 from moerl.rollout.weight_sync import DistributedWeightUpdater, make_buckets  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -37,19 +35,6 @@ from _mp_helpers import free_port_block  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = [4, 5, 13, 6, 15]
-
-
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    a, b = str(tmp_path_factory.mktemp("ca")), str(tmp_path_factory.mktemp("cb"))
-    make_tiny_moe_checkpoint(a, seed=0)
-    make_tiny_moe_checkpoint(b, seed=1)
-    return a, b
-
-
-@pytest.fixture(scope="module")
-def refs(ckpts):
-    return tuple(AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for p in ckpts)
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +122,7 @@ def _reset(c: httpx.Client, path_a: str) -> None:
     _ok(c.post("/update_weights_from_disk", json={"model_path": path_a, "weight_version": "reset"}))
 
 
-def test_slime_style(live, ckpts, refs, tensor_bucket_module):
+def test_slime_style(live, ckpts, ref_models, tensor_bucket_module):
     url, c = live
     _reset(c, ckpts[0])
     sd_b = dict(load_safetensors_dir(ckpts[1]))
@@ -151,7 +136,7 @@ def test_slime_style(live, ckpts, refs, tensor_bucket_module):
         for b in buckets:
             updater.update_bucket(b, weight_version="slime-1", flush_cache=False)
             assert c.get("/get_model_info").json()["weight_version"] == "slime-1"
-        assert _greedy(c) == (_ref_greedy(refs[1]), "slime-1")
+        assert _greedy(c) == (_ref_greedy(ref_models[1]), "slime-1")
     finally:
         updater.close()
     # colocated tensor path: flattened buckets per TP rank, weight_version on every call
@@ -165,7 +150,7 @@ def test_slime_style(live, ckpts, refs, tensor_bucket_module):
     assert _ok(c.post("/update_weights_from_tensor", json={
         "serialized_named_tensors": [_mp_serialize([])], "weight_version": "slime-2"}))
     assert c.get("/flush_cache").status_code == 200
-    assert _greedy(c) == (_ref_greedy(refs[0]), "slime-2")
+    assert _greedy(c) == (_ref_greedy(ref_models[0]), "slime-2")
     # control calls around rollouts
     assert c.post("/pause_generation", json={"mode": "abort"}).json()["status"] == "ok"
     assert c.post("/continue_generation", json={}).json()["status"] == "ok"
@@ -175,7 +160,7 @@ def test_slime_style(live, ckpts, refs, tensor_bucket_module):
     assert c.get("/health_generate").status_code == 200
 
 
-def test_verl_style(live, ckpts, refs):
+def test_verl_style(live, ckpts, ref_models):
     url, c = live
     _reset(c, ckpts[0])
 
@@ -201,7 +186,7 @@ def test_verl_style(live, ckpts, refs):
         else:
             sys.modules[mod.__name__] = saved
     out, version = _greedy(c)
-    assert out == _ref_greedy(refs[1]) and version == "reset"  # no version sent: the old one stays
+    assert out == _ref_greedy(ref_models[1]) and version == "reset"  # no version sent: the old one stays
     assert c.post("/release_memory_occupation", json={"tags": ["kv_cache", "weights"]}).status_code == 200
     assert c.post("/generate", json={"input_ids": PROMPT}).status_code == 503
     assert c.post("/resume_memory_occupation", json={"tags": ["kv_cache", "weights"]}).status_code == 200
@@ -212,7 +197,7 @@ def test_verl_style(live, ckpts, refs):
     assert c.post("/flush_cache").status_code == 200
 
 
-def test_areal_style(live, ckpts, refs):
+def test_areal_style(live, ckpts, ref_models):
     url, c = live
     _reset(c, ckpts[0])
     r = _ok(c.post("/update_weights_from_disk", json={"model_path": ckpts[1], "abort_all_requests": True,
@@ -222,14 +207,14 @@ def test_areal_style(live, ckpts, refs):
         info = c.get(path).json()
         assert info["model_path"] == ckpts[1] and info["weight_version"] == "areal-1"
     assert c.get("/v1/models").json()["data"][0]["id"] == ckpts[1]
-    assert _greedy(c) == (_ref_greedy(refs[1]), "areal-1")
+    assert _greedy(c) == (_ref_greedy(ref_models[1]), "areal-1")
     # distributed update: ints, one version at the end
     updater = DistributedWeightUpdater([url], timeout_s=60)
     try:
         updater.sync(make_buckets(dict(load_safetensors_dir(ckpts[0])), 1 << 30), "areal-2")
     finally:
         updater.close()
-    assert _greedy(c) == (_ref_greedy(refs[0]), "areal-2")
+    assert _greedy(c) == (_ref_greedy(ref_models[0]), "areal-2")
     assert c.post("/pause_generation", json={}).json() == {"message": "Generation paused successfully.", "status": "ok"}
     assert c.post("/continue_generation", json={}).json()["status"] == "ok"
     r = c.post("/v1/completions", json={"model": "default", "prompt": PROMPT, "max_tokens": 6, "temperature": 0,
@@ -237,7 +222,7 @@ def test_areal_style(live, ckpts, refs):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
 
 
-def test_nemo_rl_style(live, ckpts, refs, tensor_bucket_module, tmp_path):
+def test_nemo_rl_style(live, ckpts, ref_models, tensor_bucket_module, tmp_path):
     url, c = live
     _reset(c, ckpts[0])
     sd_b = dict(load_safetensors_dir(ckpts[1]))
@@ -245,7 +230,7 @@ def test_nemo_rl_style(live, ckpts, refs, tensor_bucket_module, tmp_path):
     blob = _mp_serialize({"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()})
     _ok(c.post("/update_weights_from_tensor", json={"serialized_named_tensors": [blob], "load_format":
                                                     "flattened_bucket", "flush_cache": True, "weight_version": "n1"}))
-    assert _greedy(c) == (_ref_greedy(refs[1]), "n1")
+    assert _greedy(c) == (_ref_greedy(ref_models[1]), "n1")
     assert c.post("/weights_checker", json={"action": "snapshot"}).json() == {"success": True, "message": "Success."}
     assert c.post("/weights_checker", json={"action": "compare"}).json()["success"] is True
     assert c.post("/start_profile", json={"output_dir": str(tmp_path), "activities": ["CPU"]}).text == "Start profiling.\n"
@@ -288,7 +273,7 @@ def test_pickles_naming_other_globals_are_refused(live):
     assert r.status_code == 400 and "does not unpickle" in r.json()["message"]
 
 
-def test_update_weight_version_and_memory_occupation_by_get(live, ckpts, refs):
+def test_update_weight_version_and_memory_occupation_by_get(live, ckpts, ref_models):
     """SGLang 0.5.9 routes found missing by an outside review: POST /update_weight_version sets the
     version without touching the weights (UpdateWeightVersionReqInput), and /release_memory_occupation /
     /resume_memory_occupation answer GET as well as POST."""
@@ -298,9 +283,9 @@ def test_update_weight_version_and_memory_occupation_by_get(live, ckpts, refs):
     assert r.status_code == 200 and r.json() == {"success": True, "message": "Weight version updated to v-renamed",
                                                  "new_version": "v-renamed"}
     assert c.get("/get_model_info").json()["weight_version"] == "v-renamed"
-    assert _greedy(c)[0] == _ref_greedy(refs[0])  # weights unchanged
+    assert _greedy(c)[0] == _ref_greedy(ref_models[0])  # weights unchanged
     assert c.post("/update_weight_version", json={"version": "x"}).status_code == 400
     assert c.get("/release_memory_occupation").status_code == 200
     assert c.post("/generate", json={"input_ids": [4, 5], "sampling_params": {"max_new_tokens": 1}}).status_code == 503
     assert c.get("/resume_memory_occupation").status_code == 200
-    assert _greedy(c)[0] == _ref_greedy(refs[0])
+    assert _greedy(c)[0] == _ref_greedy(ref_models[0])
