@@ -80,6 +80,13 @@ def layout(cfg) -> dict:
             "etp_size": p.expert_tp_size, "pipeline_schedule": cfg.train.pipeline_schedule}
 
 
+def saved_layout(path: Path) -> dict:
+    """The :func:`layout` a complete checkpoint at ``path`` was written in (from its completion marker;
+    checkpoints older than the pipeline_schedule key were 1F1B)."""
+    marker = json.loads((Path(path) / COMPLETE_MARKER).read_text())
+    return {"pipeline_schedule": "1f1b", **marker["layout"]}
+
+
 def checkpoint_dir(run_dir: Path, state: TrainState) -> Path:
     """<run_dir>/checkpoints/sft_step_N during the warm start, step_N (RL step) after."""
     name = f"sft_step_{state.sft_step}" if state.phase == "sft" else f"step_{state.rl_step}"
@@ -173,8 +180,7 @@ def load_checkpoint(ctx, actor, path: Path) -> TrainState:
     pipeline-schedule change the model weights reshard but the optimizer state is not loaded (it
     reshards over DP only) and the RNG states are not restored; both are warned about."""
     marker = json.loads((path / COMPLETE_MARKER).read_text())
-    saved = {"pipeline_schedule": "1f1b", **marker["layout"]}  # checkpoints older than the schedule key
-    now = layout(ctx.cfg)
+    saved, now = saved_layout(path), layout(ctx.cfg)
     same = saved == now
     actor.set_lr(ctx.cfg.sft.lr if marker["phase"] == "sft" else ctx.cfg.train.lr)
     if {k: v for k, v in saved.items() if k != "world_size"} == {k: v for k, v in now.items() if k != "world_size"}:

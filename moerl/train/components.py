@@ -203,12 +203,9 @@ def build_critic(ctx, actor, sync, pkw: dict, resume_path):
     with sync.trainer_loaded():
         critic.load_hf_state_dict(actor.export_hf_state_dict())
     if resume_path is not None and (Path(resume_path) / "critic").is_dir():
-        from moerl.checkpoint.run_state import layout
+        from moerl.checkpoint.run_state import layout, saved_layout
 
-        import json
-
-        saved = json.loads((Path(resume_path) / "moerl_complete.json").read_text())["layout"]
-        critic.load(Path(resume_path) / "critic", load_optimizer={"pipeline_schedule": "1f1b", **saved} == layout(cfg))
+        critic.load(Path(resume_path) / "critic", load_optimizer=saved_layout(resume_path) == layout(cfg))
         log(f"critic restored from {Path(resume_path) / 'critic'}")
     sync.offload_with(critic)
     return critic
