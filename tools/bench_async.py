@@ -63,12 +63,14 @@ Targets (PASS / FAIL printed; the exit code stays 0): sync wall / async(s=1) wal
 greedy accuracy within 3 points of sync; the model's predicted sync / async(s=1) ratio within 20% of the
 measured one.
 
-Measured (defaults, quiet machine, 40 steps): sync 0.883 s/step, one_step_off 0.906, async s=1 1.011,
-s=2 0.966: no speed-up. The trainer core is the bottleneck: the producer thread needs 0.29 s CPU per
-step in sync (58% of the 0.495 s rollout wait is CPU on the trainer's core) and 0.37-0.43 s when it
-overlaps training (contention, resumed segments after each abort-push), so core 0 runs 83-89% busy
-while the rollout core is ~50% used; the model says 1.55 if the producer left the trainer's device,
-1.79 if in addition the push did not pause generation.
+Measured (defaults, 40 steps; the README's Async section has the table): sync 0.683 s/step,
+one_step_off 0.535 (1.28x), async s=1 0.555 (1.23x), s=2 0.506 (1.35x); across four runs async s=1 was
+1.21-1.47x sync, short of the 1.6x target. The producer thread (aiohttp client, reward scoring) costs
+25-35 ms of trainer-core CPU per step; what bounds the ratio is the phase split itself (overlapped step =
+push + max(rollout, train), which the time model puts at 1.47-1.49x for the sync run's phases) plus
+about 0.05 s per step of interpreter-lock contention and a push that waits for the running batch.
+(Before the client moved from httpx to aiohttp the producer needed 0.29 s CPU per step and async was
+0.87-0.96x sync.)
 
 Usage: python tools/bench_async.py [--steps 40] [--warm-start DIR] [--modes sync one_step_off async_s1
        async_s2] [--out DIR] [--keep] [--num-servers 1] [--eval-prompts 1000]
