@@ -46,6 +46,12 @@ LAYOUTS = {
     "dp2": dict(nproc=2, distopt=True),
     "tp2ep2": dict(nproc=2, tp=2, ep=2, etp=1),
     "pp2dp2": dict(nproc=4, pp=2, distopt=True, first=1),  # uneven: stage 0 has 1 layer, stage 1 has 3
+    # model.params_dtype=bfloat16 (issue 14): Megatron mixed precision, compared with one BF16 process
+    "ref_bf16": dict(nproc=1, dtype="bfloat16"),
+    "ref_tied_bf16": dict(nproc=1, tied=True, dtype="bfloat16"),
+    "tp2_bf16": dict(nproc=2, tp=2, dtype="bfloat16"),
+    "ep2_bf16": dict(nproc=2, ep=2, distopt=True, dtype="bfloat16"),
+    "pp2_bf16": dict(nproc=2, pp=2, tied=True, dtype="bfloat16"),
 }
 GLOBAL_SAMPLES, MICRO_BATCH, SEQ = 8, 2, 12
 # Adam's update lr * g / (|g| + eps) turns an fp32 rounding difference of ~1e-9 in a gradient element
@@ -101,10 +107,12 @@ def run_layout(case: str, out_dir: Path) -> None:
         overrides = {"num_layers_in_first_pipeline_stage": spec["first"]} if "first" in spec else {}
         actor = MegatronActor(cfg, lr=1e-3, adam_eps=ADAM_EPS, clip_grad=1.0, moe_aux_loss_coeff=1e-2,
                               use_distributed_optimizer=spec.get("distopt", False),
-                              recompute=spec.get("recompute", "none"), config_overrides=overrides)
+                              recompute=spec.get("recompute", "none"), config_overrides=overrides,
+                              params_dtype=spec.get("dtype", "float32"))
         actor.set_lr(1e-3)  # rebuilding the optimizer (SFT -> RL) must work in every layout
         actor.load_hf_state_dict(hf.state_dict())
-        reference = on_disk_state_dict(hf)
+        dtype = actor.params_dtype
+        reference = {k: v.to(dtype) for k, v in on_disk_state_dict(hf).items()}
         export0 = actor.export_hf_state_dict()
         export0_ok = set(export0) == set(reference) and all(torch.equal(export0[k], reference[k]) for k in reference)
 
@@ -122,10 +130,11 @@ def run_layout(case: str, out_dir: Path) -> None:
         n_tok = sum(sum(s.loss_mask) for s in samples)
         metrics = actor.train_step(mbs, policy_loss(ALGO, global_num_tokens=n_tok, global_num_seqs=len(samples)), 1.0)
         export1 = actor.export_hf_state_dict(dst=0)
+        precision = mixed_precision_facts(actor)
 
         everything = [None] * info.world_size
         local = dict(rank=info.rank, lp=lp, metrics=metrics, export0_ok=export0_ok,
-                     export1_keys=len(export1), layout=[info.tp_rank, info.pp_rank, info.ep_rank, info.dp_rank],
+                     export1_keys=len(export1), precision=precision, layout=[info.tp_rank, info.pp_rank, info.ep_rank, info.dp_rank],
                      num_params=sum(p.numel() for p in actor.model.parameters()))
         dist.all_gather_object(everything, local)
         if info.rank == 0:
@@ -134,6 +143,23 @@ def run_layout(case: str, out_dir: Path) -> None:
             (out_dir / f"{case}.json").write_text(json.dumps(everything))
     finally:
         destroy_distributed()
+
+
+def mixed_precision_facts(actor) -> dict:
+    """What the optimizer holds after a step: dtypes of the model params, of the DDP gradient buffers
+    (main_grad), of the tensors the torch Adam steps (main params), their grads and Adam moments, and
+    the sum of squares (fp64) of the main grads of this rank (after clipping)."""
+    from moerl.train.actor import _fp32_main_params
+
+    opts = getattr(actor.optimizer, "chained_optimizers", None) or [actor.optimizer]
+    stepped = [p for o in opts for g in o.optimizer.param_groups for p in g["params"]] if opts else []
+    moments = [v for o in opts for st in o.optimizer.state.values() for k, v in st.items() if k.startswith("exp_avg")]
+    grads = [p.grad for p in stepped if p.grad is not None]
+    return dict(params=sorted({str(p.dtype) for p in actor.model.parameters()}),
+                main_grad=sorted({str(p.main_grad.dtype) for p in actor.model.parameters() if hasattr(p, "main_grad")}),
+                stepped=sorted({str(p.dtype) for p in stepped}), grads=sorted({str(x.dtype) for x in grads}),
+                moments=sorted({str(x.dtype) for x in moments}), n_main=len(_fp32_main_params(actor.optimizer)),
+                grad_sq=float(sum(float(x.double().pow(2).sum()) for x in grads)))
 
 
 def launch(case: str, out_dir: Path, timeout: float = 300.0) -> tuple[list[dict], dict]:
@@ -201,6 +227,93 @@ def test_layout_matches_one_process(refs, case):
                              ep_size=spec.get("ep", 1), ep_rank=ep_rank, etp_size=spec.get("etp"),
                              num_layers_in_first_pipeline_stage=spec.get("first"))
         assert r["num_params"] == rank_param_counts(init.config, layout)["total"], r
+
+
+U_BF16 = 2.0 ** -8  # unit roundoff of bfloat16 (8 significant bits, round to nearest)
+BF16_REF = {False: "ref_bf16", True: "ref_tied_bf16"}
+
+
+@pytest.fixture(scope="module")
+def bf16_refs(refs):
+    out, _ = refs
+    return {tied: launch(case, out) for tied, case in BF16_REF.items()}
+
+
+def _old_log_probs(init, samples) -> dict[int, list[float]]:
+    """The old log-probs run_layout uses (transformers, shifted), by sample index."""
+    return {s.index: [x + 0.25 * ((s.index + j) % 3 - 1) for j, x in enumerate(hf_log_probs(init, s))]
+            for s in samples}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["tp2_bf16", "ep2_bf16", "pp2_bf16"])
+def test_bf16_layout_matches_one_bf16_process(refs, bf16_refs, case):
+    """model.params_dtype=bfloat16 at TP=2 (sequence parallel), EP=2 (distributed optimizer) and PP=2
+    (tied embeddings) against one BF16 process, with tolerances derived from BF16's unit roundoff
+    u = 2^-8 (not from fp32's 1e-5: TP splits the BF16 GEMMs' accumulation, so the two runs round at
+    different places).
+
+    Model: every BF16 run lies within B of the exact (fp32) result, so two BF16 runs lie within 2B of
+    each other. B is derived below and checked against the measured distance d between the one-process
+    BF16 and fp32 runs (d <= B; d > u/16 shows the compute really ran in BF16).
+
+    * log-probs: a relative perturbation u of the logit-scale quantities moves log p_y = z_y - lse(z)
+      by at most 2u max|log p| (|dz_y| + sum_j p_j |dz_j|): B = 2u max|lp|, tol = 2B (measured on this
+      model: d 0.022 / 0.038 tied vs B 0.047 / 0.051; tp2 0.028, ep2 and pp2 0: same rounding).
+    * loss (PPO-clip token mean of -A min(r, clip(r)), r = exp(lp - old)): min/clip are 1-Lipschitz and
+      |e^x - e^y| <= e^max(x, y) |x - y|, so |dloss| <= sum_t m_t |A_t| e^(max lp_t - old_t) |dlp_t| / N
+      with the measured per-token log-prob differences: an exact bound, no fudge factor.
+    * grad norm and aux loss: a relative perturbation of every element by at most 2u (one rounding of
+      the BF16 backward/forward per element, a second for the reduction) bounds the relative change of a
+      norm/mean: B = 2u, tol = 2B = 4u (measured: d 4e-4 / 4.4e-3 tied; tp2 3.7e-3).
+    * updated weights (the BF16 export after one Adam step): both are the BF16 rounding of FP32 main
+      params that differ by far less than one BF16 ulp (lr 1e-3 times a gradient difference of O(u)),
+      so each element differs by at most one ulp of itself, <= one ulp of the tensor's largest element:
+      max|dw| / max|w| <= 2^-7 (measured 7.1e-3 = 2^-7.13 at tp2).
+    """
+    out, by_tied = refs
+    spec = LAYOUTS[case]
+    tied = spec.get("tied", False)
+    (f32_ranks, _), (b16_ranks, b16_export) = by_tied[tied], bf16_refs[tied]
+    f32, b16 = f32_ranks[0], b16_ranks[0]
+    init = random_hf_model(seed=0, tie_word_embeddings=tied, **MODEL)
+    ranks, export = launch(case, out)
+
+    def lp_dist(a, b):
+        return max(abs(x - y) for k, v in a["lp"].items() for x, y in zip(v, b["lp"][k]))
+
+    max_lp = max(abs(x) for v in f32["lp"].values() for x in v)
+    b_lp = 2 * U_BF16 * max_lp
+    d_lp = lp_dist(b16, f32)
+    assert U_BF16 / 16 < d_lp <= b_lp, (d_lp, b_lp)
+    b_rel = 2 * U_BF16
+    for key in ("grad_norm", "aux_loss"):
+        assert abs(b16["metrics"][key] / f32["metrics"][key] - 1) <= b_rel, (key, b16["metrics"][key], f32["metrics"][key])
+
+    samples = global_samples()
+    old = _old_log_probs(init, samples)
+    n_tok = sum(sum(s.loss_mask) for s in samples)
+    for r in ranks:
+        assert r["precision"]["params"] == ["torch.bfloat16"]
+        assert r["precision"]["main_grad"] == r["precision"]["stepped"] == r["precision"]["moments"] == ["torch.float32"]
+        assert lp_dist(r, b16) <= 2 * b_lp, (r["rank"], lp_dist(r, b16), 2 * b_lp)
+        m = r["metrics"]
+        for key in ("grad_norm", "aux_loss"):
+            assert abs(m[key] / b16["metrics"][key] - 1) <= 2 * b_rel, (key, m[key], b16["metrics"][key])
+        # the loss bound from this layout's own per-token log-prob differences (all samples: rank 0
+        # of every DP rank reports its samples; with dp 1 rank 0 holds them all)
+        lp_all = {int(k): v for x in ranks for k, v in x["lp"].items()}
+        bound = sum(mask * abs(s.advantage) * torch.tensor(max(a, b) - o).exp().item() * abs(a - b)
+                    for s in samples for mask, a, b, o in zip(s.loss_mask, lp_all[s.index], b16["lp"][str(s.index)],
+                                                              old[s.index])) / n_tok
+        assert abs(m["loss"] - b16["metrics"]["loss"]) <= bound + 1e-7, (m["loss"], b16["metrics"]["loss"], bound)
+        assert m["clip_frac"] == pytest.approx(b16["metrics"]["clip_frac"], abs=0.1)
+    init_sd = on_disk_state_dict(init)
+    assert set(export) == set(b16_export) and all(v.dtype == torch.bfloat16 for v in export.values())
+    assert max(float((b16_export[k].float() - init_sd[k]).abs().max()) for k in b16_export) > 1e-4  # it moved
+    for k, want in b16_export.items():
+        rel = float((export[k].float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
+        assert rel <= 2.0 ** -7, (k, rel)
 
 
 # ----------------------------------------------------------------------------- fast: conversion

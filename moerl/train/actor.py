@@ -75,12 +75,50 @@ from moerl.train.batching import MicroBatch, PackedMicroBatch, model_labels, to_
 from moerl.train.losses import MAX_METRIC_SUFFIX, combine_micro_batch_metrics
 from moerl.train.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
 
-__all__ = ["LossFn", "MegatronActor", "RECOMPUTE_MODES", "recompute_config", "actor_parallel_kwargs"]
+__all__ = ["LossFn", "MegatronActor", "PARAMS_DTYPES", "RECOMPUTE_MODES", "actor_parallel_kwargs", "params_torch_dtype",
+           "recompute_config"]
 
 # loss_fn(log_probs [B,S], entropy [B,S], micro_batch) -> (scalar loss, metrics dict of floats)
 LossFn = Callable[[torch.Tensor, torch.Tensor, MicroBatch], tuple[torch.Tensor, dict]]
 
 RECOMPUTE_MODES = ("none", "full", "selective")
+
+# model.params_dtype -> the dtype of the model's parameters (compute dtype); main params, main grads
+# and Adam moments are float32 in every case (Megatron's mixed precision, see MegatronActor)
+PARAMS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def params_torch_dtype(params_dtype) -> torch.dtype:
+    """The torch dtype of ``model.params_dtype`` ("float32" | "bfloat16", or that torch dtype).
+
+    Raises:
+        ValueError: float16 (it needs dynamic loss scaling, which moerl does not wire up: use
+            bfloat16, same memory and no loss scale) or any other dtype; the message names the key.
+    """
+    by_dtype = {v: k for k, v in PARAMS_DTYPES.items()}
+    name = by_dtype.get(params_dtype, params_dtype)
+    if name in ("float16", torch.float16):
+        raise ValueError("model.params_dtype=float16 needs dynamic loss scaling, which moerl does not do; "
+                         "set model.params_dtype=bfloat16 (same memory, FP32 main params, no loss scale) "
+                         "or float32")
+    if name not in PARAMS_DTYPES:
+        raise ValueError(f"model.params_dtype must be one of {sorted(PARAMS_DTYPES)}, got {params_dtype!r}")
+    return PARAMS_DTYPES[name]
+
+
+def _fp32_main_params(optimizer) -> list[torch.Tensor]:
+    """The FP32 main parameters of a mixed-precision Megatron optimizer (a ChainedOptimizer is
+    unrolled), in a fixed order: Float16OptimizerWithFloat16Params' ``fp32_from_float16_groups``, the
+    DistributedOptimizer's ``shard_fp32_from_float16_groups`` (this DP rank's shards). Empty for FP32
+    params (the optimizer steps the model parameters themselves)."""
+    out: list[torch.Tensor] = []
+    for sub in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        groups = getattr(sub, "shard_fp32_from_float16_groups", None)
+        if groups is None:
+            groups = getattr(sub, "fp32_from_float16_groups", None)
+        for g in groups or []:
+            out.extend(p for p in g if p is not None)
+    return out
 
 
 def recompute_config(recompute: str) -> dict[str, Any]:
@@ -178,13 +216,23 @@ class MegatronActor:
         sequence_parallel: Megatron sequence parallelism when tp_size > 1 (required by Megatron
             for MoE with TP when training; ignored at tp_size == 1).
         config_overrides: extra TransformerConfig fields (e.g. num_layers_in_first_pipeline_stage).
+        params_dtype: "float32" | "bfloat16" (``model.params_dtype``; or the torch dtype). bfloat16 is
+            Megatron-Core's mixed precision: parameters and compute in BF16 (TransformerConfig
+            bf16=True; the 1F1B model is wrapped in Megatron's Float16Module, which hands fp32 logits
+            to the loss; DualPipe chunks' logits are cast to fp32 in the loss), DDP gradient buffers
+            and their DP reduction in FP32 (grad_reduce_in_fp32=True), and the optimizer
+            (OptimizerConfig bf16=True: Float16OptimizerWithFloat16Params, or the distributed
+            optimizer) keeps FP32 main parameters, FP32 main grads and FP32 Adam moments; grad norm
+            and clipping run on the FP32 main grads (Micikevicius et al. 2018, "Mixed Precision
+            Training"; megatron-core 0.16.1 optimizer.py). Checkpoints hold the FP32 main params.
         pipeline_schedule: "1f1b" (Megatron's schedules) | "dualpipe" | "dualpipev" (moerl.pipeline;
             needs pp_size > 1 and an even layer split over the stages; any tp_size / ep_size).
         pipeline_overlap: DualPipe(V)'s F&B steps through Megatron's schedule plans on two CUDA streams
             (moerl.pipeline.overlap; needs CUDA, ep_size >= 2 and the alltoall/flex dispatcher).
 
     Raises:
-        ValueError: an unknown pipeline_schedule or a layout it does not support.
+        ValueError: an unknown pipeline_schedule or a layout it does not support; params_dtype
+            float16 or another unsupported dtype (``params_torch_dtype``).
         RuntimeError: pipeline_overlap without CUDA.
 
     Requires moerl.runtime.distributed.init_distributed() to have run (the layout comes from
@@ -210,10 +258,13 @@ class MegatronActor:
         config_overrides: Optional[Mapping[str, Any]] = None,
         pipeline_schedule: str = "1f1b",
         pipeline_overlap: bool = False,
+        params_dtype="float32",
     ):
         self.hf_config = hf_config
+        self.params_dtype = params_torch_dtype(params_dtype)
         overrides = recompute_config(recompute)
         overrides.update(config_overrides or {})
+        overrides["params_dtype"] = self.params_dtype  # bf16=True and pipeline_dtype follow (qwen3_moe)
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
         self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
         self.dp_size = parallel_state.get_data_parallel_world_size()
@@ -237,6 +288,13 @@ class MegatronActor:
                 **overrides,
             )
             self.model = build_gpt_model(hf_config, self.tf_config)
+            # BF16: Megatron's Float16Module (BF16 inputs on the first stage, FP32 logits on the last);
+            # self.model stays the bare GPTModel (weights, hooks, checkpoints)
+            self._module = self.model
+            if self.tf_config.bf16:
+                from megatron.core.transformer.module import Float16Module
+
+                self._module = Float16Module(self.tf_config, self.model)
             self.layout = ShardLayout.from_parallel_state(self.tf_config)
             self._fwd_bwd = get_forward_backward_func()
         self.device = next(self.model.parameters()).device
@@ -254,7 +312,8 @@ class MegatronActor:
                 overlap_grad_reduce=False,
                 use_distributed_optimizer=self.use_distributed_optimizer,
             )
-            self.ddp_model = DistributedDataParallel(config=self.tf_config, ddp_config=ddp_config, module=self.model)
+            module = self.model if self.dual else self._module
+            self.ddp_model = DistributedDataParallel(config=self.tf_config, ddp_config=ddp_config, module=module)
             if self.dual:
                 # Megatron's finalize_model_grads without its pipeline embedding all-reduce (a tied
                 # embedding is one parameter of one rank here; that all-reduce would hang): the DP
@@ -289,7 +348,7 @@ class MegatronActor:
             )
             self.set_lr(lr)
         else:
-            self.ddp_model = self.model
+            self.ddp_model = self.model if self.dual else self._module
             self.optimizer = None
             for p in self.model.parameters():
                 p.requires_grad_(False)
@@ -331,33 +390,45 @@ class MegatronActor:
 
     def set_lr(self, lr: float) -> None:
         """(Re)build the Megatron Adam optimizer at learning rate ``lr`` with fresh moments (used
-        between the SFT warm start and RL, which run at different learning rates)."""
+        between the SFT warm start and RL, which run at different learning rates). With BF16 params
+        the new optimizer takes the old one's FP32 main params (a fresh one would start from the
+        BF16-rounded model weights)."""
         if not self.trainable:
             raise RuntimeError("set_lr on a frozen actor (trainable=False)")
+        old = getattr(self, "optimizer", None)
+        bf16 = self.params_dtype == torch.bfloat16
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam",
                 lr=lr,
                 min_lr=lr,
-                bf16=False,
+                bf16=bf16,
                 fp16=False,
-                params_dtype=torch.float32,
+                params_dtype=self.params_dtype,
                 use_distributed_optimizer=self.use_distributed_optimizer,
                 **self._opt_kwargs,
             ),
             [self.ddp_model],
         )
+        if old is not None:
+            with torch.no_grad():
+                for new_p, old_p in zip(_fp32_main_params(self.optimizer), _fp32_main_params(old), strict=True):
+                    new_p.copy_(old_p)
 
     # ----------------------------------------------------------------- weights
     def load_hf_state_dict(self, hf_state_dict: dict[str, torch.Tensor]) -> None:
         """Load HF-named weights (moerl.checkpoint.hf_convert naming) strictly into this rank's
-        shard of the model (TP slices, local experts, this pipeline stage's layers)."""
+        shard of the model (TP slices, local experts, this pipeline stage's layers), cast to the
+        model's params_dtype; a trainable BF16 actor's FP32 main params are then set from the loaded
+        (BF16) weights (Megatron's ``reload_model_params``)."""
         if self.dual:
             from moerl.pipeline.megatron_stages import load_hf_into_stages
 
             load_hf_into_stages(self._stages, hf_state_dict, self.hf_config)
-            return
-        load_megatron_state_dict(self.model, hf_to_megatron(hf_state_dict, self.hf_config, self.layout))
+        else:
+            load_megatron_state_dict(self.model, hf_to_megatron(hf_state_dict, self.hf_config, self.layout))
+        if getattr(self, "optimizer", None) is not None:  # BF16: the FP32 main params follow the new weights
+            self.optimizer.reload_model_params()
 
     def export_hf_state_dict(self, dst: Optional[int] = None) -> dict[str, torch.Tensor]:
         """Full HF-named state dict of the current weights (CPU copies), for weight sync/export.
@@ -414,6 +485,7 @@ class MegatronActor:
         """(log_probs, entropy) [B,S] float32 of the labels under softmax(logits / T); the entropy is
         differentiable when ``self.entropy_grad`` (an entropy bonus in the loss) and grad is enabled."""
         grad = self.entropy_grad and torch.is_grad_enabled()
+        logits = logits.float()  # BF16 DualPipe chunks hand BF16 logits (Float16Module already fp32: no-op)
         if self.tp_size > 1 and self.dual:
             # the interpreter's split backward traverses the loss twice: Megatron's vocab-parallel
             # cross entropy overwrites its saved softmax in backward, this one does not
