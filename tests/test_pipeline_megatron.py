@@ -19,6 +19,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(__file__))
 from _mp_helpers import TINY_FIELDS, free_port_block, gspo_micro_batches  # noqa: E402
 
+from moerl.pipeline.schedules import build_schedule  # noqa: E402
+
 SEQ, BATCH = 10, 2
 ALGO = types.SimpleNamespace(policy_loss="gspo", eps_clip_low=0.2, eps_clip_high=0.28,
                              loss_agg_mode="seq-mean-token-mean", kl_coef=0.0, kl_estimator="k3")
@@ -77,7 +79,7 @@ def rel_err(x, y):
     return 0.0 if den == 0 else float(1 - 2 * (x * y).sum() / den)
 
 
-def run_case(name, P, M, num_layers, tmp_path, split="retrace", tie=False):
+def run_case(name, P, M, num_layers, tmp_path, split="store", tie=False):
     from moerl.checkpoint.hf_convert import megatron_to_hf
     from moerl.models.qwen3_moe import build_gpt_model
     from moerl.pipeline.megatron_stages import PolicyCriterion
@@ -262,3 +264,79 @@ def test_forward_backward_func_matches_megatron_no_pipelining(dist, tmp_path):
     assert grads.keys() == ref_grads.keys()
     for k in ref_grads:
         assert rel_err(grads[k], ref_grads[k]) < 1e-12, k
+
+
+# ---------------------------------------------------------------------------------------------------------
+# split_backward="store" (moerl.pipeline.wgrad_store) in one process, float64: the schedules' B/W split
+# (B: input grads and uncovered parameters, W: the queued weight GEMMs) against the unsplit backward of
+# the same weights (loss.backward() micro-batch after micro-batch, Megatron's own linear function).
+
+
+def _double_chunks(chunks):
+    for st in chunks.values():
+        st.double()
+    return chunks
+
+
+def _double_micro_batches(M, vocab):
+    mbs = micro_batches(M, vocab)
+    for mb in mbs:
+        mb.advantages = mb.advantages.double()
+        mb.extras["old_log_probs"] = mb.extras["old_log_probs"].double()
+    return mbs
+
+
+@pytest.mark.parametrize("kind,name", [("dense", "zb1p"), ("moe", "zb1p"), ("moe", "dualpipev"),
+                                       ("tied", "dualpipev")])
+def test_store_split_equals_unsplit_backward_fp64(kind, name, dist):
+    from moerl.models.qwen3_moe import make_hf_config
+    from moerl.pipeline.interpreter import PipelineInterpreter
+    from moerl.pipeline.megatron_stages import PolicyCriterion, build_chunk_modules, megatron_stage_fn
+
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    get_moe_layer_wise_logging_tracker().clear()
+    M = 4
+    fields = dict(TINY_FIELDS, num_hidden_layers=2, tie_word_embeddings=kind == "tied")
+    if kind == "dense":
+        fields["mlp_only_layers"] = [0, 1]
+    cfg = make_hf_config(fields)
+    sched = build_schedule(name, 1, M)
+    torch.manual_seed(3)
+    chunks = _double_chunks(build_chunk_modules(sched, 0, cfg, init_method_std=0.2))
+    ref = _double_chunks(build_chunk_modules(sched, 0, cfg))  # unpatched: Megatron's own linear backward
+    for c in ref:
+        ref[c].load_state_dict(chunks[c].state_dict())
+    mbs = _double_micro_batches(M, cfg.vocab_size)
+    interp = PipelineInterpreter(sched, chunks, PolicyCriterion(loss_fn(M)), stage_fn=megatron_stage_fn(mbs))
+    store = interp.wgrad_store
+    ran = []
+    run = store.run
+    store.run = lambda key, chunk=None: ran.append(run(key, chunk)) or ran[-1]
+    interp.run(mbs, mbs)
+    assert sum(ran) > 0 and not store.pending()
+    for c, cov in store.coverage.items():  # every GEMM weight of the chunk is deferred; norms/router/embedding not
+        assert all(n.endswith(".weight") and ("linear_" in n or "output_layer" in n) for n in cov.deferred), c
+        assert not any("linear_" in n for n in cov.in_b), c
+    if kind == "tied":
+        emb = chunks[0].model.embedding.word_embeddings.weight
+        assert chunks[1].model.output_layer.weight is emb
+        assert "model.embedding.word_embeddings.weight" in store.coverage[0].in_b
+        assert "model.output_layer.weight" in store.coverage[1].deferred
+
+    crit = PolicyCriterion(loss_fn(M))
+    order = sorted(ref, key=lambda c: ref[c].stage)
+    for m, mb in enumerate(mbs):
+        x = None
+        for c in order:
+            x = ref[c](x, mb)
+        crit(x, mb).backward()
+    n_checked = 0
+    for c in chunks:
+        got, want = dict(chunks[c].named_parameters()), dict(ref[c].named_parameters())
+        for k, p in want.items():
+            assert got[k].grad is not None and p.grad is not None, (c, k)
+            assert got[k].grad.dtype == torch.float64
+            assert rel_err(got[k].grad, p.grad) < 1e-12, (c, k, rel_err(got[k].grad, p.grad))
+            n_checked += 1
+    assert n_checked >= 10

@@ -35,10 +35,16 @@ Backward is split as in zero-bubble pipelining (Qi et al. 2023):
   Megatron DDP's ``param.main_grad``).
 - ``BW`` (unsplit) computes both in one autograd call.
 
-This generic split (``split_backward="retrace"``) re-traverses the chunk's graph in W, so W costs about a
+That generic split (``split_backward="retrace"``) re-traverses the chunk's graph in W, so W costs about a
 full backward; ``split_backward="torch"`` uses torch.distributed.pipelining's graph split instead (B keeps
-the gradients at the weight-side nodes, W starts from them).  A layer-level split that stores the
-weight-grad GEMM inputs (as DualPipe's WeightGradStore does) would be cheaper still.
+the gradients at the weight-side nodes, W starts from them).  The default, ``split_backward="store"``, is
+layer-level (:mod:`moerl.pipeline.wgrad_store`, DualPipe's WeightGradStore idea): the forwards of split
+micro-batches run with the store armed, Megatron's linear layers then compute only their input gradients in
+B and queue ``(input, grad_output)``; W runs exactly those weight GEMMs.  B is
+``torch.autograd.grad(out, [inp, *params], grad_out)`` without ``retain_graph`` (the parameters the store
+does not cover -- norms, router, embedding -- get their gradients there; they are logged at construction),
+so B + W costs one backward.  Modules without Megatron linears get nothing deferred (W empty): use the
+other modes for them.
 
 ``FB`` actions run the forward, then the backward (correct on CPU).  With an ``executor``
 (:class:`ChunkExecutor`, e.g. :class:`moerl.pipeline.overlap.MegatronOverlapExecutor`) every training F, B and
@@ -53,6 +59,7 @@ input (``inputs[m]``) and the criterion's labels can be anything the user's call
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
@@ -61,8 +68,11 @@ import torch
 import torch.distributed as dist
 
 from moerl.pipeline.schedules import P2P, Action, Schedule, _plan_actions, comm_plan, validate_schedule
+from moerl.pipeline.wgrad_store import WeightGradStore, accumulate_grad, check_fifo_weight_order
 
-__all__ = ["Channel", "ChunkExecutor", "P2PChannels", "PipelineInterpreter", "PipelineResult", "make_p2p_channels",
+SPLIT_BACKWARD = ("store", "retrace", "torch")
+
+__all__ = ["SPLIT_BACKWARD", "Channel", "ChunkExecutor", "P2PChannels", "PipelineInterpreter", "PipelineResult", "make_p2p_channels",
            "sync_mirrored_grads", "uses_nccl"]
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -228,7 +238,10 @@ class PipelineInterpreter:
         executor: a :class:`ChunkExecutor` that runs the training forward / backward of every chunk and
             overlaps the two halves of ``FB`` actions (default None: ``stage_fn`` and ``torch.autograd.grad``,
             FB sequential).  Forward-only runs always use ``stage_fn``.
-        split_backward: how a split ``B``/``W`` pair computes the weight gradients: ``"retrace"`` (W runs
+        split_backward: how a split ``B``/``W`` pair computes the weight gradients: ``"store"`` (default:
+            :class:`~moerl.pipeline.wgrad_store.WeightGradStore` installed on the modules -- patched in place --
+            B queues the weight GEMMs of Megatron's linear layers, W runs them; uncovered parameters' gradients
+            in B, logged once here), ``"retrace"`` (W runs
             ``autograd.grad`` w.r.t. the parameters over the retained graph: always correct, W costs about
             a full backward) or ``"torch"`` (``torch.distributed.pipelining._backward``'s
             ``stage_backward_input``/``stage_backward_weight``: B keeps the gradients at the nodes that
@@ -255,12 +268,12 @@ class PipelineInterpreter:
         group: Optional[dist.ProcessGroup] = None,
         stage_fn: Optional[Callable[[int, torch.nn.Module, Any, int], torch.Tensor]] = None,
         executor: Optional["ChunkExecutor"] = None,
-        split_backward: str = "retrace",
+        split_backward: str = "store",
         p2p: Union[str, "P2PChannels", None] = None,
     ):
         validate_schedule(schedule)
-        if split_backward not in ("retrace", "torch"):
-            raise ValueError(f"split_backward must be 'retrace' or 'torch', got {split_backward!r}")
+        if split_backward not in SPLIT_BACKWARD:
+            raise ValueError(f"split_backward must be one of {SPLIT_BACKWARD}, got {split_backward!r}")
         self.split_backward = split_backward
         self.schedule = schedule
         self.group = group
@@ -287,6 +300,15 @@ class PipelineInterpreter:
         self._device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self._plans = {fo: comm_plan(schedule, forward_only=fo)[pp_rank] for fo in (False, True)}
         self.channels = self._make_channels(p2p, nccl)
+        # (chunk, micro-batch) pairs whose backward is a separate B and W on this rank
+        self._split = {(a.chunk, a.microbatch) for a in schedule.actions[pp_rank] if a.kind == "W"}
+        self.wgrad_store: Optional[WeightGradStore] = None
+        if split_backward == "store" and self._split and executor is None:
+            self.wgrad_store = WeightGradStore()
+            for c in held:
+                self.wgrad_store.install(self.modules[c], chunk=c)
+            if any(self.wgrad_store._te.values()):
+                check_fifo_weight_order(schedule, pp_rank)
 
     # ------------------------------------------------------------------------------------------ p2p
     def _make_channels(self, p2p, nccl: bool) -> Optional[P2PChannels]:
@@ -446,6 +468,8 @@ class PipelineInterpreter:
         self._outbox: dict[tuple[str, int, int], torch.Tensor] = {}
         self._result = PipelineResult()
         self._record = record_timeline
+        if self.wgrad_store is not None:
+            self.wgrad_store.clear()  # a step that raised may have left GEMMs queued
         plan = self._plans[forward_only]
         acts = _plan_actions(s, r, forward_only)
         for i, a in enumerate(acts):
@@ -460,8 +484,8 @@ class PipelineInterpreter:
             for w in works:
                 w.wait()
         self._pending_sends = []
-        if self._saved or self._wsaved or self._local:
-            raise AssertionError("internal: activations or received tensors left after the schedule")
+        if self._saved or self._wsaved or self._local or (self.wgrad_store and self.wgrad_store.pending()):
+            raise AssertionError("internal: activations, received tensors or weight GEMMs left after the schedule")
         return self._result
 
     # ------------------------------------------------------------------------------------------ actions
@@ -485,7 +509,9 @@ class PipelineInterpreter:
             return self._exec_forward_backward(c, m, None, None)
         s = self.schedule
         x = self._chunk_input(c, m)
-        with torch.set_grad_enabled(not self._forward_only):
+        arm = (self.wgrad_store.arm() if self.wgrad_store is not None and not self._forward_only
+               and (c, m) in self._split else contextlib.nullcontext())
+        with torch.set_grad_enabled(not self._forward_only), arm:
             y = self.stage_fn(c, self.modules[c], x, m)
             if s.is_last(c, m):
                 if self._return_outputs:
@@ -528,16 +554,9 @@ class PipelineInterpreter:
 
     def _accumulate(self, params, grads) -> None:
         """Add weight gradients to ``param.main_grad`` (Megatron DDP's buffer, when present; its autograd
-        hooks do not fire for ``torch.autograd.grad``) or ``param.grad``."""
+        hooks do not fire for ``torch.autograd.grad``) or ``param.grad`` (:func:`accumulate_grad`)."""
         for p, g in zip(params, grads):
-            if g is None:
-                continue
-            if getattr(p, "main_grad", None) is not None:
-                p.main_grad.add_(g)
-            elif p.grad is None:
-                p.grad = g.detach().clone()
-            else:
-                p.grad.add_(g)
+            accumulate_grad(p, g)
 
     def _send_input_grad(self, c: int, m: int, dx: Optional[torch.Tensor]) -> None:
         s = self.schedule
@@ -558,13 +577,21 @@ class PipelineInterpreter:
         g = self._grad_out(c, m)
         has_input = not self.schedule.is_first(c, m)
         params = self._params(c)
-        if weights:
+        store = self.wgrad_store if (c, m) in self._split else None
+        if weights or store is not None:
+            # unsplit (BW), or B of the store split: the covered linears queue their weight GEMMs on the
+            # store, the other parameters get their gradients here
             targets = ([x] if has_input else []) + params
-            grads = torch.autograd.grad(y, targets, g, allow_unused=True)
+            with store.capture((c, m)) if store is not None else contextlib.nullcontext():
+                grads = torch.autograd.grad(y, targets, g, allow_unused=True)
             if has_input:
                 self._send_input_grad(c, m, grads[0])
                 grads = grads[1:]
             self._accumulate(params, grads)
+            if store is not None:
+                self._wsaved[(c, m)] = ("store", None, None)
+            elif self.wgrad_store is not None:
+                self.wgrad_store.after_unsplit(c)
             return
         if not has_input:  # nothing to send upstream: the whole backward runs in W
             self._wsaved[(c, m)] = ("retrace", y, g)
@@ -587,6 +614,9 @@ class PipelineInterpreter:
                 raise NotImplementedError("executors that split B and W are not supported yet")
             return  # the executor's B computed the weight gradients already
         how, a, b = self._wsaved.pop((c, m))
+        if how == "store":
+            self.wgrad_store.run((c, m))
+            return
         params = self._params(c)
         if how == "retrace":
             grads = torch.autograd.grad(a, params, b, allow_unused=True)

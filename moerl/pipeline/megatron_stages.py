@@ -463,7 +463,7 @@ class PolicyCriterion:
 
 
 def make_forward_backward_func(schedule: Schedule | str, *, group: Optional[dist.ProcessGroup] = None,
-                               split_backward: str = "retrace", p2p: Any = None, overlap: bool = False,
+                               split_backward: str = "store", p2p: Any = None, overlap: bool = False,
                                overlap_require_cuda: bool = True) -> Callable:
     """A drop-in for Megatron-Core's ``get_forward_backward_func()`` that runs ``schedule`` with the
     interpreter (what ``MegatronActor._run_schedule`` calls).
@@ -489,6 +489,9 @@ def make_forward_backward_func(schedule: Schedule | str, *, group: Optional[dist
     After a training step it sums DualPipe's mirrored gradients and calls ``config.finalize_model_grads_func``
     (when set) on the model list, as Megatron's schedules do.  Returns the ``reduced`` values in
     micro-batch order on the ranks that computed losses, ``[]`` elsewhere.
+
+    ``split_backward`` is the interpreter's B/W split (``"store"``: layer-level, :mod:`moerl.pipeline.wgrad_store`;
+    ``"retrace"`` / ``"torch"``: graph re-traversal, for modules the store cannot split).
 
     ``p2p`` is :class:`~moerl.pipeline.interpreter.PipelineInterpreter`'s transport: ``"directed"`` (default on
     NCCL), ``"shared"`` (default otherwise) or prebuilt ``P2PChannels``.  Directed channels are created HERE,
