@@ -33,6 +33,7 @@ def _train(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     _quiet_runtime()
     from moerl.config.loader import ConfigError, load_config
+    from moerl.errors import input_kind, report_input_error
 
     try:
         cfg = load_config(args.recipe, args.overrides)
@@ -47,16 +48,15 @@ def _train(argv: list[str]) -> int:
         from moerl.rewards import resolve_reward_fn
 
         resolve_reward_fn(cfg.reward.function, group=cfg.reward.group)  # user code: path and signature
-        if cfg.model.params_dtype != "float32":
-            raise ValueError(f"model.params_dtype={cfg.model.params_dtype}: moerl train keeps fp32 weights and "
-                             "Adam state today (the key sizes `moerl plan`); set model.params_dtype=float32")
-    except (ConfigError, ValueError) as e:
-        print(f"moerl train: {e}", file=sys.stderr)
-        return 2
+        from moerl.models.dtypes import params_torch_dtype
+
+        params_torch_dtype(cfg.model.params_dtype)  # float32 | bfloat16 (float16 refused: no loss scaling)
+    except ValueError as e:  # every input error is a ValueError (moerl.errors.InputError)
+        return report_input_error("moerl train", e if input_kind(e) else ConfigError(str(e)))
     if os.path.exists(cfg.output_dir) and not os.path.isdir(cfg.output_dir):
-        print(f"moerl train: output_dir {cfg.output_dir} exists and is not a directory; choose another "
-              "output_dir", file=sys.stderr)
-        return 2
+        return report_input_error("moerl train", ConfigError(
+            f"output_dir {cfg.output_dir} exists and is not a directory", key="output_dir",
+            hint="choose another output_dir"))
     from moerl.train.loop import train
 
     return _run_train(lambda: train(cfg))
@@ -66,10 +66,8 @@ def _run_train(run) -> int:
     """Run the job and turn what can end it into one line and an exit code: 0 done, 2 bad input
     (found before or early in the run), 1 rollout failure (e.g. a server died; named), 130 Ctrl-C
     (the rollout launcher has stopped every server and the router by then)."""
-    from moerl.config.loader import ConfigError
-    from moerl.data.dataset import DatasetError
-    from moerl.rewards.errors import RewardConfigError
-    from moerl.rollout.errors import PortInUseError, RolloutError
+    from moerl.errors import input_kind, report_input_error
+    from moerl.rollout.errors import RolloutError
 
     interrupted = []
 
@@ -85,9 +83,12 @@ def _run_train(run) -> int:
         if interrupted or isinstance(e, KeyboardInterrupt):
             print("moerl train: interrupted; rollout servers and router stopped", file=sys.stderr)
             return 130
-        if isinstance(e, (DatasetError, FileNotFoundError, ConfigError, PortInUseError, RewardConfigError)):
-            print(f"moerl train: bad input: {e}", file=sys.stderr)
-            return 2
+        if input_kind(e) is not None:
+            return report_input_error("moerl train", e)
+        if isinstance(e, FileNotFoundError):  # a path the recipe names (the message says which)
+            from moerl.errors import InputError
+
+            return report_input_error("moerl train", InputError(str(e)))
         if isinstance(e, RolloutError):
             print(f"moerl train: rollout failure: {type(e).__name__}: {e}", file=sys.stderr)
             return 1
@@ -112,17 +113,43 @@ COMMANDS = {
 }
 
 
+def _usage(file) -> None:
+    print("usage: moerl [--debug] {" + ",".join(COMMANDS) + "} ...\n", file=file)
+    for name, (_, help_) in COMMANDS.items():
+        print(f"  {name:6s} {help_}", file=file)
+    print("\n  --debug  print the Python traceback of a bad-input error too (or set MOERL_DEBUG=1)", file=file)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``moerl`` console script."""
+    """Entry point of the ``moerl`` console script: ``moerl [--debug] {train,serve,plan} ...``.
+
+    Exit codes (README "Exit codes"): 0 done, 2 bad input (one line ``moerl <cmd>: bad <kind> input:
+    ...`` naming the key / file / row, and a fix; moerl.errors), 1 rollout failure, 130 Ctrl-C.
+    ``--debug`` (or ``MOERL_DEBUG=1``) adds the traceback of a bad-input error.
+    """
+    from moerl.errors import DEBUG_ENV, CLIError, report_input_error, run_entry
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: moerl {" + ",".join(COMMANDS) + "} ...\n")
-        for name, (_, help_) in COMMANDS.items():
-            print(f"  {name:6s} {help_}")
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv and argv[0] == "--debug":
+        os.environ[DEBUG_ENV] = "1"
+        argv = argv[1:]
+    if argv and argv[0] in ("-h", "--help"):
+        _usage(sys.stdout)
+        return 0
+    if not argv or argv[0] not in COMMANDS:
+        import difflib
+
+        if not argv:
+            err = CLIError("no command given", key="command", hint="moerl train RECIPE.yaml (see moerl --help)")
+        else:
+            close = difflib.get_close_matches(argv[0], list(COMMANDS), n=1, cutoff=0.5)
+            err = CLIError(f"unknown command {argv[0]!r}" + (f"; did you mean {close[0]!r}?" if close else ""),
+                           key="command", hint=f"use one of {', '.join(COMMANDS)} (moerl --help)")
+        _usage(sys.stderr)
+        return report_input_error("moerl", err)
     fn, _ = COMMANDS[argv[0]]
     try:
-        return fn(argv[1:])
+        return run_entry(f"moerl {argv[0]}", lambda: fn(argv[1:]))
     except KeyboardInterrupt:
         print("moerl: interrupted", file=sys.stderr)
         return 130

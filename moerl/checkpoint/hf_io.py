@@ -66,6 +66,7 @@ def save_hf_checkpoint(
     tokenizer=None,
     *,
     max_shard_size: Union[int, str] = "5GB",
+    dtype: Optional[torch.dtype] = None,
 ) -> Path:
     """Write an HF checkpoint directory atomically.
 
@@ -80,13 +81,16 @@ def save_hf_checkpoint(
         max_shard_size: safetensors shard size (bytes or "5GB"); one file
             ``model.safetensors`` when everything fits, else shards plus
             ``model.safetensors.index.json``.
+        dtype: None writes every tensor in its own dtype; a floating dtype (torch.float32 /
+            torch.bfloat16: ``model.export_dtype``) casts every floating tensor to it (integer
+            tensors are kept) and config.json's ``dtype`` names it.
 
     Returns:
         Path of ``out_dir``.
 
     Raises:
         TypeError: a state-dict value is not a tensor.
-        ValueError: the state dict is empty.
+        ValueError: the state dict is empty, or ``dtype`` is not float32 / bfloat16 / float16.
     """
     from huggingface_hub import save_torch_state_dict
 
@@ -95,6 +99,10 @@ def save_hf_checkpoint(
     out_dir = Path(out_dir).absolute()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tensors = _independent_cpu_tensors(hf_state_dict)
+    if dtype is not None:
+        if dtype not in _DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPE_NAMES.values())} (model.export_dtype), got {dtype}")
+        tensors = {k: t.to(dtype) if t.is_floating_point() else t for k, t in tensors.items()}
 
     config = copy.deepcopy(hf_config)
     if not getattr(config, "architectures", None):

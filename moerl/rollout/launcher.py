@@ -334,6 +334,8 @@ class RolloutCluster:
         router_port: router port (recipe key rollout.router_port).
         router_policy: sglang-router --policy: round_robin | cache_aware | random | power_of_two.
         threads_per_server: torch threads and OMP_NUM_THREADS of each server.
+        dtype: reference servers' ``--dtype`` (rollout.dtype): "float32" | "bfloat16", the dtype they
+            load and serve the model in.
         startup_timeout_s: seconds to wait for all servers and then the router to answer.
         log_dir: directory of the children's logs (default: a new temp dir).
         tokenizer_path: passed to the reference server as --tokenizer-path.
@@ -371,13 +373,16 @@ class RolloutCluster:
                  failover: bool = False, max_restarts: int = 3, health_check_interval_s: float = 0.5,
                  health_check_timeout_s: float = 5.0, health_failure_threshold: int = 3,
                  request_log: bool = False, server_env: Optional[Callable[[int], dict]] = None,
-                 extra_worker_urls: Sequence[str] = (), peer_worker_urls: Sequence[str] = ()):
+                 extra_worker_urls: Sequence[str] = (), peer_worker_urls: Sequence[str] = (),
+                 dtype: str = "float32"):
         if num_servers < 0 or (num_servers == 0 and not extra_worker_urls):
             raise ValueError(f"num_servers must be >= 1 (or 0 with extra_worker_urls), got {num_servers}")
         if router_policy not in ROUTER_POLICIES:
             raise ValueError(f"router_policy must be one of {ROUTER_POLICIES}, got {router_policy!r}")
         if threads_per_server < 1:
             raise ValueError(f"threads_per_server must be >= 1, got {threads_per_server}")
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"rollout.dtype must be float32 or bfloat16, got {dtype!r}")
         if max_restarts < 0 or health_failure_threshold < 1:
             raise ValueError(f"max_restarts must be >= 0 and health_failure_threshold >= 1, got "
                              f"{max_restarts} and {health_failure_threshold}")
@@ -400,6 +405,7 @@ class RolloutCluster:
         self.router_port = router_port
         self.router_policy = router_policy
         self.threads_per_server = threads_per_server
+        self.dtype = dtype
         self.startup_timeout_s = startup_timeout_s
         self.log_dir = log_dir
         self.tokenizer_path = tokenizer_path
@@ -492,7 +498,8 @@ class RolloutCluster:
         if self.server_command is not None:
             return list(self.server_command(i, port))
         argv = [sys.executable, "-m", "moerl.rollout.server", "--model-path", self.model_path,
-                "--host", self.host, "--port", str(port), "--num-threads", str(self.threads_per_server)]
+                "--host", self.host, "--port", str(port), "--num-threads", str(self.threads_per_server),
+                "--dtype", self.dtype]
         if self.tokenizer_path:
             argv += ["--tokenizer-path", self.tokenizer_path]
         if self.request_log:

@@ -110,6 +110,8 @@ class SGLangServerSpec:
         return_routed_experts: --enable-return-routed-experts (routing replay R3: /generate returns
             meta_info.routed_experts; moe.routing_replay=r3).
         random_seed: --random-seed.
+        dtype: --dtype (rollout.dtype: "float32" | "bfloat16"); None leaves SGLang's "auto" (the
+            checkpoint's dtype).
         extra_args: further ``--flag value`` strings appended verbatim.
     Raises (``validate``): ValueError naming the field and the fix.
     """
@@ -128,6 +130,7 @@ class SGLangServerSpec:
     deterministic: bool = True
     return_routed_experts: bool = False
     random_seed: int = 0
+    dtype: Optional[str] = None
     extra_args: Sequence[str] = field(default_factory=tuple)
 
     def validate(self) -> "SGLangServerSpec":
@@ -161,6 +164,8 @@ class SGLangServerSpec:
                 "--random-seed", str(self.random_seed)]
         if self.tokenizer_path:
             argv += ["--tokenizer-path", str(self.tokenizer_path)]
+        if self.dtype is not None:
+            argv += ["--dtype", str(self.dtype)]
         if self.weight_version is not None:
             argv += ["--weight-version", str(self.weight_version)]
         if self.enable_memory_saver:

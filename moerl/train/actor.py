@@ -68,6 +68,7 @@ from megatron.core.transformer.moe.moe_utils import (
 
 from moerl.algorithms.logprobs import entropy_from_logits, token_log_probs_from_logits
 from moerl.checkpoint.hf_convert import ShardLayout, gather_megatron_to_hf, hf_to_megatron, load_megatron_state_dict
+from moerl.models.dtypes import params_torch_dtype
 from moerl.models.qwen3_moe import build_gpt_model, hf_moe_layer_pattern, transformer_config_from_hf
 from moerl.moe.balancing import install_balancing_losses, set_step_normalisers
 from moerl.pipeline.megatron_stages import stage_model_args
@@ -75,35 +76,13 @@ from moerl.train.batching import MicroBatch, PackedMicroBatch, model_labels, to_
 from moerl.train.losses import MAX_METRIC_SUFFIX, combine_micro_batch_metrics
 from moerl.train.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
 
-__all__ = ["LossFn", "MegatronActor", "PARAMS_DTYPES", "RECOMPUTE_MODES", "actor_parallel_kwargs", "params_torch_dtype",
+__all__ = ["LossFn", "MegatronActor", "RECOMPUTE_MODES", "actor_parallel_kwargs", "params_torch_dtype",
            "recompute_config"]
 
 # loss_fn(log_probs [B,S], entropy [B,S], micro_batch) -> (scalar loss, metrics dict of floats)
 LossFn = Callable[[torch.Tensor, torch.Tensor, MicroBatch], tuple[torch.Tensor, dict]]
 
 RECOMPUTE_MODES = ("none", "full", "selective")
-
-# model.params_dtype -> the dtype of the model's parameters (compute dtype); main params, main grads
-# and Adam moments are float32 in every case (Megatron's mixed precision, see MegatronActor)
-PARAMS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def params_torch_dtype(params_dtype) -> torch.dtype:
-    """The torch dtype of ``model.params_dtype`` ("float32" | "bfloat16", or that torch dtype).
-
-    Raises:
-        ValueError: float16 (it needs dynamic loss scaling, which moerl does not wire up: use
-            bfloat16, same memory and no loss scale) or any other dtype; the message names the key.
-    """
-    by_dtype = {v: k for k, v in PARAMS_DTYPES.items()}
-    name = by_dtype.get(params_dtype, params_dtype)
-    if name in ("float16", torch.float16):
-        raise ValueError("model.params_dtype=float16 needs dynamic loss scaling, which moerl does not do; "
-                         "set model.params_dtype=bfloat16 (same memory, FP32 main params, no loss scale) "
-                         "or float32")
-    if name not in PARAMS_DTYPES:
-        raise ValueError(f"model.params_dtype must be one of {sorted(PARAMS_DTYPES)}, got {params_dtype!r}")
-    return PARAMS_DTYPES[name]
 
 
 def _fp32_main_params(optimizer) -> list[torch.Tensor]:
