@@ -64,6 +64,15 @@ def gspo_micro_batches(n: int, vocab: int, *, batch: int = 2, seq: int = 10, pro
     return out
 
 
+def to_float64(mbs: list) -> list:
+    """The micro-batches of :func:`gspo_micro_batches` with float64 advantages and old log-probs (in place),
+    for float64 models."""
+    for mb in mbs:
+        mb.advantages = mb.advantages.double()
+        mb.extras["old_log_probs"] = mb.extras["old_log_probs"].double()
+    return mbs
+
+
 
 
 def free_port() -> int:

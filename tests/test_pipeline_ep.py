@@ -34,7 +34,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _mp_helpers import TINY_FIELDS, free_port_block, gspo_micro_batches  # noqa: E402
+from _mp_helpers import TINY_FIELDS, free_port_block, gspo_micro_batches, to_float64  # noqa: E402
 
 SEQ, BATCH, M, LAYERS = 10, 2, 8, 4  # DualPipeV at pp 2: 4 stages of 1 layer; 8 micro-batches per DP rank
 AUX = 1e-2
@@ -195,6 +195,80 @@ def test_pp2_ep2_dualpipev_with_pipeline_overlap_matches_single_process(dist, tm
 @pytest.mark.parametrize("name", ["dualpipev", "dualpipe"])
 def test_pp2_tp2_matches_single_process(name, dist, tmp_path):
     run_case(name, tp=2, ep=1, tmp_path=tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# split_backward="store" with EP / TP+SP inside the stages: B/W split (weight GEMMs of the column/row-parallel
+# linears and the experts queued in B, run in W; sequence-parallel all-gather of the input redone in W) against
+# the unsplit backward of the same layout (gpipe_on_layout: full backwards, Megatron's own linear function), in
+# float64, every split schedule; per local parameter 1 - 2 sum(xy) / sum(x^2 + y^2) < 1e-12.
+
+
+def _split_worker(rank, world, port, tp, ep, path, out_dir):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from megatron.core import parallel_state as ps
+
+    from moerl.pipeline.interpreter import PipelineInterpreter, sync_mirrored_grads
+    from moerl.pipeline.megatron_stages import (PolicyCriterion, build_chunk_modules, load_hf_into_stages,
+                                                megatron_stage_fn)
+    from moerl.pipeline.schedules import build_schedule, gpipe_on_layout
+    from moerl.runtime.distributed import destroy_distributed, init_distributed
+
+    init_distributed(tp_size=tp, pp_size=2, ep_size=ep, seed=0, num_threads=1)
+    try:
+        cfg, hf_sd = hf_config(), torch.load(path)
+        group, pp_rank = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_rank()
+        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        mbs = to_float64(micro_batches(M * dp, cfg.vocab_size)[dp_rank * M:(dp_rank + 1) * M])
+        out = {}
+        for name in ("zb1p", "dualpipe", "dualpipev"):
+            grads, gemms = {}, []
+            for split in ("store", "unsplit"):
+                sched = build_schedule(name, 2, M) if split == "store" else gpipe_on_layout(name, 2, M)
+                chunks = build_chunk_modules(sched, pp_rank, cfg)
+                load_hf_into_stages(chunks, hf_sd, cfg)
+                for st in chunks.values():
+                    st.double()
+                interp = PipelineInterpreter(sched, chunks, PolicyCriterion(loss_fn(M * dp)), group=group,
+                                             stage_fn=megatron_stage_fn(mbs))
+                if interp.wgrad_store is not None:
+                    run = interp.wgrad_store.run
+                    interp.wgrad_store.run = lambda key, chunk=None, run=run: gemms.append(run(key, chunk)) or gemms[-1]
+                interp.run(mbs, mbs)
+                sync_mirrored_grads(sched, chunks, group=group)
+                grads[split] = {(c, n): p.grad.clone() for c, mod in chunks.items() for n, p in mod.named_parameters()}
+            out[name] = {"gemms": sum(gemms), "grads": grads}
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        destroy_distributed()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,ep", [(1, 2), (2, 1)])
+def test_store_split_equals_unsplit_backward_fp64(tp, ep, dist, tmp_path):
+    from moerl.checkpoint.hf_convert import megatron_to_hf
+    from moerl.models.qwen3_moe import build_gpt_model
+
+    cfg = hf_config()
+    torch.manual_seed(11)
+    init = build_gpt_model(cfg, init_method_std=0.2)
+    torch.save({k: v.clone() for k, v in megatron_to_hf(init.state_dict(), cfg).items()}, tmp_path / "hf.pt")
+    mp.start_processes(_split_worker, args=(4, free_port_block(1), tp, ep, str(tmp_path / "hf.pt"), str(tmp_path)),
+                       nprocs=4, join=True, start_method="spawn")
+    for r in range(4):
+        for name, d in torch.load(tmp_path / f"rank{r}.pt").items():
+            assert d["gemms"] > 0, (r, name)  # W ran deferred GEMMs
+            store, unsplit = d["grads"]["store"], d["grads"]["unsplit"]
+            assert store.keys() == unsplit.keys()
+            nonzero = 0
+            for k, g in unsplit.items():
+                assert g is not None and store[k] is not None and store[k].dtype == torch.float64, (r, name, k)
+                den = (g * g + store[k] * store[k]).sum()
+                err = 0.0 if den == 0 else float(1 - 2 * (g * store[k]).sum() / den)
+                assert err < 1e-12, (r, name, k, err)
+                nonzero += bool(den > 0)
+            assert nonzero > len(unsplit) // 2, (r, name)
 
 
 def test_reentrant_vocab_parallel_log_probs_backward_twice(dist):

@@ -17,7 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _mp_helpers import TINY_FIELDS, free_port_block, gspo_micro_batches  # noqa: E402
+from _mp_helpers import TINY_FIELDS, free_port_block, gspo_micro_batches, to_float64  # noqa: E402
 
 from moerl.pipeline.schedules import build_schedule  # noqa: E402
 
@@ -278,14 +278,6 @@ def _double_chunks(chunks):
     return chunks
 
 
-def _double_micro_batches(M, vocab):
-    mbs = micro_batches(M, vocab)
-    for mb in mbs:
-        mb.advantages = mb.advantages.double()
-        mb.extras["old_log_probs"] = mb.extras["old_log_probs"].double()
-    return mbs
-
-
 @pytest.mark.parametrize("kind,name", [("dense", "zb1p"), ("moe", "zb1p"), ("moe", "dualpipev"),
                                        ("tied", "dualpipev")])
 def test_store_split_equals_unsplit_backward_fp64(kind, name, dist):
@@ -307,7 +299,7 @@ def test_store_split_equals_unsplit_backward_fp64(kind, name, dist):
     ref = _double_chunks(build_chunk_modules(sched, 0, cfg))  # unpatched: Megatron's own linear backward
     for c in ref:
         ref[c].load_state_dict(chunks[c].state_dict())
-    mbs = _double_micro_batches(M, cfg.vocab_size)
+    mbs = to_float64(micro_batches(M, cfg.vocab_size))
     interp = PipelineInterpreter(sched, chunks, PolicyCriterion(loss_fn(M)), stage_fn=megatron_stage_fn(mbs))
     store = interp.wgrad_store
     ran = []
