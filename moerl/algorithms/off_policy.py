@@ -63,6 +63,7 @@ __all__ = [
     "LOG_WEIGHT_CLAMP",
     "check_off_policy_args",
     "off_policy_weights",
+    "rollout_mismatch_metrics",
 ]
 
 OFF_POLICY_CORRECTIONS = ("none", "decoupled", "tis", "mis", "icepop")
@@ -200,3 +201,34 @@ def off_policy_weights(
             "behav_prox_kl": float(torch.where(mask, k3, zeros).sum()) / denom,
         }
     return weights, keep, metrics
+
+
+def rollout_mismatch_metrics(old_log_probs, behaviour_log_probs) -> dict:
+    """Train/rollout mismatch of one step, logged every step whatever the correction (the step line's
+    ``lp_diff`` and ``mis_kl``; TensorBoard ``logprob_abs_diff_mean`` / ``_max`` and
+    ``rollout/mismatch_kl_k3``): over every response token of the step's samples,
+
+    * mean and max of ``|log pi_prox - log mu|`` (trainer's recomputed old_log_probs vs the rollout
+      server's log-probs of the sampled tokens; units: nats);
+    * the k3 estimate of ``KL(mu || pi_prox)`` (Schulman's k3 ``w - 1 - log w`` with ``w = pi_prox / mu``,
+      tokens being samples of mu; :func:`moerl.algorithms.kl.kl_penalty`, clamped at 10 per token),
+      the mismatch KL that FP8/BF16 rollouts raise (slime / verl log it the same way).
+
+    Args:
+        old_log_probs, behaviour_log_probs: one sequence of floats per sample (response tokens), paired
+            row by row (a row pairs its first min(len) tokens).
+    Returns: dict of python floats (0 when there are no tokens).
+    """
+    old, behav = [], []
+    for o, b in zip(old_log_probs, behaviour_log_probs):
+        n = min(len(o), len(b))
+        old.extend(o[:n])
+        behav.extend(b[:n])
+    if not old:
+        return {"logprob_abs_diff_mean": 0.0, "logprob_abs_diff_max": 0.0, "rollout/mismatch_kl_k3": 0.0}
+    old_t = torch.tensor(old, dtype=torch.float64)
+    behav_t = torch.tensor(behav, dtype=torch.float64)
+    diff = (old_t - behav_t).abs()
+    k3 = kl_penalty(behav_t, old_t, "k3")  # delta = log mu - log pi_prox
+    return {"logprob_abs_diff_mean": float(diff.mean()), "logprob_abs_diff_max": float(diff.max()),
+            "rollout/mismatch_kl_k3": float(k3.mean())}

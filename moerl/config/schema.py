@@ -287,6 +287,11 @@ class RolloutConfig(_Section):
     weight_sync_bucket_mb: float = Field(64.0, ge=0.001)  # bucket (disk: shard) size in MiB (>= ~1 KiB)
     weight_sync_backend: Literal["gloo", "nccl"] = "gloo"  # distributed mode only
     weight_sync_master_address: Optional[str] = None  # where servers reach trainer rank 0; None = host
+    # What the trainer sends at every weight sync (every mode; moerl.precision.fp8_checkpoint): auto = the
+    # exported dtype (the servers cast to their serving dtype); bf16 = floating tensors cast to bfloat16;
+    # fp8 = DeepSeek-V3 blockwise FP8 (HF/SGLang layout: weight float8_e4m3fn + weight_scale_inv per 128x128
+    # block; router, norms, embeddings, lm_head kept), dequantised by the reference server.
+    weight_dtype: Literal["auto", "bf16", "fp8"] = "auto"
     # Servers: reference = moerl's CPU server (moerl.rollout.server), sglang = real SGLang (GPU image,
     # moerl.rollout.sglang_launcher: local rank 0 of each node starts servers on rollout.gpu_ids).
     backend: Literal["reference", "sglang"] = "reference"
@@ -733,6 +738,21 @@ class RecipeConfig(_Section):
                 f"rollout.max_new_tokens ({r.max_new_tokens}) must be >= data.digits + 2 "
                 f"({self.data.digits + 2}): the sum of two {self.data.digits}-digit numbers plus the eos token"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _fp8_rollout_rules(self) -> "RecipeConfig":
+        r = self.rollout
+        if r.weight_dtype == "fp8" and r.backend == "sglang":
+            from moerl.precision.fp8_checkpoint import sglang_fp8_shape_errors  # pure torch, no GPU
+
+            errors = sglang_fp8_shape_errors(self.model.hf_config.model_dump(), r.server_tp_size, r.server_ep_size)
+            if errors:
+                raise ValueError(
+                    f"rollout.weight_dtype=fp8 with rollout.backend=sglang: SGLang's block-FP8 loader (128x128 blocks, "
+                    f"rollout.server_tp_size={r.server_tp_size}, server_ep_size={r.server_ep_size}) would refuse "
+                    f"this model: {'; '.join(errors)}. Use rollout.weight_dtype=auto|bf16, another server "
+                    f"tp/ep size, or model.hf_config dims that are multiples of 128")
         return self
 
     def _check_model_layout(self) -> None:

@@ -39,6 +39,7 @@ def step_line(step: int, total: int, m: dict, eta: float) -> str:
         f"step {step}/{total} reward {g('reward_mean')} acc {g('accuracy')} "
         f"kl {g('train/kl', '{:.2e}')} entropy {g('train/entropy')} aux {g('train/aux_loss', '{:.4f}')} "
         f"resp_len {g('response_length', '{:.2f}')} lp_diff {g('logprob_abs_diff_mean', '{:.1e}')} "
+        f"mis_kl {g('rollout/mismatch_kl_k3', '{:.1e}')} "
         f"ratio {g('train/ratio_mean', '{:.6f}')} pack_util {g('train/pack_utilisation')} "
         f"stale {g('staleness/mean', '{:.2f}')} | {t} | eta {eta:.0f}s"
     )

@@ -181,7 +181,10 @@ class Fp8Dequantizer:
                                      f"with weight_block_size {list(self.block_size)} needs {want}")
                 out.append((key, dequantize_weight(q, s, self.block_size, torch.float32)))
                 del pending[key]
-        self.pending = pending
+        # a half pair outlives this call: own its bytes (the caller's tensors may be views of a
+        # shared-memory bucket buffer that the next bucket overwrites)
+        self.pending = {k: {p: (t if k in self.pending and self.pending[k].get(p) is t else t.clone())
+                            for p, t in v.items()} for k, v in pending.items()}
         return out
 
     def pending_names(self) -> list[str]:

@@ -84,7 +84,7 @@ import torch
 from moerl.rollout.common import DEFAULT_PAUSE_MODE, check_pause_mode
 from moerl.rollout.common import is_int as _is_int
 from moerl.rollout.common import is_num as _is_num
-from moerl.rollout.engine_weights import WeightUpdater
+from moerl.rollout.engine_weights import WeightUpdater, load_causal_lm
 
 logger = logging.getLogger("moerl.rollout.engine")
 
@@ -580,12 +580,12 @@ class ReferenceEngine(WeightUpdater):
     def __init__(self, model_path: str, tokenizer_path: Optional[str] = None, max_batch_size: int = 256,
                  batch_wait_s: float = 0.01, max_batch_wait_s: float = 0.2,
                  step_hook: Optional[Callable[[int, list[str]], None]] = None):
-        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+        from transformers import AutoTokenizer, GenerationConfig
 
         self.model_path = model_path
         self.tokenizer_path = tokenizer_path or model_path
         self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        model = load_causal_lm(model_path, dtype=torch.float32)  # block-FP8 checkpoints dequantised
         model.eval().requires_grad_(False)
         eos: set[int] = set()
         for src in (self.tokenizer.eos_token_id, model.config.eos_token_id,

@@ -172,6 +172,68 @@ def load_safetensors_dir(path: str) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def checkpoint_fp8_block_size(path: str) -> Optional[tuple[int, int]]:
+    """``weight_block_size`` of the block-FP8 ``quantization_config`` in ``path``/config.json (None
+    when there is none or no config.json). Raises ValueError for FP8 without a block size."""
+    from moerl.precision.fp8_checkpoint import fp8_block_size
+
+    cfg = os.path.join(path, "config.json")
+    if not os.path.exists(cfg):
+        return None
+    with open(cfg) as f:
+        return fp8_block_size(json.load(f))
+
+
+def dequantized_checkpoint(path: str, block_size: Optional[tuple[int, int]] = None) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of the HF checkpoint in ``path`` with its FP8 (weight, weight_scale_inv) pairs
+    folded back to float32 weights (moerl.precision.fp8_checkpoint.Fp8Dequantizer; block size from
+    its config.json, else ``block_size``, else 128 x 128); a full-precision checkpoint comes back as is.
+
+    Raises:
+        FileNotFoundError: as :func:`load_safetensors_dir`.
+        ValueError: an FP8 weight without its scale (or the reverse), or a scale of the wrong shape.
+    """
+    from moerl.precision.fp8_checkpoint import Fp8Dequantizer
+
+    deq = Fp8Dequantizer(checkpoint_fp8_block_size(path) or block_size or (128, 128))
+    named = deq.feed(load_safetensors_dir(path))
+    if deq.pending:
+        raise ValueError(f"checkpoint {path} holds FP8 weights without their weight_scale_inv (or the reverse): "
+                         f"{deq.pending_names()[:8]}")
+    return named
+
+
+def load_causal_lm(model_path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The transformers causal LM of an HF checkpoint directory in ``dtype`` (CPU).
+
+    A block-FP8 checkpoint (config.json ``quantization_config`` quant_method fp8 with
+    weight_block_size, as moerl writes for rollout.weight_dtype=fp8) is built from its config without
+    the quantization config and its weights dequantised (``weight * weight_scale_inv`` blockwise, in
+    float32, then cast to ``dtype``): transformers' FineGrainedFP8 loader needs ``accelerate`` and a
+    GPU to keep FP8, and on CPU derives the block size from the scale grid, which is wrong for ragged
+    dims. Any other checkpoint goes through ``AutoModelForCausalLM.from_pretrained``.
+
+    Raises:
+        ValueError: the FP8 checkpoint misses or has unknown weights, or mis-shaped scales.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    block = checkpoint_fp8_block_size(model_path)
+    if block is None:
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    config = AutoConfig.from_pretrained(model_path)
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    mapper = WeightMapper(model)
+    named = dequantized_checkpoint(model_path, block)
+    covered = mapper.apply(named)
+    missing = mapper.missing(covered)
+    if missing:
+        raise ValueError(f"FP8 checkpoint {model_path} does not cover {len(missing)} model weights, e.g. {missing[:8]}")
+    return model
+
+
 # ----------------------------------------------------------------------------- update handlers
 
 
@@ -191,7 +253,16 @@ class WeightUpdater:
 
     def _init_weight_state(self) -> None:
         """Set up the update state for ``self.model`` (call once the model is loaded)."""
+        from moerl.precision.fp8_checkpoint import Fp8Dequantizer
+
         self.mapper = WeightMapper(self.model)
+        # FP8 updates (rollout.weight_dtype=fp8): (weight, weight_scale_inv) pairs are dequantised into
+        # the serving dtype; a pair split over two buckets waits here for its other half. Block size:
+        # the served checkpoint's quantization_config, else DeepSeek-V3's 128 x 128.
+        path = getattr(self, "model_path", None)
+        self._fp8_block = (checkpoint_fp8_block_size(path) if isinstance(path, str) and os.path.isdir(path)
+                           else None) or (128, 128)
+        self._fp8 = Fp8Dequantizer(self._fp8_block)
         self.weight_version = DEFAULT_WEIGHT_VERSION
         self._pending_cover: set = set()
         self._update_groups: dict[str, Any] = {}  # group_name -> process group (distributed weight sync)
@@ -209,7 +280,7 @@ class WeightUpdater:
             return False, (f"load_format={load_format!r} is not supported by the reference server "
                            f"(use null, 'auto' or 'safetensors')")
         try:
-            named = load_safetensors_dir(model_path)
+            named = dequantized_checkpoint(model_path, self._fp8_block)  # FP8 pairs -> float32 weights
             with self._model_lock:
                 plan = [(self.mapper.resolve(n, t), t) for n, t in named]
                 covered = set()
@@ -398,14 +469,18 @@ class WeightUpdater:
         ``weight_version`` when given (SGLang TokenizerManager ``_update_weight_version_if_provided``:
         every successful call carrying a version sets it). The message says when the updates since
         the last version did not cover every model weight. Returns SGLang's (success, message)."""
+        n_sent = len(named)
         with self._model_lock:
-            try:
-                self._pending_cover |= self.mapper.apply(named)
+            held = self._fp8.pending
+            try:  # FP8 pairs folded to float32 weights; a half pair waits for the next bucket
+                self._pending_cover |= self.mapper.apply(self._fp8.feed(named))
             except ValueError as e:
+                self._fp8.pending = held
                 return False, f"{endpoint} failed, this bucket was not applied: {e}"
-            msg = f"Succeeded to update {len(named)} tensors."
+            msg = f"Succeeded to update {n_sent} tensors."
             if weight_version is not None:
-                missing = self.mapper.missing(self._pending_cover)
+                missing = self.mapper.missing(self._pending_cover) + self._fp8.pending_names()
+                self._fp8.pending = {}
                 self._pending_cover = set()
                 self.weight_version = str(weight_version)
                 msg += f" Weight version updated to {weight_version}."

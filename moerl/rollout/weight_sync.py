@@ -581,6 +581,13 @@ class DistributedWeightUpdater:
                    "flush_cache": bool(flush_cache)}
         if weight_version is not None:
             payload["weight_version"] = weight_version
+        if self.backend == "gloo" and any(t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for t in tensors):
+            # gloo cannot broadcast float8 tensors (rollout.weight_dtype=fp8): send the bucket as ONE uint8
+            # tensor in SGLang's FlattenedTensorBucket layout (load_format "flattened_bucket")
+            from moerl.rollout.tensor_serde import flatten_bucket
+
+            tensors = [flatten_bucket(zip(names, tensors))[0]]
+            payload["load_format"] = "flattened_bucket"
         with ThreadPoolExecutor(max_workers=len(self.server_urls)) as pool:
             futures = [_post_async(pool, self.client, url, "/update_weights_from_distributed", payload)
                        for url in self.server_urls]

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from moerl.algorithms.off_policy import rollout_mismatch_metrics
 from moerl.checkpoint.hf_io import save_hf_checkpoint
 from moerl.checkpoint.run_state import Checkpointer, TrainState, load_checkpoint, resolve_resume
 from moerl.moe.routing_replay import RoutingReplay, gather_recorded_routing
@@ -41,7 +42,7 @@ from moerl.train.losses import policy_loss
 from moerl.train.micro_batches import attach_log_probs, attach_values, build_micro_batches
 from moerl.train.setup import prepare_run
 from moerl.train.sft import evaluate
-from moerl.train.weight_sync import WeightSync
+from moerl.train.weight_sync import WeightSync, rollout_weights
 
 
 def train(cfg) -> dict:
@@ -71,7 +72,7 @@ def _train(ctx, t_start: float) -> dict:
     v0 = ctx.run_dir / "weights" / "init"
     init_sd = actor.export_hf_state_dict(dst=0)
     if main:
-        save_hf_checkpoint(init_sd, ctx.hf_config, v0, tokenizer=ctx.tokenizer)
+        save_hf_checkpoint(*rollout_weights(ro, init_sd, ctx.hf_config), v0, tokenizer=ctx.tokenizer)
     resume_path = broadcast_from_main(resolve_resume(cfg, ctx.run_dir) if main else None)
     timers = Timers()
     state = TrainState(phase="sft" if cfg.sft.enabled else "rl", sft_done=not cfg.sft.enabled, summary={"seed": cfg.seed})
@@ -202,9 +203,8 @@ def rl_step(ctx, step: int, actor, ref, manager, sync, timers, critic=None) -> d
                 attach_values(ctx, critic, part)  # the critic's values before this step's updates
     flat = [s for p in parts for s in p]  # per token: reinforce++, gae, whitening
     m.update(token_advantages(ctx, flat, [s.metadata["old_values"] for s in flat] if critic else None))
-    diffs = [abs(a - b) for p in parts for s in p for a, b in zip(s.metadata["old_log_probs"], s.rollout_log_probs)]
-    m["logprob_abs_diff_mean"] = sum(diffs) / max(1, len(diffs))
-    m["logprob_abs_diff_max"] = max(diffs, default=0.0)
+    m.update(rollout_mismatch_metrics([s.metadata["old_log_probs"] for s in flat],  # lp_diff, mismatch KL
+                                      [s.rollout_log_probs for s in flat]))
     with timers("update"):
         for part in parts:
             if critic is not None:

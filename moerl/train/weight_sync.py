@@ -5,6 +5,11 @@ push; restore a restarted server) with the transport of rollout.weight_sync (moe
 disk | tensor | distributed). Colocated placement (moerl.rollout.placement) releases / resumes server
 memory and offloads the trainer around it. In RL the RolloutManager wraps every push (pause / drain,
 push, continue).
+
+``rollout.weight_dtype`` is a state-dict transform applied here, before the mode-specific send, so
+every mode carries the same tensors (:func:`rollout_weights`, moerl.precision.fp8_checkpoint): fp8
+sends each quantised Linear weight as ``weight`` float8_e4m3fn + ``weight_scale_inv`` (128 x 128
+blocks) and disk mode writes the matching ``quantization_config`` in config.json.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Optional
 
+from moerl.precision.fp8_checkpoint import rollout_hf_config, rollout_state_dict
 from moerl.rollout.launcher import RolloutCluster, failover_restorer
 from moerl.rollout.placement import RolloutPlacement
 from moerl.rollout.weight_sync import DistributedWeightUpdater, resolve_master_address, sync_weights
@@ -21,6 +27,15 @@ from moerl.train.offload import ActorOffloader
 if TYPE_CHECKING:  # annotations only (no import at run time)
     from moerl.train.setup import RunContext
     from moerl.train.actor import MegatronActor
+
+
+def rollout_weights(rollout_cfg, hf_state_dict, hf_config):
+    """``(state dict, config)`` as the rollout servers receive them for ``rollout.weight_dtype``
+    (``rollout_cfg`` = the recipe's rollout section): also the layout of the initial checkpoint the
+    servers start from, so SGLang builds its FP8 layers when weight_dtype=fp8.
+    Raises: ValueError from quantisation (a NaN/inf weight, named)."""
+    wd = rollout_cfg.weight_dtype
+    return rollout_state_dict(hf_state_dict, wd), rollout_hf_config(hf_config, wd)
 
 
 class WeightSync:
@@ -90,6 +105,7 @@ class WeightSync:
             ro = self.ctx.cfg.rollout
             bucket_bytes = int(ro.weight_sync_bucket_mb * (1 << 20))
             out_root = self.ctx.run_dir / "weights"
+            hf_sd, hf_config = rollout_weights(ro, hf_sd, self.ctx.hf_config)  # rollout.weight_dtype
 
             def push(urls: list[str]) -> None:
                 if ro.weight_sync == "distributed" and (self.updater is None or self.updater.server_urls != urls):
@@ -101,7 +117,7 @@ class WeightSync:
                                                                 backend=ro.weight_sync_backend)
                 try:
                     sync_weights(ro.weight_sync, urls, hf_sd, version, bucket_bytes=bucket_bytes,
-                                 hf_config=self.ctx.hf_config, out_root=out_root, updater=self.updater)
+                                 hf_config=hf_config, out_root=out_root, updater=self.updater)
                 except Exception:
                     if self.updater is not None:  # the group may be out of step: rebuild it next time
                         self.updater.close()
