@@ -59,7 +59,40 @@ def mcore_to_hf(ckpt: str, config_dir: str, out: str) -> Path:
     return path
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Every input of a conversion, before torch.distributed starts or a model is built.
+
+    hf-to-mcore: ``--hf`` a Qwen3-MoE HF directory whose safetensors match its config.json (names and
+    shapes), ``--out`` not existing. mcore-to-hf: ``--ckpt`` a torch_dist checkpoint written for the model
+    of ``--config`` (its recorded tensor shapes), ``--config`` a Qwen3-MoE config directory, ``--out`` not
+    an existing file.
+
+    Raises:
+        moerl.errors.ModelError / CheckpointError / CLIError: naming the flag, the path and the fix.
+    """
+    from transformers import AutoConfig
+
+    from moerl.checkpoint.input_checks import check_checkpoint_shapes, check_hf_model_dir, check_hf_tensors
+    from moerl.errors import CLIError
+
+    if args.cmd == "hf-to-mcore":
+        if Path(args.out).exists():
+            raise CLIError(f"--out {args.out} already exists", key="--out", file=args.out,
+                           hint="choose a new directory (nothing is overwritten)")
+        check_hf_model_dir(args.hf, "--hf", weights=True)
+        check_hf_tensors(args.hf, AutoConfig.from_pretrained(args.hf), "--hf")
+    else:
+        if Path(args.out).exists() and not Path(args.out).is_dir():
+            raise CLIError(f"--out {args.out} is a file", key="--out", file=args.out, hint="give a directory")
+        check_hf_model_dir(args.config, "--config")
+        check_checkpoint_shapes(args.ckpt, AutoConfig.from_pretrained(args.config), key="--ckpt")
+
+
 def main(argv=None) -> int:
+    """Command line (see the module docstring). Exit 0 done, 2 bad input (one line naming the flag and
+    the fix, moerl.errors; argparse's own usage errors are 2 as well)."""
+    from moerl.errors import run_entry
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("hf-to-mcore", help="HF checkpoint -> Megatron torch_dist checkpoint")
@@ -70,14 +103,16 @@ def main(argv=None) -> int:
     b.add_argument("--config", required=True, help="directory with the model's HF config.json")
     b.add_argument("--out", required=True, help="output HF directory")
     args = parser.parse_args(argv)
+    return run_entry("convert_checkpoint", lambda: _convert(args))
 
+
+def _convert(args: argparse.Namespace) -> int:
     from moerl.runtime.distributed import destroy_distributed, init_distributed
 
+    check_args(args)
     init_distributed(seed=0)
     try:
         if args.cmd == "hf-to-mcore":
-            if Path(args.out).exists():
-                parser.error(f"--out {args.out} already exists; choose a new directory")
             print(f"wrote {hf_to_mcore(args.hf, args.out)}")
         else:
             print(f"wrote {mcore_to_hf(args.ckpt, args.config, args.out)}")

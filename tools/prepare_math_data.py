@@ -103,6 +103,85 @@ def _positive_int(text: str) -> int:
 
 
 def main(argv=None) -> int:
+    """``python tools/prepare_math_data.py --format F SRC DST [--limit N]``; exit 0 done, 2 bad input
+    (one line naming the file / row / flag, moerl.errors), argparse's 2 for a malformed command line."""
+    from moerl.errors import run_entry
+
+    return run_entry("prepare_math_data", lambda: _main(argv))
+
+
+def _main(argv) -> int:
+    from moerl.errors import CLIError, DataError
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--format", required=True, choices=["gsm8k", "dapo", "math"])
+    ap.add_argument("src", help="input .jsonl / .json / .parquet")
+    ap.add_argument("dst", help="output .jsonl of moerl rows")
+    ap.add_argument("--limit", type=_positive_int, default=None, help="keep the first N converted rows")
+    args = ap.parse_args(argv)
+    if not os.path.isfile(args.src):
+        raise DataError(f"input file not found: {args.src}", key="src", file=args.src, hint="give an existing file")
+    if os.path.getsize(args.src) == 0:
+        raise DataError(f"input file is empty: {args.src}", key="src", file=args.src, hint="give a file with rows")
+    if os.path.isdir(args.dst):
+        raise CLIError(f"output {args.dst} is a directory", key="dst", file=args.dst,
+                       hint="give a file name, e.g. data/math_train.jsonl")
+    if os.path.abspath(args.dst) == os.path.abspath(args.src):
+        raise CLIError(f"output {args.dst} is the input file", key="dst", file=args.dst,
+                       hint="write to another file; the input would be replaced")
+    try:
+        rows = load_rows(args.src)
+    except Exception as e:  # noqa: BLE001 - datasets' parse errors (malformed json / parquet) name no line
+        cause = e.__cause__ or e.__context__ or e
+        kind = "parquet" if args.src.endswith(".parquet") else "json lines"
+        raise DataError(f"cannot read {args.src} as {kind}: {type(cause).__name__}: {str(cause)[:300]}",
+                        key="src", file=args.src, hint=f"give a valid {kind} file (UTF-8, one JSON object per line)") from None
+    out, skipped = [], 0
+    for i, row in enumerate(rows, start=1):
+        try:
+            r = convert_row(row, args.format)
+        except (ValueError, KeyError, TypeError) as e:
+            raise DataError(f"row {i} of {args.src}: {e}", key="--format", file=args.src, row=i,
+                            hint="check --format matches the file, or fix that row") from None
+        if r is None:
+            skipped += 1
+            continue
+        out.append(r)
+        if args.limit is not None and len(out) >= args.limit:
+            break
+    if not out:
+        raise DataError(f"no row of {args.src} has a {args.format} answer ({skipped} skipped)", key="--format",
+                        file=args.src, hint="is --format right?")
+    os.makedirs(os.path.dirname(os.path.abspath(args.dst)), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(args.dst)), suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        for r in out:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
+    os.replace(tmp, args.dst)
+    print(f"wrote {len(out)} rows to {args.dst} ({skipped} skipped without an answer)")
+    return 0
+
+
+def load_rows(path: str) -> list[dict]:
+    """Rows of a local .jsonl / .json / .parquet file through ``datasets`` (no network)."""
+    import datasets
+
+    kind = "parquet" if path.endswith(".parquet") else "json"
+    ds = datasets.load_dataset(kind, data_files=os.path.abspath(path), split="train")
+    return [ds[i] for i in range(len(ds))]
+
+
+def _positive_int(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--limit must be >= 1, got {n}")
+    return n
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--format", required=True, choices=["gsm8k", "dapo", "math"])
     ap.add_argument("src", help="input .jsonl / .json / .parquet")

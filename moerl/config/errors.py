@@ -5,9 +5,12 @@ each other. Re-exported as ``moerl.config.ConfigError`` and ``moerl.config.loade
 
 from __future__ import annotations
 
+from moerl.errors import RecipeError
 
-class ConfigError(ValueError):
-    """A recipe that cannot run. ``str(err)`` lists every problem, one per line."""
+
+class ConfigError(RecipeError):
+    """A recipe that cannot run (the "recipe" kind of :mod:`moerl.errors`; a ValueError).
+    ``str(err)`` lists every problem, one per line."""
 
 
 __all__ = ["ConfigError"]

@@ -26,6 +26,25 @@ class _Loader(yaml.SafeLoader):
     """
 
 
+def _construct_mapping(loader: "_Loader", node: yaml.MappingNode, deep: bool = False) -> dict:
+    """SafeLoader's mapping constructor, refusing a key given twice in one mapping (YAML itself keeps
+    the last silently: two ``train:`` sections would drop the first)."""
+    seen: dict[Any, Any] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            first = seen.get(key)
+        except TypeError:  # an unhashable key: SafeLoader reports it itself
+            continue
+        if first is not None:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first at line {first.line + 1}); YAML would keep only the "
+                "last one: merge the two into one", key_node.start_mark)
+        seen[key] = key_node.start_mark
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
@@ -134,7 +153,8 @@ def load_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> Recip
             (``rollout.n_samples_per_prompt=8`` -> int, ``model.init_from=null`` -> None).
 
     Raises:
-        ConfigError: missing file, malformed YAML (with its line), bad override, unknown key
+        ConfigError: missing file, non-UTF-8 bytes or malformed YAML or a key given twice in one
+            section (with its line), bad override, unknown key
             (with a did-you-mean), wrong type, out-of-range value or broken cross-field rule.
     """
     path = os.fspath(path)
@@ -142,8 +162,14 @@ def load_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> Recip
         raise ConfigError(f"{path} is a directory; give a recipe file such as configs/tiny_arith.yaml")
     if not os.path.isfile(path):
         raise ConfigError(f"recipe file not found: {path}")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise ConfigError(f"recipe {path} line {line} is not UTF-8 text (byte {data[e.start]:#04x}); save the "
+                          "file as UTF-8") from None
     try:
         raw = _yaml_load(text)
     except yaml.YAMLError as e:

@@ -80,8 +80,14 @@ class _RowChecker:
 def _check_jsonl(path: str, prompt_key: str, label_key: str) -> int:
     """Validate every line of ``path``; return the number of rows. Rows are numbered by line (1-based)."""
     checker = _RowChecker(path, prompt_key, label_key)
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DatasetError(
+                    f"row {lineno} of {path} is not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                    "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)", file=path, row=lineno) from None
             if not line.strip():
                 continue
             try:
@@ -143,7 +149,7 @@ def load_prompt_dataset(
         dicts; other columns (e.g. a JSON-text ``metadata`` column) are left as they are.
 
     Raises:
-        DatasetError (a ValueError): missing file, invalid JSON or non-object line, a row without the
+        DatasetError (a ValueError): missing file, a line that is not UTF-8, invalid JSON or non-object line, a row without the
             prompt/label field, an empty or non-string prompt that is not a valid message list (or a
             file mixing the two kinds), a label that is not a string or integer (or mixes the two), or
             no rows at all. Row numbers are 1-based line numbers (jsonl) or row indices (parquet).

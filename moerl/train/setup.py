@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from moerl.checkpoint.hf_io import load_hf_state_dict
+from moerl.checkpoint.input_checks import check_hf_model_dir, check_hf_tensors
 from moerl.data.dataset import DatasetError, PromptSampler, load_prompt_dataset
 from moerl.data.fingerprint import describe_change, file_fingerprint, tokenizer_fingerprint
 from moerl.data.tasks import prepare_task_data
@@ -77,27 +78,35 @@ def check_ports_free(rollout) -> None:
 
 
 def prepare_run(cfg, dist) -> RunContext:
-    """Resolve the recipe into a RunContext: writes <output_dir>/recipe.yaml, builds or loads the
-    tokenizer, generates or validates the datasets, resolves the HF model config.
+    """Resolve the recipe into a RunContext: checks every input, then writes <output_dir>/recipe.yaml,
+    the tokenizer and generated data, and resolves the HF model config.
 
-    Collective when ``dist.world_size > 1`` (every rank calls it): global rank 0 prepares first
-    (checks the rollout ports, writes the recipe, tokenizer and generated data), then the other
-    ranks read what it wrote. An error on rank 0 is re-raised on every rank (no rank hangs).
+    Every check that can fail on user input runs *before the first write into output_dir*: the rollout
+    ports, the reward function, ``model.init_from`` (architecture, config, tensor names and shapes),
+    every data row (encoding, fields, metadata, length against the context), the resume checkpoint
+    (tensor shapes against the recipe, data and tokenizer fingerprints). Generated data and moerl's
+    tokenizer are first built in a temporary directory for those checks; only when all pass is the run
+    directory written (files with unchanged content are left as they are). A failed start therefore
+    leaves an existing run directory byte for byte as it was.
+
+    Collective when ``dist.world_size > 1`` (every rank calls it): global rank 0 checks and prepares
+    first, then the other ranks read what it wrote. An error on rank 0 is re-raised on every rank (no
+    rank hangs).
 
     Raises:
-        moerl.config.loader.ConfigError (any bad input: recipe, data rows, tokenizer, resume checkpoint),
-        DatasetError, FileNotFoundError, with the recipe key named.
+        moerl.errors.InputError (ConfigError, DatasetError, ModelError, CheckpointError), PortInUseError,
+        RewardConfigError, FileNotFoundError: any bad input, with the recipe key (and file / row) named.
     """
     cfg.check_world_size(dist.world_size)
     check_rollout_routing_matches(cfg.moe)
     if dist.world_size <= 1:
-        return _checked(_prepare_run, cfg, dist)
+        return _checked(_prepare_main, cfg, dist)
     import torch.distributed as tdist
 
     ctx, err = None, None
     if dist.is_main:
         try:
-            ctx = _checked(_prepare_run, cfg, dist)
+            ctx = _checked(_prepare_main, cfg, dist)
         except Exception as e:  # noqa: BLE001 - handed to the other ranks, then re-raised
             err = e
     box = [err]
@@ -105,33 +114,50 @@ def prepare_run(cfg, dist) -> RunContext:
     if box[0] is not None:
         raise box[0]
     if not dist.is_main:
-        ctx = _checked(_prepare_run, cfg, dist)
+        ctx = _checked(_resolve, cfg, dist, Path(cfg.output_dir), False)
     tdist.barrier()
     return ctx
 
 
 def _checked(fn, *args):
-    """Run a preparation step; a ValueError it raises is a bad input (the recipe, data, tokenizer or
-    checkpoint it names), re-raised as ConfigError so that ``moerl train`` exits 2 with one line."""
+    """Run a preparation step; a ValueError it raises that is not already a named input error is a bad
+    recipe input, re-raised as ConfigError so that ``moerl train`` exits 2 with one line."""
     from moerl.config.loader import ConfigError
+    from moerl.errors import InputError
 
     try:
         return fn(*args)
-    except (ConfigError, DatasetError):
+    except InputError:
         raise
     except ValueError as e:
         raise ConfigError(str(e)) from e
 
 
-def _prepare_run(cfg, dist) -> RunContext:
-    if dist.is_main:
-        check_ports_free(cfg.rollout)
+def _prepare_main(cfg, dist) -> RunContext:
+    """Global rank 0: every check against a scratch copy of what the run would write, then the writes."""
+    import tempfile
+
+    check_ports_free(cfg.rollout)
+    resolve_reward_fn(cfg.reward.function, group=cfg.reward.group)  # user code: path and signature
     run_dir = Path(cfg.output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if dist.is_main:
-        cfg.save(str(run_dir / "recipe.yaml"))
+    if run_dir.exists() and not run_dir.is_dir():
+        from moerl.config.loader import ConfigError
+
+        raise ConfigError(f"output_dir {run_dir} exists and is not a directory; choose another output_dir")
+    with tempfile.TemporaryDirectory(prefix="moerl-start-") as scratch:
+        _resolve(cfg, dist, Path(scratch), True)
+    run_dir.mkdir(parents=True, exist_ok=True)  # every check passed: the first write into output_dir
+    cfg.save(str(run_dir / "recipe.yaml"))
+    return _resolve(cfg, dist, run_dir, False)
+
+
+def _resolve(cfg, dist, run_dir: Path, check: bool) -> RunContext:
+    """Generate (or find) the data, tokenizer and HF config under ``run_dir``. With ``check``, also run
+    every input check (rows, resume checkpoint, init_from tensors) and load no weights; without, load
+    ``model.init_from``'s weights (the checks have passed on rank 0)."""
     d = cfg.data
-    reward_fn = resolve_reward_fn(cfg.reward.function, group=cfg.reward.group)  # before any work
+    if check and cfg.model.init_from:
+        check_hf_model_dir(cfg.model.init_from, "model.init_from")  # a directory of a Qwen3-MoE model
     train_path, eval_path = prepare_task_data(
         d.task, run_dir / "data", cfg.seed, train_path=d.train_path, eval_path=d.eval_path,
         num_train=d.num_train, num_eval=d.num_eval, digits=d.digits,
@@ -148,20 +174,21 @@ def _prepare_run(cfg, dist) -> RunContext:
     hf_fields = cfg.model.hf_config.model_dump()
     hf_fields["vocab_size"] = cfg.model.hf_config.resolve_vocab_size(len(tokenizer))
     hf_config = make_hf_config(hf_fields)
-    del reward_fn  # resolved above for its errors; the reward workers resolve it again themselves
-    for ds, path, key in ((train_ds, train_path, "data.train_path"), (eval_ds, eval_path, "data.eval_path")):
-        check_rows(ds, path, key, prompt_key=d.prompt_key, label_key=d.label_key, reward_spec=cfg.reward.function,
-                   encode=lambda prompt: encode_prompt(tokenizer, prompt, d.system_prompt),
-                   max_positions=hf_config.max_position_embeddings, max_new_tokens=cfg.rollout.max_new_tokens)
     inputs = {"train_data": file_fingerprint(train_path), "eval_data": file_fingerprint(eval_path),
               "train_rows": len(train_ds), "eval_rows": len(eval_ds), "tokenizer": tokenizer_fingerprint(tokenizer)}
-    if dist.is_main:
-        check_resume_inputs(cfg, run_dir, inputs)
     init_sd = None
-    if cfg.model.init_from:
-        if not Path(cfg.model.init_from).is_dir():
-            raise FileNotFoundError(f"model.init_from: no HF checkpoint directory at {cfg.model.init_from}")
-        check_init_config(cfg.model.init_from, hf_config)
+    if check:
+        for ds, path, key in ((train_ds, train_path, "data.train_path"), (eval_ds, eval_path, "data.eval_path")):
+            check_rows(ds, path, key, prompt_key=d.prompt_key, label_key=d.label_key, reward_spec=cfg.reward.function,
+                       encode=lambda prompt: encode_prompt(tokenizer, prompt, d.system_prompt),
+                       max_positions=hf_config.max_position_embeddings, max_new_tokens=cfg.rollout.max_new_tokens)
+        # the checkpoint a resume would load sits in the real output_dir (resume=auto) or at resume=<path>
+        check_resume_inputs(cfg, Path(cfg.output_dir), inputs)
+        check_resume_shapes(cfg, Path(cfg.output_dir), hf_config)
+        if cfg.model.init_from:
+            check_init_config(cfg.model.init_from, hf_config)
+            check_hf_tensors(cfg.model.init_from, hf_config, "model.init_from")
+    elif cfg.model.init_from:
         init_sd = load_hf_state_dict(cfg.model.init_from)
     return RunContext(
         cfg=cfg, dist=dist, run_dir=run_dir, tokenizer=tokenizer, hf_config=hf_config, train_ds=train_ds,
@@ -208,19 +235,33 @@ def check_rows(ds, path, recipe_key: str, *, prompt_key: str, label_key: str, en
             raise DatasetError(f"{where}: label {label!r} cannot be scored by reward.function={reward_spec}: {e}") from None
 
 
+def _resume_checkpoint(cfg, run_dir: Path) -> Optional[Path]:
+    """The checkpoint ``resume`` names (moerl.checkpoint.run_state.resolve_resume), as a checkpoint error."""
+    from moerl.checkpoint.run_state import resolve_resume
+    from moerl.errors import CheckpointError
+
+    try:
+        return resolve_resume(cfg, run_dir)
+    except FileNotFoundError as e:
+        raise CheckpointError(str(e), key="resume", file=str(cfg.resume),
+                              hint="resume=auto (latest complete checkpoint of output_dir), resume=none, or a "
+                                   "<output_dir>/checkpoints/step_N directory") from None
+
+
 def check_resume_inputs(cfg, run_dir: Path, inputs: dict) -> None:
     """A resume must see the data and tokenizer its checkpoint was trained with (content, not only row
     counts): compare the checkpoint's recorded fingerprints with this run's before any work.
     Checkpoints written before fingerprints were recorded are resumed with a warning.
 
     Raises:
-        ConfigError: naming what changed (training / eval data, tokenizer) and the fix.
+        CheckpointError: ``resume`` is a path without a complete checkpoint, or what changed (training /
+            eval data, tokenizer), with the fix.
     """
-    from moerl.checkpoint.run_state import COMPLETE_MARKER, resolve_resume
-    from moerl.config.loader import ConfigError
+    from moerl.checkpoint.run_state import COMPLETE_MARKER
+    from moerl.errors import CheckpointError
     from moerl.runtime.world import log
 
-    path = resolve_resume(cfg, run_dir)
+    path = _resume_checkpoint(cfg, run_dir)
     if path is None:
         return
     import json
@@ -233,8 +274,23 @@ def check_resume_inputs(cfg, run_dir: Path, inputs: dict) -> None:
     gen = {"arithmetic": "data.num_train / data.digits / seed", "reasoning_gym": "data.reasoning_gym"}.get(cfg.data.task)
     change = describe_change(saved, inputs, sources={"train_data": gen, "eval_data": gen} if gen else None)
     if change:
-        raise ConfigError(f"resume from {path}: {change}; resume with the data and tokenizer the run was trained "
-                          f"with, or start a new run (resume=none, another output_dir)")
+        raise CheckpointError(f"resume from {path}: {change}", key="resume", file=str(path),
+                              hint="resume with the data and tokenizer the run was trained with, or start a new "
+                                   "run (resume=none, another output_dir)")
+
+
+def check_resume_shapes(cfg, run_dir: Path, hf_config) -> None:
+    """The checkpoint a resume would load must hold the recipe's model shape (its recorded tensor
+    shapes, moerl.checkpoint.input_checks.check_checkpoint_shapes) before any model is built.
+
+    Raises:
+        CheckpointError: naming ``resume``, each differing field with both values, and the fix.
+    """
+    from moerl.checkpoint.input_checks import check_checkpoint_shapes
+
+    path = _resume_checkpoint(cfg, run_dir)
+    if path is not None:
+        check_checkpoint_shapes(path, hf_config, key="resume")
 
 
 _SHAPE_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -242,21 +298,17 @@ _SHAPE_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num
 
 
 def check_init_config(init_from: str, hf_config) -> None:
-    """The checkpoint in ``model.init_from`` must have the recipe's model shape (compared on its
-    config.json) before any model is built.
+    """The checkpoint in ``model.init_from`` must be a Qwen3-MoE with the recipe's model shape
+    (compared on its config.json) before any model is built.
 
     Raises:
-        ConfigError: listing each differing field with both values.
+        ModelError: not a model directory / not Qwen3-MoE, or listing each differing field with both values.
     """
-    import json
-
-    from moerl.config.loader import ConfigError
+    from moerl.checkpoint.input_checks import check_hf_model_dir
+    from moerl.errors import ModelError
     from moerl.models.qwen3_moe import hf_num_experts
 
-    cfg_path = Path(init_from) / "config.json"
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"model.init_from: {init_from} has no config.json (not an HF checkpoint)")
-    saved = json.loads(cfg_path.read_text())
+    saved = check_hf_model_dir(init_from, "model.init_from")
     diffs = []
     for f in _SHAPE_FIELDS:
         if f in saved and saved[f] != getattr(hf_config, f, None):
@@ -265,7 +317,6 @@ def check_init_config(init_from: str, hf_config) -> None:
     if saved_experts is not None and saved_experts != hf_num_experts(hf_config):
         diffs.append(f"num_experts: checkpoint {saved_experts!r} vs recipe {hf_num_experts(hf_config)!r}")
     if diffs:
-        raise ConfigError(
-            f"model.init_from={init_from} does not match the recipe's model.hf_config: " + "; ".join(diffs)
-            + " (set model.hf_config.* to the checkpoint's values)"
-        )
+        raise ModelError(f"model.init_from={init_from} does not match the recipe's model.hf_config: " + "; ".join(diffs),
+                         key="model.init_from", file=str(init_from),
+                         hint="set model.hf_config.* to the checkpoint's values")
