@@ -169,6 +169,19 @@ def test_simulator_comm_latency_and_per_chunk_costs():
     assert r.makespan == pytest.approx(1 + 3 + 4 + 2)
 
 
+def test_simulator_measured_fb_per_chunk_pair():
+    # dualpipev(1, 4) on one rank (chunks 0 and 1): F0.0 F1.0 F0.1 BW1.0 F1.1&B0.0 F0.2&B1.1 F1.2&B0.1
+    # F0.3&B1.2 F1.3&B0.2 BW1.3 B0.3 W0.3; with F=1, B=2, W=1 (B0.3 = 1) everything is serial on one rank:
+    # 3 F + 2 BW + 5 FB + B + W; an FB of pair (1, 0) costs 10, the pair (0, 1) keeps F + B = 3
+    s = dualpipev(1, 4)
+    fbs = [(a.chunk, a.chunk_b) for a in s.actions[0] if a.kind == "FB"]
+    assert fbs == [(1, 0), (0, 1), (1, 0), (0, 1), (1, 0)]
+    base = simulate(s, Costs(F=1, B=2, W=1)).makespan
+    assert base == pytest.approx(3 * 1 + 2 * 2 + 5 * 3 + 1 + 1)
+    assert simulate(s, Costs(F=1, B=2, W=1, FB={(1, 0): 10})).makespan == pytest.approx(base + 3 * (10 - 3))
+    assert simulate(s, Costs(F=1, B=2, W=1, FB=4)).makespan == pytest.approx(base + 5 * (4 - 3))
+
+
 def test_fallback_for_too_few_microbatches_keeps_the_layout():
     for name, P in [("dualpipev", 2), ("dualpipev", 4), ("dualpipe", 2), ("dualpipe", 4)]:
         full = build_schedule(name, P, 4 * P)

@@ -1,25 +1,35 @@
 """Benchmark moerl's pipeline schedules on gloo with a tiny Megatron-Core Qwen3-MoE.
 
 For each schedule (default 1F1B, DualPipe, DualPipeV) at the same work -- the same model (``--layers``
-decoder layers cut into PP stages for 1F1B/DualPipe and 2*PP stages for DualPipeV), the same
-``--microbatches`` micro-batches of the same shape -- it runs ``--runs`` timed training steps (after one
-warm-up) with ``moerl.pipeline.interpreter`` and reports:
+decoder layers cut into PP stages for 1F1B/ZB1P/DualPipe and 2*PP stages for DualPipeV), the same
+``--microbatches`` micro-batches of the same shape -- it runs ``--runs`` timed training steps (after
+``--warmup`` untimed ones; the schedules take turns step after step) with ``moerl.pipeline.interpreter`` and
+reports:
 
 - the measured step time (median over runs; the step spans from the earliest rank's start to the latest
   rank's end, ``time.perf_counter`` is system-wide on Linux) and each rank's idle fraction
   (1 - compute time / step time, medians);
-- the simulator's prediction (``moerl.pipeline.simulator``) from the F, B, W costs measured in the same runs
-  (per-chunk medians of the timed actions; F&B = F + B since CPU runs them sequentially);
-- ratios measured/predicted and between schedules.
+- the simulator's prediction (``moerl.pipeline.simulator``) from the F, B, W and F&B costs measured in the
+  same runs (per-chunk medians of the timed actions; F&B per (forward chunk, backward chunk) pair);
+- ratios measured/predicted and between schedules;
+- per chunk of every schedule that splits its backward, measured alone on each rank (no pipeline, same
+  process, ``--chunk-runs`` medians): F, the unsplit backward (input + weight grads in one ``autograd.grad``), and
+  B and W of ``--split-backward`` (default ``store``: the layer-level split of ``moerl.pipeline.wgrad_store``),
+  with (B + W) / unsplit.
 
-Run:  python tools/bench_pipeline.py --pp 4 --microbatches 8 --runs 5
-With more processes than cores the ranks compete for CPU, so compute times measured during a pipelined
-step include contention and idle fractions are noisy; the medians are reported as measured.
+Runs:
+  python tools/bench_pipeline.py --pp 4 --microbatches 8 --runs 5
+  python tools/bench_pipeline.py --pp 2 --pin --microbatches 4,8 --schedules 1f1b,zb1p,dualpipev
+``--pin`` pins rank r to the r-th CPU this process may use (``os.sched_setaffinity``), one rank per core.
+With more processes than cores (or other programs on the cores) the ranks compete for CPU, so compute times
+measured during a pipelined step include contention and idle fractions are noisy; the medians are reported
+as measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -57,6 +67,85 @@ def _loss_fn(M, batch, seq):
     return loss_fn
 
 
+def _model_config(args):
+    from moerl.models.qwen3_moe import make_hf_config
+
+    return make_hf_config(dict(TINY, num_hidden_layers=args.layers, hidden_size=args.hidden, head_dim=args.hidden // 4,
+                               moe_intermediate_size=args.moe_ffn, intermediate_size=2 * args.moe_ffn))
+
+
+def _chunk_costs(sched, chunks, mbs, crit, args) -> dict:
+    """Per chunk held here, measured alone: medians (s) of F, the unsplit backward, and B / W of
+    ``args.split_backward`` ("store": the weight-grad store; "retrace"/"torch": the interpreter's graph split).
+    Each backward starts from a fresh forward of micro-batch 0 (a random stage input / output gradient);
+    ``args.chunk_runs`` rounds after one warm-up, unsplit and split measured alternately."""
+    import time
+
+    from moerl.pipeline.wgrad_store import WeightGradStore, accumulate_grad
+
+    out = {}
+    g = torch.Generator().manual_seed(1)
+    for c, mod in chunks.items():
+        params = [p for p in mod.parameters() if p.requires_grad]
+        first, last = sched.chunk_stage[c] == 0, sched.chunk_stage[c] == sched.num_stages - 1
+        store = WeightGradStore()
+        store.install(mod, chunk=c, log=False)
+        mb = mbs[0]
+        x0 = torch.randn(args.seq, args.batch, args.hidden, generator=g)
+        dy = None
+
+        def forward(arm: bool):
+            x = None if first else x0.clone().requires_grad_(True)
+            with store.arm() if arm else contextlib.nullcontext():
+                y = mod(x, mb)
+                y = crit(y, mb) if last else y
+            return x, y
+
+        times: dict[str, list[float]] = {k: [] for k in ("F", "BW", "B", "W")}
+        for i in range(args.chunk_runs + 1):
+            t = time.perf_counter()
+            x, y = forward(False)
+            tf = time.perf_counter() - t
+            if dy is None and not last:
+                dy = torch.randn(y.shape, generator=g, dtype=y.dtype)
+            targets = ([] if first else [x]) + params
+            t = time.perf_counter()
+            grads = torch.autograd.grad(y, targets, None if last else dy, allow_unused=True)
+            for p, gr in zip(params, grads[len(targets) - len(params):]):
+                accumulate_grad(p, gr)
+            tbw = time.perf_counter() - t
+            if args.split_backward == "store":
+                x, y = forward(True)
+                t = time.perf_counter()
+                with store.capture((c, 0)):
+                    grads = torch.autograd.grad(y, ([] if first else [x]) + params, None if last else dy,
+                                                allow_unused=True)
+                for p, gr in zip(params, grads[len(grads) - len(params):]):
+                    accumulate_grad(p, gr)
+                tb = time.perf_counter() - t
+                t = time.perf_counter()
+                store.run((c, 0))
+                tw = time.perf_counter() - t
+            else:
+                x, y = forward(False)
+                t = time.perf_counter()
+                if not first:
+                    torch.autograd.grad(y, [x], None if last else dy, retain_graph=True)
+                tb = time.perf_counter() - t
+                t = time.perf_counter()
+                grads = torch.autograd.grad(y, params, None if last else dy, allow_unused=True)
+                for p, gr in zip(params, grads):
+                    accumulate_grad(p, gr)
+                tw = time.perf_counter() - t
+            if i:  # the first round warms up
+                for k, v in zip(("F", "BW", "B", "W"), (tf, tbw, tb, tw)):
+                    times[k].append(v)
+        for p in params:
+            p.grad = None
+        out[c] = {k: statistics.median(v) for k, v in times.items()}
+    return out
+
+
 def _worker(rank, world, port, args, out_path):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -64,37 +153,47 @@ def _worker(rank, world, port, args, out_path):
 
     import torch.distributed as dist
 
-    from moerl.models.qwen3_moe import make_hf_config
     from moerl.pipeline.interpreter import PipelineInterpreter, sync_mirrored_grads
     from moerl.pipeline.megatron_stages import PolicyCriterion, build_chunk_modules, megatron_stage_fn
     from moerl.pipeline.schedules import build_schedule
     from moerl.runtime.distributed import destroy_distributed, init_distributed
 
+    if args.pin:  # one rank per core
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
     init_distributed(seed=0, num_threads=args.threads)
     results = {}
     try:
-        cfg = make_hf_config(dict(TINY, num_hidden_layers=args.layers))
-        mbs = _micro_batches(args.microbatches, args.batch, args.seq, cfg.vocab_size)
-        for name in args.schedules.split(","):
-            sched = build_schedule(name, world, args.microbatches)
-            chunks = build_chunk_modules(sched, rank, cfg)
-            crit = PolicyCriterion(_loss_fn(args.microbatches, args.batch, args.seq))
-            interp = PipelineInterpreter(sched, chunks, crit, stage_fn=megatron_stage_fn(mbs),
-                                         split_backward=args.split_backward, p2p=args.p2p)
-            runs = []
-            for i in range(args.runs + 1):
-                for m in chunks.values():
-                    m.zero_grad(set_to_none=True)
-                dist.barrier()
-                t0 = time.perf_counter()
-                res = interp.run(mbs, mbs, record_timeline=True)
-                t1 = time.perf_counter()
-                sync_mirrored_grads(sched, chunks, channels=interp.channels)
-                if i == 0:
-                    continue  # warm-up
-                tl = [(s - t0, e - t0, a.kind, a.chunk, a.chunk_b) for _, s, e, a in res.timeline]
-                runs.append({"t0": t0, "t1": t1, "timeline": tl})
-            results[name] = runs
+        cfg = _model_config(args)
+        for M in args.microbatches:
+            mbs = _micro_batches(M, args.batch, args.seq, cfg.vocab_size)
+            setups = {}
+            for name in args.schedules:
+                sched = build_schedule(name, world, M)
+                chunks = build_chunk_modules(sched, rank, cfg)
+                crit = PolicyCriterion(_loss_fn(M, args.batch, args.seq))
+                interp = PipelineInterpreter(sched, chunks, crit, stage_fn=megatron_stage_fn(mbs),
+                                             split_backward=args.split_backward, p2p=args.p2p)
+                setups[name] = (sched, chunks, crit, interp)
+                results[f"{name}/{M}"] = []
+            # the schedules take turns run after run, so slow phases of a shared machine hit them alike
+            for i in range(args.warmup + args.runs):
+                for name, (sched, chunks, crit, interp) in setups.items():
+                    for m in chunks.values():
+                        m.zero_grad(set_to_none=True)
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    res = interp.run(mbs, mbs, record_timeline=True)
+                    t1 = time.perf_counter()
+                    sync_mirrored_grads(sched, chunks, channels=interp.channels)
+                    if i >= args.warmup:
+                        tl = [(s - t0, e - t0, a.kind, a.chunk, a.chunk_b) for _, s, e, a in res.timeline]
+                        results[f"{name}/{M}"].append({"t0": t0, "t1": t1, "timeline": tl})
+            if M == args.microbatches[0]:
+                for name, (sched, chunks, crit, interp) in setups.items():
+                    if any(a.kind == "W" for a in sched.actions[rank]):
+                        dist.barrier()
+                        results[f"{name}/chunks"] = _chunk_costs(sched, chunks, mbs, crit, args)
         gathered = [None] * world
         dist.all_gather_object(gathered, results)
         if rank == 0:
@@ -108,21 +207,22 @@ def _analyse(name, per_rank, world, M):
     from moerl.pipeline.simulator import Costs, simulate
 
     sched = build_schedule(name, world, M)
-    nruns = len(per_rank[0][name])
+    key = f"{name}/{M}"
+    nruns = len(per_rank[0][key])
     steps, idles = [], []
-    durs: dict[tuple[str, int], list[float]] = {}
+    durs: dict[tuple, list[float]] = {}
     for i in range(nruns):
-        t0 = min(per_rank[r][name][i]["t0"] for r in range(world))
-        t1 = max(per_rank[r][name][i]["t1"] for r in range(world))
+        t0 = min(per_rank[r][key][i]["t0"] for r in range(world))
+        t1 = max(per_rank[r][key][i]["t1"] for r in range(world))
         step = t1 - t0
         steps.append(step)
         idle = []
         for r in range(world):
-            tl = per_rank[r][name][i]["timeline"]
+            tl = per_rank[r][key][i]["timeline"]
             busy = sum(e - s for s, e, *_ in tl)
             idle.append(1 - busy / step)
             for s, e, kind, c, cb in tl:
-                durs.setdefault((kind, c), []).append(e - s)
+                durs.setdefault((kind, c, cb) if kind == "FB" else (kind, c), []).append(e - s)
         idles.append(idle)
     med = {k: statistics.median(v) for k, v in durs.items()}
     C = sched.num_chunks
@@ -130,8 +230,9 @@ def _analyse(name, per_rank, world, M):
     W = [med.get(("W", c), 0.0) for c in range(C)]
     Bi = [med.get(("B", c), 0.0) for c in range(C)]
     B = [med[("BW", c)] if ("BW", c) in med else Bi[c] + W[c] for c in range(C)]
-    # F&B actions are not used as a cost: the simulator charges F + B for them, which is what the CPU does
-    sim = simulate(sched, Costs(F=F, B=B, W=W, Bi=[Bi[c] if ("B", c) in med else B[c] - W[c] for c in range(C)]))
+    FB = {(k[1], k[2]): v for k, v in med.items() if k[0] == "FB"}  # measured F&B per (forward, backward) chunk
+    sim = simulate(sched, Costs(F=F, B=B, W=W, FB=FB,
+                                Bi=[Bi[c] if ("B", c) in med else B[c] - W[c] for c in range(C)]))
     return {
         "step_s": statistics.median(steps),
         "step_all_s": steps,
@@ -143,17 +244,26 @@ def _analyse(name, per_rank, world, M):
     }
 
 
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pp", type=int, default=4)
-    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--microbatches", type=_ints, default=[8], help="micro-batches per step (comma list: 4,8)")
     ap.add_argument("--layers", type=int, default=8, help="decoder layers (divisible by 2*pp)")
+    ap.add_argument("--hidden", type=int, default=64, help="hidden size (4 query heads of hidden/4)")
+    ap.add_argument("--moe-ffn", type=int, default=48, help="expert FFN size (dense FFN: twice that)")
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps of each schedule first")
+    ap.add_argument("--chunk-runs", type=int, default=10, help="timed rounds of the per-chunk cost measurement")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--schedules", default="1f1b,dualpipe,dualpipev")
-    ap.add_argument("--split-backward", default="torch", choices=["torch", "retrace"],
+    ap.add_argument("--pin", action="store_true", help="pin rank r to the r-th usable CPU (os.sched_setaffinity)")
+    ap.add_argument("--schedules", type=lambda t: t.split(","), default=["1f1b", "dualpipe", "dualpipev"])
+    ap.add_argument("--split-backward", default="store", choices=["store", "torch", "retrace"],
                     help="how split B/W steps compute weight grads (PipelineInterpreter.split_backward)")
     ap.add_argument("--p2p", default=None, choices=["directed", "shared"],
                     help="p2p transport (PipelineInterpreter.p2p; default: its default, shared on gloo)")
@@ -161,6 +271,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.layers % (2 * args.pp):
         raise SystemExit(f"--layers must be divisible by 2*pp={2 * args.pp} (DualPipeV stages), got {args.layers}")
+    if args.hidden % 4:
+        raise SystemExit(f"--hidden must be divisible by 4 (4 attention heads), got {args.hidden}")
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import socket
@@ -177,26 +289,46 @@ def main(argv=None):
     mp.start_processes(_worker, args=(args.pp, port, args, str(out)), nprocs=args.pp, join=True,
                        start_method="spawn")
     per_rank = json.loads(out.read_text())
-    names = args.schedules.split(",")
-    rows = {n: _analyse(n, per_rank, args.pp, args.microbatches) for n in names}
-    print(f"PP={args.pp} M={args.microbatches} layers={args.layers} micro-batch {args.batch}x{args.seq}, "
-          f"{args.runs} runs (medians), {os.cpu_count()} cores, split_backward={args.split_backward}"
+    names = args.schedules
+    report = {"chunks": {}, "steps": {}}
+    print(f"PP={args.pp} layers={args.layers} hidden={args.hidden} micro-batch {args.batch}x{args.seq}, "
+          f"{args.runs} runs (medians), {len(os.sched_getaffinity(0))} usable cores"
+          f"{' (one rank pinned per core)' if args.pin else ''}, split_backward={args.split_backward}"
           + (f", p2p={args.p2p}" if args.p2p else ""))
-    print(f"{'schedule':10s} {'step s':>8s} {'pred s':>8s} {'meas/pred':>9s}  {'idle meas (per rank)':28s} "
-          f"{'idle pred':28s} F/B/W/Bi ms")
     for n in names:
-        r = rows[n]
-        c = r["costs_ms"]
-        print(f"{n:10s} {r['step_s']:8.3f} {r['pred_step_s']:8.3f} {r['step_s'] / r['pred_step_s']:9.2f}  "
-              f"{' '.join(f'{x:.2f}' for x in r['idle']):28s} {' '.join(f'{x:.2f}' for x in r['pred_idle']):28s} "
-              f"{c['F']:.1f}/{c['B']:.1f}/{c['W']:.1f}/{c['Bi']:.1f}")
-    base = names[0]
-    for n in names[1:]:
-        print(f"{n}/{base}: measured step ratio {rows[n]['step_s'] / rows[base]['step_s']:.2f}, "
-              f"predicted {rows[n]['pred_step_s'] / rows[base]['pred_step_s']:.2f}")
+        if f"{n}/chunks" not in per_rank[0]:
+            continue
+        print(f"{n}: per chunk, alone (ms): {'chunk':>5s} {'F':>7s} {'unsplit':>8s} {'B':>7s} {'W':>7s} "
+              f"{'(B+W)/unsplit':>14s}")
+        rows = {}
+        for r in range(args.pp):
+            for c, t in sorted(per_rank[r][f"{n}/chunks"].items(), key=lambda kv: int(kv[0])):
+                ratio = (t["B"] + t["W"]) / t["BW"]
+                rows[int(c)] = dict(t, ratio=ratio)
+                print(f"{'':27s}{int(c):5d} {1e3 * t['F']:7.2f} {1e3 * t['BW']:8.2f} {1e3 * t['B']:7.2f} "
+                      f"{1e3 * t['W']:7.2f} {ratio:14.2f}")
+        print(f"{'':27s}max (B+W)/unsplit {max(x['ratio'] for x in rows.values()):.2f}")
+        report["chunks"][n] = rows
+    for M in args.microbatches:
+        rows = {n: _analyse(n, per_rank, args.pp, M) for n in names}
+        report["steps"][M] = rows
+        print(f"M={M}: {'schedule':10s} {'step s':>8s} {'pred s':>8s} {'meas/pred':>9s}  {'idle meas (per rank)':22s} "
+              f"{'idle pred':22s} {'max |diff|':>10s}  F/B/W/Bi ms")
+        for n in names:
+            r = rows[n]
+            c = r["costs_ms"]
+            diff = max(abs(a - b) for a, b in zip(r["idle"], r["pred_idle"]))
+            r["idle_max_abs_diff"] = diff
+            print(f"{'':5s}{n:10s} {r['step_s']:8.3f} {r['pred_step_s']:8.3f} {r['step_s'] / r['pred_step_s']:9.2f}  "
+                  f"{' '.join(f'{x:.3f}' for x in r['idle']):22s} {' '.join(f'{x:.3f}' for x in r['pred_idle']):22s} "
+                  f"{diff:10.3f}  {c['F']:.1f}/{c['B']:.1f}/{c['W']:.1f}/{c['Bi']:.1f}")
+        base = names[0]
+        for n in names[1:]:
+            print(f"{'':5s}{n}/{base}: measured step ratio {rows[n]['step_s'] / rows[base]['step_s']:.3f}, "
+                  f"predicted {rows[n]['pred_step_s'] / rows[base]['pred_step_s']:.3f}")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
-    return rows
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return report
 
 
 if __name__ == "__main__":

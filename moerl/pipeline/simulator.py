@@ -16,7 +16,7 @@ DualPipeV on ``P`` ranks): 1F1B ``(PP-1)(F+B)``, ZB1P ``(PP-1)(F+B-2W)``, DualPi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 from moerl.pipeline.schedules import Action, Schedule, ScheduleError, action_deps
 
@@ -31,7 +31,8 @@ class Costs:
 
     ``F``, ``B``, ``W`` are scalars (same for every chunk) or sequences indexed by chunk id.  ``B`` is the
     full backward; ``W <= B`` its weight-gradient part.  ``FB`` is the cost of an overlapped F&B action:
-    a scalar, or None for ``F[f] + B[b]`` (sequential, as on CPU).  ``comm`` is the latency added when a
+    a scalar, a mapping ``(forward chunk, backward chunk) -> cost`` (measured per pair; pairs it lacks cost
+    ``F[f] + B[b]``), or None for ``F[f] + B[b]`` (sequential, as on CPU).  ``comm`` is the latency added when a
     tensor crosses ranks.  ``Bi`` is the cost of a split input-grad step; None means ``B - W`` (an ideal
     split; moerl's generic autograd split costs more, so measured costs pass it explicitly).
     """
@@ -39,7 +40,7 @@ class Costs:
     F: Union[Num, Sequence[Num]] = 1.0
     B: Union[Num, Sequence[Num]] = 2.0
     W: Union[Num, Sequence[Num]] = 1.0
-    FB: Optional[Num] = None
+    FB: Union[None, Num, Mapping[tuple[int, int], Num]] = None
     comm: Num = 0.0
     Bi: Union[None, Num, Sequence[Num]] = None
 
@@ -59,7 +60,9 @@ class Costs:
             if self.Bi is not None:
                 return self._get(self.Bi, c)
             return self._get(self.B, c) - self._get(self.W, c)
-        if self.FB is not None:
+        if isinstance(self.FB, Mapping) and (c, action.chunk_b) in self.FB:
+            return float(self.FB[(c, action.chunk_b)])
+        if self.FB is not None and not isinstance(self.FB, Mapping):
             return float(self.FB)
         return self._get(self.F, c) + self._get(self.B, action.chunk_b)
 
