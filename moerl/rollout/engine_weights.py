@@ -13,7 +13,9 @@ Semantics (SGLang io_struct names):
   * update_weights_from_tensor (UpdateWeightsFromTensorReqInput): SGLang's wire format
     (moerl.rollout.tensor_serde): ``serialized_named_tensors`` holds one MultiprocessingSerializer
     payload per TP rank and this server (one TP rank) reads element 0, as SGLang's TP rank 0 does;
-    load_format null / "direct" (a list of (name, tensor)) or "flattened_bucket". The earlier
+    load_format null / "direct" (a list of (name, tensor)) or "flattened_bucket". Tensors are inline
+    bytes or, from a trainer on this host, shared-memory handles, whose mappings are kept until
+    the end of the next complete sync (reused buffers are not mapped again). The earlier
     moerl format (base64 safetensors bytes) is still read. Trust: payloads are pickles, see
     moerl.rollout.tensor_serde (listen only on trusted addresses, as SGLang must).
   * weight_version (every update endpoint): as SGLang's TokenizerManager, a successful call that
@@ -24,6 +26,11 @@ Semantics (SGLang io_struct names):
     ``_update_model_path_info``).
   * init_weights_update_group / update_weights_from_distributed / destroy_weights_update_group: the
     trainer broadcasts each bucket from rank 0 of a gloo group this server joined (CPU only).
+  * FP8 weights (rollout.weight_dtype=fp8, moerl.precision.fp8_checkpoint): in every endpoint a
+    ``<m>.weight`` float8_e4m3fn and its ``<m>.weight_scale_inv`` are folded into one weight
+    (``weight * weight_scale_inv`` per 128 x 128 block in float32, then cast to the serving dtype); a
+    pair split over two buckets waits for its other half (a half pair still waiting when a version is
+    set is named in the message). Block size: the served checkpoint's quantization_config, else 128 x 128.
 Every update takes the engine's model lock, so it runs between generate batches, never during one.
 """
 
@@ -336,7 +343,24 @@ class WeightUpdater:
                 named = named_tensors_from_payload(deserialize(raw), load_format)
         except Exception as e:  # malformed base64 / pickle / payload shape
             return False, f"could not decode serialized_named_tensors[0]: {e}"
-        return self._apply_bucket(named, weight_version, "update_weights_from_tensor")
+        ok, msg = self._apply_bucket(named, weight_version, "update_weights_from_tensor")
+        self._keep_shared_mappings(named, ok and weight_version is not None)
+        return ok, msg
+
+    def _keep_shared_mappings(self, named: list, sync_done: bool) -> None:
+        """Keep the shared-memory storages of the buckets received (tensor_serde.serialize_shared
+        handles) mapped until the end of the next complete sync, so a sender that reuses its
+        buffers (moerl.rollout.weight_sync.SharedBucketBuffers) costs no mmap or page faults: torch's
+        shared_cache finds the live mapping by handle. At the end of a sync (a call carrying
+        weight_version) the mappings of the sync before are dropped (a released sender buffer's
+        file is then unlinked): at most two syncs' buffers stay mapped."""
+        from moerl.rollout.tensor_serde import shared_storages
+
+        cur = getattr(self, "_shm_cur", {})
+        cur.update((st.data_ptr(), st) for st in shared_storages(named))
+        if sync_done:
+            self._shm_prev, cur = cur, {}
+        self._shm_cur = cur
 
     # ------------------------------------------------------------------ distributed weight sync
 

@@ -13,16 +13,30 @@ element r (``sglang.srt.managers.tp_worker``). What the pickle holds depends on 
 
 A tensor inside the pickle is either inline (plain pickling: ``torch._utils._rebuild_tensor_v2`` on
 bytes; what :func:`serialize_named_tensors` writes, readable by SGLang and by this module on any
-machine), or a same-host shared-memory handle (ForkingPickler with torch.multiprocessing's
-reducers: a CPU storage by file descriptor or file name; a CUDA tensor by CUDA IPC handle, which a
-CPU server cannot open: refused with a clear error).
+machine), or a same-host shared-memory handle (:func:`serialize_shared`: torch.multiprocessing's
+reducers, ``reduce_tensor`` -> ``rebuild_tensor`` / ``rebuild_typed_storage`` /
+``rebuild_storage_filename``, the CPU analogue of the CUDA IPC handles SGLang's own trainers send).
+
+Shared-memory handles use torch's *file_system* sharing strategy (a storage is a file in /dev/shm,
+named ``/torch_<pid>_<n>_<k>``, whose reference count lives in the mapping; torch's
+``torch_shm_manager`` unlinks what a dead process left). The *file_descriptor* strategy (torch's
+default) cannot reach an unrelated process: its ``DupFd`` is fetched from the sender's
+``multiprocessing.resource_sharer`` with the sender's multiprocessing authkey, which only a
+multiprocessing family shares, so a rollout server started as its own program (``moerl serve``,
+SGLang) cannot open it; :func:`deserialize` refuses it by name. Reference counts: each pickling of a
+storage adds one reference for its receiver (``_shared_incref``) and each unpickling gives it back
+(``_shared_decref`` in ``rebuild_storage_filename``), so every payload must be unpickled exactly
+once (one payload per server and TP rank; see moerl.rollout.weight_sync). A CUDA tensor (CUDA IPC
+handle) cannot be opened by the CPU server: refused with a clear error.
 
 Trust: unpickling data from the network is what SGLang does, and it is only as safe as the network.
 :func:`deserialize` resolves only an allow-list of exact globals (tensor / storage rebuilders,
 dtypes, ``torch.Size``, ``OrderedDict`` and stand-ins for SGLang's two payload classes; it replaces
-``torch.storage._load_from_bytes`` by a ``torch.load(weights_only=True)``), so a payload cannot
-name arbitrary callables; but the server must still listen only on addresses that trusted trainers
-reach (``--host``: loopback or a private cluster network), as SGLang's must.
+``torch.storage._load_from_bytes`` by a ``torch.load(weights_only=True)``, and checks a shared-memory
+handle before torch opens it: a ``/dev/shm/torch_*`` name, a size within that file, the sender's
+``torch_shm_manager`` socket), so a payload cannot name arbitrary callables or files; but the
+server must still listen only on addresses that trusted trainers reach (``--host``: loopback or a
+private cluster network), as SGLang's must.
 """
 
 from __future__ import annotations
@@ -30,14 +44,17 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import os
 import pickle
+import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 
 __all__ = ["FlattenedTensorMetadata", "LocalSerializedTensor", "TENSOR_LOAD_FORMATS", "deserialize",
-           "flatten_bucket", "named_tensors_from_payload", "serialize", "serialize_named_tensors"]
+           "flatten_bucket", "named_tensors_from_payload", "serialize", "serialize_named_tensors",
+           "serialize_shared", "shared_storages"]
 
 #: load_format values of /update_weights_from_tensor that the reference server reads.
 TENSOR_LOAD_FORMATS = (None, "direct", "flattened_bucket")
@@ -81,6 +98,61 @@ def _no_cuda_ipc(*args, **kwargs):
                      "cannot open; serialize CPU tensors (e.g. moerl.rollout.tensor_serde.serialize_named_tensors)")
 
 
+def _no_fd_sharing(*args, **kwargs):
+    raise ValueError("the payload holds file-descriptor shared-memory handles (torch's file_descriptor sharing "
+                     "strategy), which only processes of one multiprocessing family can open; send file_system "
+                     "handles (moerl.rollout.tensor_serde.serialize_shared) or inline bytes (serialize_named_tensors)")
+
+
+#: directory where shm_open (torch's file_system sharing) keeps its files, and the names torch gives them
+SHM_DIR = "/dev/shm"
+_SHM_NAME = re.compile(rb"/torch_\d+_\d+_\d+")
+
+
+def _rebuild_shared_storage(cls, manager, handle, size, dtype=None):
+    """torch.multiprocessing.reductions.rebuild_storage_filename after checking its arguments: a
+    torch shared-memory file that exists on this host and holds ``size`` bytes, and the sender's
+    ``torch_shm_manager`` socket (not any path)."""
+    from torch.multiprocessing.reductions import rebuild_storage_filename
+
+    if cls is not torch.UntypedStorage or dtype is not None:
+        raise ValueError("a shared-memory storage handle must rebuild a torch.UntypedStorage (no dtype)")
+    if not (isinstance(handle, bytes) and _SHM_NAME.fullmatch(handle)):
+        raise ValueError(f"shared-memory handle {handle!r} is not a torch /dev/shm name (/torch_<pid>_<n>_<k>)")
+    if not (isinstance(manager, bytes) and manager.startswith(b"/") and manager.endswith(b"/manager.sock")
+            and os.path.basename(os.path.dirname(manager)).startswith(b"torch-shm-dir-")):
+        raise ValueError(f"shared-memory handle names {manager!r}, not a torch_shm_manager socket")
+    if type(size) is not int or size < 0:
+        raise ValueError(f"shared-memory handle size must be an int >= 0, got {size!r}")
+    path = SHM_DIR + handle.decode()
+    try:
+        have = os.stat(path).st_size
+    except FileNotFoundError:
+        raise ValueError(f"shared-memory handle {path} does not exist on this host: the sender runs on another "
+                         f"machine or in another /dev/shm (container), or released the buffer; send inline "
+                         f"bytes instead (transport 'bytes')") from None
+    if size > have:
+        raise ValueError(f"shared-memory handle {path} claims {size} bytes, the file holds {have}")
+    return rebuild_storage_filename(cls, manager, handle, size)
+
+
+def _rebuild_empty_storage(cls):
+    """torch.multiprocessing.reductions.rebuild_storage_empty, for torch.UntypedStorage only."""
+    if cls is not torch.UntypedStorage:
+        raise ValueError("an empty shared storage must be a torch.UntypedStorage")
+    return cls()
+
+
+def _rebuild_shared_tensor(cls, storage, metadata):
+    """torch.multiprocessing.reductions.rebuild_tensor for a plain tensor on a storage (torch's
+    ``set_`` refuses sizes / strides outside the storage)."""
+    from torch.multiprocessing.reductions import rebuild_tensor
+
+    if cls not in (torch.Tensor, torch.nn.Parameter) or not isinstance(storage, torch.TypedStorage):
+        raise ValueError("a shared tensor must rebuild a torch.Tensor on a typed storage")
+    return rebuild_tensor(cls, storage, metadata)
+
+
 def _allowed() -> dict[tuple[str, str], Any]:
     import collections
 
@@ -103,17 +175,13 @@ def _allowed() -> dict[tuple[str, str], Any]:
         ("sglang.srt.model_executor.model_runner", "LocalSerializedTensor"): LocalSerializedTensor,
         ("moerl.rollout.tensor_serde", "FlattenedTensorMetadata"): FlattenedTensorMetadata,
         ("moerl.rollout.tensor_serde", "LocalSerializedTensor"): LocalSerializedTensor,
+        # same-host shared memory (CPU), exactly what reduce_tensor + the file_system strategy write
+        ("torch.multiprocessing.reductions", "rebuild_tensor"): _rebuild_shared_tensor,
+        ("torch.multiprocessing.reductions", "rebuild_typed_storage"): red.rebuild_typed_storage,
+        ("torch.multiprocessing.reductions", "rebuild_storage_filename"): _rebuild_shared_storage,
+        ("torch.multiprocessing.reductions", "rebuild_storage_empty"): _rebuild_empty_storage,
+        ("torch.multiprocessing.reductions", "rebuild_storage_fd"): _no_fd_sharing,
     }
-    for n in ("rebuild_tensor", "rebuild_storage_fd", "rebuild_storage_filename", "rebuild_typed_storage",
-              "rebuild_storage_empty", "rebuild_typed_storage_child"):  # same-host shared memory (CPU)
-        if hasattr(red, n):
-            table[("torch.multiprocessing.reductions", n)] = getattr(red, n)
-    try:
-        from multiprocessing.resource_sharer import DupFd
-
-        table[("multiprocessing.resource_sharer", "DupFd")] = DupFd
-    except ImportError:  # pragma: no cover - not on this platform
-        pass
     for n in ("list", "dict", "tuple", "set", "frozenset", "int", "float", "str", "bytes", "bool", "object"):
         table[("builtins", n)] = __builtins__[n] if isinstance(__builtins__, dict) else getattr(__builtins__, n)
     return table
@@ -260,3 +328,62 @@ def flatten_bucket(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[torch.Ten
     if not parts:
         raise ValueError("cannot flatten an empty bucket")
     return torch.cat(parts), meta
+
+
+class _SharedMemoryPickler(pickle.Pickler):
+    """A pickler that writes CPU tensors as torch.multiprocessing handles: ``reduce_tensor`` for the
+    tensor, ``reduce_typed_storage`` for its typed storage, and the file_system strategy for the
+    bytes (chosen here for this pickle only; the process-wide sharing strategy is left alone)."""
+
+    def reducer_override(self, obj):
+        from torch.multiprocessing import reductions as red
+
+        if isinstance(obj, torch.Tensor):
+            if obj.device.type != "cpu":
+                raise ValueError(f"serialize_shared takes CPU tensors, got one on {obj.device}")
+            return red.reduce_tensor(obj)
+        if isinstance(obj, torch.TypedStorage):
+            return red.reduce_typed_storage(obj)
+        if isinstance(obj, torch.UntypedStorage):
+            if obj.nbytes() == 0:
+                return red.rebuild_storage_empty, (torch.UntypedStorage,)
+            manager, handle, size = obj._share_filename_cpu_()  # moves the bytes to /dev/shm once
+            obj._shared_incref()  # the receiver's reference; its rebuild_storage_filename gives it back
+            red.shared_cache[handle] = red.StorageWeakRef(obj)
+            return red.rebuild_storage_filename, (torch.UntypedStorage, manager, handle, size)
+        return NotImplemented
+
+
+def serialize_shared(obj: Any) -> str:
+    """base64 text of a pickle of ``obj`` whose CPU tensors travel as shared-memory handles (a
+    /dev/shm file name, offset, sizes and strides), not bytes: what torch.multiprocessing's
+    ``reduce_tensor`` writes under the file_system sharing strategy, inside the same
+    MultiprocessingSerializer payload SGLang's /update_weights_from_tensor reads.
+
+    A tensor whose storage is not yet in shared memory is moved there (``_share_filename_cpu_``:
+    one copy, then the tensor keeps using the shared storage, as ``Tensor.share_memory_``), so
+    callers pass buffers they reuse. Lifetime: the receiver maps the file while it holds the
+    tensor; the sender must keep its storage alive (and unchanged) until the receiver has rebuilt
+    the payload, and the payload must be unpickled exactly once (it carries one reference).
+    Only a process on this host (same /dev/shm) can read it.
+
+    Raises:
+        ValueError: a tensor is not on the CPU.
+    """
+    buf = io.BytesIO()
+    _SharedMemoryPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def shared_storages(named: Iterable[tuple[str, torch.Tensor]]) -> list[torch.UntypedStorage]:
+    """The distinct shared-memory storages under ``named`` tensors (those :func:`deserialize` mapped
+    from handles; inline tensors have none). A receiver that keeps them referenced keeps the
+    mappings, so a sender reusing the same buffers costs no new mmap or page faults next time
+    (torch's ``shared_cache`` finds them by handle)."""
+    out, seen = [], set()
+    for _, t in named:
+        st = t.untyped_storage()
+        if st.is_shared() and st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            out.append(st)
+    return out

@@ -8,9 +8,13 @@ and all ending with every server reporting the new ``weight_version`` on /get_mo
   * tensor: POST /update_weights_from_tensor per bucket in SGLang's own wire format (load_format null,
             serialized_named_tensors = one MultiprocessingSerializer payload per TP rank of the
             server, as /get_server_info's tp_size says; see moerl.rollout.tensor_serde), so the same
-            sender feeds real SGLang and the reference server. Tensors travel inline (CPU copies in
-            the pickle), not as CUDA IPC handles: the server may be on another machine.
-            weight_version rides on the last bucket (SGLang sets it on that call).
+            sender feeds real SGLang and the reference server. Two transports, chosen per server by
+            :func:`tensor_transports`: ``shm`` for a server on this machine (its URL's host is
+            loopback or one of this machine's addresses): the bucket is copied into a reusable
+            shared-memory buffer and the HTTP body carries only torch.multiprocessing handles, as
+            SGLang's trainers pass CUDA IPC handles; ``bytes`` for a server on another host: the
+            tensors travel inline in the pickle (base64 in the JSON). weight_version rides on the
+            last bucket (SGLang sets it on that call).
   * distributed: SGLang's NCCL/gloo path. Once: POST /init_weights_update_group {master_address,
             master_port, rank_offset, world_size, group_name, backend} to every server while the
             trainer joins the same group as rank 0 (:class:`DistributedWeightUpdater`). Per bucket:
@@ -33,6 +37,7 @@ import base64
 import json
 import os
 import shutil
+import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Iterator, Mapping, Optional, Sequence
@@ -241,41 +246,172 @@ def make_buckets(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> list
     return buckets
 
 
+TENSOR_TRANSPORTS = ("auto", "shm", "bytes")
+
+
+def tensor_transports(server_urls: Sequence[str], transport: str = "auto") -> dict[str, str]:
+    """How :func:`sync_weights_from_tensor` reaches each server: {url: "shm" | "bytes"}.
+
+    ``auto``: ``shm`` (shared-memory handles) when the URL's host is loopback / wildcard or one of
+    this machine's names or interface addresses (moerl.rollout.common.remote_server_urls; names
+    are not looked up in DNS, so an unknown name is remote), else ``bytes`` (tensors inline).
+    ``shm`` / ``bytes`` force one transport for every server (``bytes`` for a server that shares
+    this machine's network but not its /dev/shm, e.g. another container).
+    Raises:
+        ValueError: transport is not one of :data:`TENSOR_TRANSPORTS`.
+    """
+    if transport not in TENSOR_TRANSPORTS:
+        raise ValueError(f"tensor transport must be one of {TENSOR_TRANSPORTS}, got {transport!r}")
+    if transport != "auto":
+        return {u: transport for u in server_urls}
+    remote = set(remote_server_urls(server_urls))
+    return {u: "bytes" if u in remote else "shm" for u in server_urls}
+
+
+class SharedBucketBuffers:
+    """Reusable shared-memory byte buffers (uint8, /dev/shm files of torch's file_system sharing
+    strategy) that the tensor weight sync copies buckets into: bucket k uses buffer k % ``depth``,
+    so with depth 2 the next bucket is filled while the servers apply the previous one.
+
+    Lifetimes: a buffer is overwritten only after every server acknowledged the bucket it held
+    (the sender waits for the answers first); buffers are kept across syncs (same /dev/shm files,
+    which the servers keep mapped, so no file, mmap or page fault per sync) and grow, never
+    shrink, when a bucket is larger (a tensor larger than the bucket size travels alone). The
+    file of a released or replaced buffer disappears when its last mapping closes (a server drops
+    the mappings of buffers its last complete sync did not use). :meth:`release` drops them all.
+    Thread-safe: :attr:`lock` is held for a whole sync.
+    Raises: ValueError for depth < 1.
+    """
+
+    def __init__(self, depth: int = 2):
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        self.depth = depth
+        self._bufs: list[Optional[torch.Tensor]] = [None] * depth
+        self.lock = threading.Lock()
+
+    def buffer(self, k: int, nbytes: int) -> torch.Tensor:
+        """Buffer for bucket ``k``: a shared uint8 tensor of at least ``nbytes`` bytes (rounded up to
+        1 MiB when it must grow)."""
+        i = k % self.depth
+        buf = self._bufs[i]
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(1 << 20, -(-nbytes // (1 << 20)) << 20), dtype=torch.uint8)
+            buf.untyped_storage()._share_filename_cpu_()  # a /dev/shm file now, once
+            self._bufs[i] = buf
+        return buf
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held in shared memory by this sender."""
+        return sum(b.numel() for b in self._bufs if b is not None)
+
+    def release(self) -> None:
+        """Drop every buffer (their files go when the servers drop their mappings)."""
+        with self.lock:
+            self._bufs = [None] * self.depth
+
+
+#: the buffers sync_weights_from_tensor uses when not given any (one set per trainer process)
+SHARED_BUCKET_BUFFERS = SharedBucketBuffers()
+
+_ALIGN = 64  # bytes; every tensor starts at a multiple of this in a shared bucket buffer
+
+
+def _fill_shared(buf: torch.Tensor, bucket: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """Copy ``bucket`` into ``buf`` (64-byte aligned, in order); returns (name, view of buf) pairs."""
+    out, at = [], 0
+    with torch.no_grad():
+        for name, t in bucket.items():
+            nb = t.numel() * t.element_size()
+            view = buf[at:at + nb].view(t.dtype).view(t.shape)
+            view.copy_(t.detach())
+            out.append((name, view))
+            at += -(-nb // _ALIGN) * _ALIGN
+    return out
+
+
+def _bucket_span(bucket: Mapping[str, torch.Tensor]) -> int:
+    return sum(-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in bucket.values())
+
+
 def sync_weights_from_tensor(server_urls: Sequence[str], hf_state_dict: Mapping[str, torch.Tensor],
                              weight_version: str, bucket_bytes: int = 64 << 20, *, timeout_s: float = 600.0,
-                             http_client: Optional[httpx.Client] = None) -> int:
+                             http_client: Optional[httpx.Client] = None, transport: str = "auto",
+                             buffers: Optional[SharedBucketBuffers] = None) -> int:
     """Send the weights in buckets via /update_weights_from_tensor in SGLang's wire format
     (UpdateWeightsFromTensorReqInput; load_format null; one MultiprocessingSerializer payload per TP
     rank of each server, tp_size read from /get_server_info once per call).
 
-    Every bucket goes to every server before the next one; the last bucket carries weight_version
-    and flush_cache=True. The servers apply what they get (SGLang semantics): ``hf_state_dict``
-    must cover every weight the servers should change. Returns the number of buckets sent (0,
-    nothing serialized, when ``server_urls`` is empty).
+    Transport per server (:func:`tensor_transports`): ``shm`` servers get payloads of handles into
+    ``buffers`` (default :data:`SHARED_BUCKET_BUFFERS`; one payload per server and TP rank, as each
+    carries one reference; bucket k+1 is copied while the servers apply bucket k), ``bytes``
+    servers the tensors inline (moerl.rollout.tensor_serde.serialize_named_tensors). Every bucket
+    reaches every server before the next one is sent; the last bucket carries weight_version and
+    flush_cache=True. The servers apply what they get (SGLang semantics): ``hf_state_dict`` must
+    cover every weight the servers should change. Returns the number of buckets sent (0, nothing
+    serialized, when ``server_urls`` is empty).
+
+    Args:
+        hf_state_dict: {HF name: tensor}, any dtype / device (copied, never modified).
+        bucket_bytes: bucket size in bytes (a larger tensor goes alone).
+        transport: "auto" | "shm" | "bytes" (see :func:`tensor_transports`).
     Raises:
-        WeightSyncError: a server refused a bucket (e.g. an unknown name) or /get_server_info, or
-            reports another weight_version afterwards.
+        ValueError: empty weight_version or hf_state_dict, bad transport.
+        WeightSyncError: a server refused a bucket (e.g. an unknown name, or a shared-memory handle
+            it cannot open: use transport "bytes" for it) or /get_server_info, or reports another
+            weight_version afterwards.
     """
     if not isinstance(weight_version, str) or not weight_version:
         raise ValueError(f"weight_version must be a non-empty string, got {weight_version!r}")
+    how = tensor_transports(server_urls, transport)
     buckets = make_buckets(dict(hf_state_dict), bucket_bytes)
     if not buckets:
         raise ValueError("hf_state_dict is empty")
     if not server_urls:  # nothing to send to (e.g. every server restarting: the restorer catches them up)
         return 0
-    from moerl.rollout.tensor_serde import serialize_named_tensors
+    from moerl.rollout.tensor_serde import serialize_named_tensors, serialize_shared
 
-    by_tp: dict[int, list[str]] = {}
-    for url, tp in zip(server_urls, server_tp_sizes(server_urls, timeout_s=timeout_s, http_client=http_client)):
-        by_tp.setdefault(tp, []).append(url)
-    for k, bucket in enumerate(buckets):  # one bucket on the CPU at a time
-        last = k == len(buckets) - 1
-        blob = serialize_named_tensors(bucket)[0]
-        for tp, urls in by_tp.items():
-            payload = {"serialized_named_tensors": [blob] * tp, "load_format": None,
-                       "flush_cache": last, "weight_version": weight_version if last else None}
-            _post_all(urls, "/update_weights_from_tensor", payload, timeout_s, http_client)
-    verify_weight_version(server_urls, weight_version, http_client=http_client)
+    client = http_client or httpx.Client(timeout=timeout_s, trust_env=False)  # one client: ~15 ms to make
+    shm_urls = [u for u in server_urls if how[u] == "shm"]
+    byte_urls = [u for u in server_urls if how[u] == "bytes"]
+    buffers = buffers if buffers is not None else SHARED_BUCKET_BUFFERS
+
+    def body(blobs: list[str], last: bool) -> dict:
+        return {"serialized_named_tensors": blobs, "load_format": None, "flush_cache": last,
+                "weight_version": weight_version if last else None}
+
+    def wait(futures) -> None:
+        errors = [e for e in (f.result() for f in futures) if e]
+        if errors:
+            raise WeightSyncError(f"/update_weights_from_tensor failed on {len(errors)} of {len(futures)} "
+                                  f"servers:\n" + "\n".join(errors))
+
+    try:
+        tp_of = dict(zip(server_urls, server_tp_sizes(server_urls, timeout_s=timeout_s, http_client=client)))
+        with buffers.lock, ThreadPoolExecutor(max_workers=len(server_urls)) as pool:
+            in_flight: list = []
+            for k, bucket in enumerate(buckets):
+                last = k == len(buckets) - 1
+                if buffers.depth < 2:  # one buffer: it is free only once bucket k-1 was applied
+                    wait(in_flight)
+                    in_flight = []
+                shared = _fill_shared(buffers.buffer(k, _bucket_span(bucket)), bucket) if shm_urls else None
+                wait(in_flight)  # bucket k-1 applied everywhere, so its buffer may be refilled next
+                in_flight = []
+                for u in shm_urls:
+                    payload = body([serialize_shared(shared) for _ in range(tp_of[u])], last)
+                    in_flight.append(_post_async(pool, client, u, "/update_weights_from_tensor", payload))
+                if byte_urls:
+                    blob = serialize_named_tensors(bucket)[0]
+                    for u in byte_urls:
+                        in_flight.append(_post_async(pool, client, u, "/update_weights_from_tensor",
+                                                     body([blob] * tp_of[u], last)))
+            wait(in_flight)
+        verify_weight_version(server_urls, weight_version, http_client=client)
+    finally:
+        if http_client is None:
+            client.close()
     return len(buckets)
 
 
@@ -652,11 +788,12 @@ WEIGHT_SYNC_MODES = ("disk", "tensor", "distributed")
 def sync_weights(mode: str, server_urls: Sequence[str], hf_state_dict: Mapping[str, torch.Tensor],
                  weight_version: str, *, bucket_bytes: int = 64 << 20, hf_config=None, out_root=None,
                  updater: Optional[DistributedWeightUpdater] = None, http_client: Optional[httpx.Client] = None,
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, tensor_transport: str = "auto") -> None:
     """One weight sync in ``mode`` (``rollout.weight_sync``): disk | tensor | distributed.
 
     disk needs ``hf_config`` and ``out_root``; distributed needs ``updater`` (kept across syncs: the
-    group is created once). Empty ``server_urls`` (failover: every server restarting; the cluster's
+    group is created once); tensor uses ``tensor_transport`` (auto | shm | bytes,
+    :func:`tensor_transports`). Empty ``server_urls`` (failover: every server restarting; the cluster's
     restorer catches them up) pushes to nobody: disk still writes the version directory the
     restorer loads, tensor sends nothing, distributed does nothing (no updater needed: a group
     needs at least one server). Raises ValueError for a bad mode or missing argument,
@@ -669,7 +806,7 @@ def sync_weights(mode: str, server_urls: Sequence[str], hf_state_dict: Mapping[s
                                bucket_bytes=bucket_bytes, http_client=http_client, timeout_s=timeout_s)
     elif mode == "tensor":
         sync_weights_from_tensor(server_urls, hf_state_dict, weight_version, bucket_bytes,
-                                 http_client=http_client, timeout_s=timeout_s)
+                                 http_client=http_client, timeout_s=timeout_s, transport=tensor_transport)
     elif mode == "distributed":
         if not server_urls:
             return

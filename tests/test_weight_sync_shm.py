@@ -1,0 +1,193 @@
+"""The tensor weight sync's shared-memory transport (issue #14): handles, not bytes, in SGLang's payload.
+
+Independent references: the trainer's tensors (bitwise, for the served parameters), an independent
+transformers forward of the same weights (log-probs of a real server process), the files in
+/dev/shm (counted and sized by os.listdir / os.stat, not by moerl), and hand-built pickles naming
+globals the restricted unpickler must refuse.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+import httpx  # noqa: E402
+from fastapi.testclient import TestClient  # noqa: E402
+
+from moerl.rollout.server import ReferenceEngine, create_app, load_safetensors_dir  # noqa: E402
+from moerl.rollout.tensor_serde import SHM_DIR, deserialize, serialize_shared  # noqa: E402
+from moerl.rollout.testing import make_tiny_moe_checkpoint  # noqa: E402
+from moerl.rollout.weight_sync import (  # noqa: E402
+    SharedBucketBuffers, WeightSyncError, sync_weights_from_tensor, tensor_transports)
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _mp_helpers import free_port_block  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    a, b = str(tmp_path_factory.mktemp("shm_a")), str(tmp_path_factory.mktemp("shm_b"))
+    make_tiny_moe_checkpoint(a, seed=0)
+    make_tiny_moe_checkpoint(b, seed=1)
+    return a, b
+
+
+def _my_shm_files() -> dict[str, int]:
+    """/dev/shm files torch made for this process (torch_<pid>_*) and their sizes in bytes."""
+    out = {}
+    for f in os.listdir(SHM_DIR):
+        if f.startswith(f"torch_{os.getpid()}_"):
+            try:
+                out[f] = os.stat(os.path.join(SHM_DIR, f)).st_size
+            except FileNotFoundError:
+                pass
+    return out
+
+
+def _evil(func, *args) -> bytes:
+    class R:
+        def __reduce__(self):
+            return func, args
+
+    return pickle.dumps([("x", R())], protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def test_transport_is_decided_by_address():
+    urls = ["http://127.0.0.1:30000", "http://localhost:1", "http://[::1]:2", "http://10.255.255.77:3",
+            "http://testserver"]
+    assert tensor_transports(urls) == {urls[0]: "shm", urls[1]: "shm", urls[2]: "shm", urls[3]: "bytes",
+                                       urls[4]: "bytes"}
+    assert set(tensor_transports(urls, "bytes").values()) == {"bytes"}
+    assert set(tensor_transports(urls, "shm").values()) == {"shm"}
+    with pytest.raises(ValueError, match="tensor transport"):
+        tensor_transports(urls, "ipc")
+
+
+def test_payload_holds_handles_and_another_process_reads_the_values(tmp_path):
+    """4 MiB of tensors travel in a payload of well under 1 KiB; an unrelated Python process (not a
+    multiprocessing child) rebuilds them with moerl's restricted unpickler and gets the same bytes."""
+    buf = SharedBucketBuffers().buffer(0, 4 << 20)
+    g = torch.Generator().manual_seed(3)
+    want = {"a": torch.randn(512, 1024, generator=g), "b": torch.randint(-9, 9, (7, 3), generator=g).to(torch.bfloat16)}
+    a, b = buf[:512 * 1024 * 4].view(torch.float32).view(512, 1024), buf[2 << 20:(2 << 20) + 42].view(torch.bfloat16)
+    a.copy_(want["a"])
+    b.view(7, 3).copy_(want["b"])
+    blob = serialize_shared([("a", a), ("b", b.view(7, 3))])
+    assert len(blob) < 1024
+    out = tmp_path / "got.pt"
+    code = ("import sys, torch; from moerl.rollout.tensor_serde import deserialize, named_tensors_from_payload; "
+            "named = named_tensors_from_payload(deserialize(sys.stdin.read())); "
+            "torch.save({n: t.clone() for n, t in named}, sys.argv[1])")
+    subprocess.run([sys.executable, "-c", code, str(out)], input=blob, text=True, check=True, timeout=120,
+                   env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
+    got = torch.load(out)
+    assert set(got) == {"a", "b"} and torch.equal(got["a"], want["a"]) and torch.equal(got["b"], want["b"])
+    assert got["b"].dtype == torch.bfloat16
+
+
+def test_restricted_unpickler_refuses_other_globals_and_bad_handles():
+    import torch.multiprocessing.reductions as red
+
+    for func, args in [(os.system, ("true",)), (eval, ("1",)), (getattr, (torch.Tensor, "fill_")),
+                       (subprocess.Popen, (["true"],)), (torch.load, ("x",))]:
+        with pytest.raises(ValueError, match="does not unpickle"):
+            deserialize(_evil(func, *args))
+    with pytest.raises(ValueError, match="file_descriptor"):
+        deserialize(_evil(red.rebuild_storage_fd, torch.UntypedStorage, 3, 10))
+    keep = SharedBucketBuffers().buffer(0, 1 << 20)  # alive while its handle is used
+    good = serialize_shared([("t", keep[:16])])
+    manager, handle = None, None
+    for op, arg, _ in __import__("pickletools").genops(base64.b64decode(good)):
+        if isinstance(arg, bytes) and arg.endswith(b"manager.sock"):
+            manager = arg
+        elif isinstance(arg, bytes) and arg.startswith(b"/torch_"):
+            handle = arg
+    assert manager is not None and handle is not None
+    deserialize(good)  # balances the reference the payload carries
+    size = os.stat(SHM_DIR + handle.decode()).st_size
+    for args, msg in [((torch.UntypedStorage, manager, b"/../../etc/passwd", 10), "not a torch /dev/shm name"),
+                      ((torch.UntypedStorage, b"/tmp/evil.sock", handle, 10), "not a torch_shm_manager socket"),
+                      ((torch.UntypedStorage, manager, handle, size + 1), "claims"),
+                      ((torch.UntypedStorage, manager, b"/torch_1_2_999999", 10), "does not exist on this host"),
+                      ((torch.nn.Parameter, manager, handle, 10), "UntypedStorage")]:
+        with pytest.raises(ValueError, match=msg):
+            deserialize(_evil(red.rebuild_storage_filename, *args))
+
+
+def test_shm_sync_into_the_in_process_server_is_bitwise(ckpts):
+    """transport shm forced into an in-process server: the served parameters equal the trainer's."""
+    sd = dict(load_safetensors_dir(ckpts[1]))
+    engine = ReferenceEngine(ckpts[0])
+    client = TestClient(create_app(engine))
+    try:
+        bufs = SharedBucketBuffers()
+        n = sync_weights_from_tensor([str(client.base_url)], sd, "s1", bucket_bytes=30_000, http_client=client,
+                                     transport="shm", buffers=bufs)
+        assert n > 2 and bufs.nbytes == 2 << 20
+        assert [k for k, t in sd.items() if not torch.equal(engine.mapper.resolve(k, t)[0], t)] == []
+        assert client.get("/get_model_info").json()["weight_version"] == "s1"
+        with pytest.raises(WeightSyncError, match="matches no parameter"):
+            sync_weights_from_tensor([str(client.base_url)], {"bogus.weight": torch.ones(2)}, "s2",
+                                     http_client=client, transport="shm", buffers=bufs)
+    finally:
+        engine.close()
+
+
+def _logprobs(c: httpx.Client) -> torch.Tensor:
+    r = c.post("/generate", json={"input_ids": [4, 5, 13, 6], "return_logprob": True, "sampling_params": {
+        "temperature": 0.0, "max_new_tokens": 5, "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    return out["output_ids"], torch.tensor([x[0] for x in out["meta_info"]["output_token_logprobs"]])
+
+
+def test_repeated_syncs_to_a_server_process_reuse_the_same_shm_files(ckpts, tmp_path):
+    """A real server process on 127.0.0.1: 6 syncs (alternating two weight sets, several buckets)
+    use the same two /dev/shm files; the served log-probs equal transformers' forward of the weights
+    sent last; after the trainer drops its buffers, the next sync's end unlinks the old files."""
+    from transformers import AutoModelForCausalLM
+
+    sds = [dict(load_safetensors_dir(p)) for p in ckpts]
+    port = free_port_block(1)
+    url = f"http://127.0.0.1:{port}"
+    log = str(tmp_path / "s.log")
+    proc = subprocess.Popen([sys.executable, "-m", "moerl.rollout.server", "--model-path", ckpts[0], "--port",
+                             str(port), "--num-threads", "1", "--log-file", log],
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO})
+    bufs = SharedBucketBuffers()
+    try:
+        from moerl.rollout.launcher import wait_healthy
+
+        wait_healthy(url, proc, timeout_s=120.0, what="server", log_path=log)
+        before = _my_shm_files()
+        seen = []
+        for k in range(6):
+            sync_weights_from_tensor([url], sds[(k + 1) % 2], f"v{k}", bucket_bytes=40_000, buffers=bufs)
+            seen.append({f: s for f, s in _my_shm_files().items() if f not in before})
+        assert len(seen[0]) == 2 and all(s == seen[0] for s in seen), seen  # same 2 files, same sizes
+        assert all(bufs.nbytes // 2 <= s <= bufs.nbytes // 2 + 4096 for s in seen[0].values())  # + torch's header
+        ref = AutoModelForCausalLM.from_pretrained(ckpts[0], dtype=torch.float32).eval()  # v5 = sds[0]
+        with httpx.Client(base_url=url, timeout=60, trust_env=False) as c:
+            ids, lps = _logprobs(c)
+        with torch.no_grad():
+            logits = ref(input_ids=torch.tensor([[4, 5, 13, 6] + ids])).logits[0].float()
+        want = torch.log_softmax(logits[3:3 + len(ids)], -1).gather(1, torch.tensor(ids)[:, None]).squeeze(1)
+        torch.testing.assert_close(lps, want, atol=1e-4, rtol=0)
+        bufs.release()
+        sync_weights_from_tensor([url], sds[1], "v6", bucket_bytes=40_000, buffers=bufs)
+        now = {f for f in _my_shm_files() if f not in before}
+        assert not (now & set(seen[0])) and len(now) == 2  # old files unlinked, two new ones
+    finally:
+        bufs.release()
+        proc.kill()
+        proc.wait()
