@@ -52,7 +52,7 @@ def convert_row(row: dict, fmt: str) -> Optional[dict]:
         ValueError: ``fmt`` unknown, or a row lacks the format's fields (names them).
     """
     if fmt == "gsm8k":
-        if "question" not in row or "answer" not in row:
+        if row.get("question") is None or row.get("answer") is None:  # datasets fills a missing field with None
             raise ValueError(f"--format gsm8k rows need 'question' and 'answer' fields, got {sorted(row)}")
         answer = str(row["answer"])
         if "####" not in answer:
@@ -61,7 +61,7 @@ def convert_row(row: dict, fmt: str) -> Optional[dict]:
         prompt = [{"role": "user", "content": str(row["question"])}]
     elif fmt == "dapo":
         gt = (row.get("reward_model") or {}).get("ground_truth")
-        if "prompt" not in row:
+        if row.get("prompt") is None:
             raise ValueError(f"--format dapo rows need 'prompt' (chat messages) and reward_model.ground_truth, got {sorted(row)}")
         if gt is None:
             return None
@@ -70,7 +70,7 @@ def convert_row(row: dict, fmt: str) -> Optional[dict]:
                   if isinstance(msgs, list) else [{"role": "user", "content": str(msgs)}])
         label = str(gt).strip()
     elif fmt == "math":
-        if "problem" not in row:
+        if row.get("problem") is None:
             raise ValueError(f"--format math rows need 'problem' and 'answer' or 'solution', got {sorted(row)}")
         label = row.get("answer")
         if label is None:
