@@ -84,6 +84,9 @@ EXPECTED_TINY = {
     },
     "eval": {"num_prompts": 300, "every_steps": 50},
     "log": {"tensorboard": True, "wandb_project": None, "log_every": 1, "samples": False},
+    "hardware": {"gpu": None, "gpu_memory_gib": None, "peak_bf16_tflops": None, "nvlink_gbs": None,
+                 "gpus_per_node": 8, "inter_node_gbs": 50.0, "mfu": 0.35, "reserved_fraction": 0.1,
+                 "max_prompt_tokens": None},
     "resume": "none",
 }
 

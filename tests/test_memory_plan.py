@@ -146,15 +146,17 @@ def test_cli_plan(capsys):
     assert "671.03 B parameters" in out and "pp stage 15" in out and "peak:" in out
     assert main([str(REPO / "configs" / "qwen3_30b_a3b.yaml"), "parallel.recompute=none", "--json",
                  "--seq-length", "2048"]) == 0
-    d = json.loads(capsys.readouterr().out)
+    d = json.loads(capsys.readouterr().out)["memory"]
     assert d["world_size"] == 8 and d["dp_size"] == 2 and d["expert_dp_size"] == 1 and d["recompute"] == "none"
     st = d["stages"][0]
-    assert st["total"]["none"] == pytest.approx(st["weights"] + st["grads"] + st["optimizer"] + st["activations"]["none"])
+    assert st["total"]["none"] == pytest.approx(st["weights"] + st["grads"] + st["optimizer"] + st["reference"]
+                                                + st["activations"]["none"])
+    assert st["reference"] == st["weights"]  # algorithm.reference_policy: a frozen copy of the weights
     assert 20 * GIB < st["total"]["full"] < 141 * GIB  # fits one H200
     # impossible layouts fail with the rule, exit code 2
     assert main([str(REPO / "configs" / "tiny_arith.yaml"), "parallel.tp_size=2", "--world-size", "3"]) == 2
     assert "must be divisible by parallel.tp_size * parallel.pp_size" in capsys.readouterr().err
     from moerl.cli import COMMANDS
 
-    assert COMMANDS["plan"][0]([str(REPO / "configs" / "tiny_arith.yaml")]) == 0
+    assert COMMANDS["plan"][0]([str(REPO / "configs" / "tiny_arith.yaml"), "hardware.max_prompt_tokens=16"]) == 0
     assert "1.37 M parameters" in capsys.readouterr().out

@@ -586,6 +586,36 @@ class MoEConfig(_Section):
         return self
 
 
+class HardwareConfig(_Section):
+    """What ``moerl plan`` sizes the recipe for (``moerl train`` ignores this section): the GPU, the
+    network, the MFU assumption of its step-time estimate and the longest prompt.
+
+    ``gpu`` names a row of moerl.parallel.hardware.GPUS (memory, peak dense BF16/FP8 TFLOP/s, NVLink
+    bandwidth, each from the vendor datasheet); ``gpu_memory_gib`` / ``peak_bf16_tflops`` /
+    ``nvlink_gbs`` override that row or describe a GPU that is not in it.
+    """
+
+    gpu: Optional[str] = None  # e.g. H100, H200, B200, A100 (moerl.parallel.hardware.known_gpus())
+    gpu_memory_gib: Optional[float] = Field(None, gt=0)  # overrides the table's memory
+    peak_bf16_tflops: Optional[float] = Field(None, gt=0)  # dense BF16 tensor-core peak, overrides the table
+    nvlink_gbs: Optional[float] = Field(None, gt=0)  # GB/s per GPU and direction inside a node
+    gpus_per_node: int = Field(8, ge=1)
+    inter_node_gbs: float = Field(50.0, gt=0)  # GB/s per GPU and direction between nodes (one 400 Gb/s NIC)
+    mfu: float = Field(0.35, gt=0, le=1)  # model-FLOPs utilisation the step-time estimate assumes
+    reserved_fraction: float = Field(0.1, ge=0, lt=1)  # of GPU memory kept for CUDA context, NCCL, fragmentation
+    # the longest prompt in tokens: training sequences are max_prompt_tokens + rollout.max_new_tokens
+    # (None: `moerl plan` asks for it or --seq-length)
+    max_prompt_tokens: Optional[int] = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _known_gpu(self) -> "HardwareConfig":
+        if self.gpu is not None:
+            from moerl.parallel.hardware import gpu_spec  # pure python
+
+            gpu_spec(self.gpu)
+        return self
+
+
 class RecipeConfig(_Section):
     """The whole run recipe (see configs/tiny_arith.yaml for every key with a comment)."""
 
@@ -603,6 +633,7 @@ class RecipeConfig(_Section):
     sft: SFTConfig = SFTConfig()
     eval: EvalConfig = EvalConfig()
     log: LogConfig = LogConfig()
+    hardware: HardwareConfig = HardwareConfig()  # moerl plan only
     # "none" = start fresh; "auto" = continue from the newest complete checkpoint in
     # <output_dir>/checkpoints (fresh start when there is none); or a checkpoint directory path
     resume: str = Field("none", min_length=1)
@@ -815,8 +846,9 @@ class RecipeConfig(_Section):
             ) from None
 
     # ------------------------------------------------------------------ layout
-    def check_world_size(self, world_size: int) -> int:
-        """Validate the parallel layout for ``world_size`` ranks and return dp_size.
+    def check_world_size(self, world_size: int, trainable: bool = True) -> int:
+        """Validate the parallel layout for ``world_size`` ranks and return dp_size (``trainable=False``:
+        every rule but the last, for ``moerl plan`` of shape-only recipes).
 
         Rules (Megatron-Core's initialize_model_parallel, cp_size = 1):
 
@@ -856,7 +888,7 @@ class RecipeConfig(_Section):
                 raise ConfigError(
                     f"train.pipeline_schedule=dualpipe needs an even number of micro-batches per step (got {m} = "
                     "train.global_batch_size / (train.micro_batch_size * dp_size)): change train.micro_batch_size")
-        if self.model.planner_extras is not None:
+        if trainable and self.model.planner_extras is not None:
             raise ConfigError(
                 "model.planner_extras (shared experts / multi-head latent attention) is only understood by "
                 "`moerl plan`; the Qwen3-MoE trainer cannot build it: remove model.planner_extras to train"
