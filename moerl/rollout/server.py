@@ -406,13 +406,59 @@ def build_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Every ``moerl serve`` argument, before the model is loaded or a socket opened.
+
+    Raises:
+        moerl.errors.CLIError: --num-threads / --max-batch-size < 1, --switch-interval-ms <= 0, a
+            --log-file / --request-log whose directory does not exist.
+        moerl.errors.PortError: --port outside 1..65535, or taken on --host.
+        moerl.errors.ModelError: --model-path not a model directory (config.json, safetensors), or
+            --tokenizer-path (default: the model path) without tokenizer files.
+    """
+    from moerl.checkpoint.input_checks import check_hf_model_dir
+    from moerl.errors import CLIError, ModelError, PortError, check_port
+    from moerl.rollout.launcher import port_is_free
+
+    for flag, value in (("--num-threads", args.num_threads), ("--max-batch-size", args.max_batch_size)):
+        if value < 1:
+            raise CLIError(f"{flag} must be >= 1, got {value}", key=flag, hint=f"give {flag} 1 or more")
+    if not args.switch_interval_ms > 0:
+        raise CLIError(f"--switch-interval-ms must be > 0, got {args.switch_interval_ms}", key="--switch-interval-ms",
+                       hint="leave it at the default 0.5")
+    for flag, path in (("--log-file", args.log_file), ("--request-log", args.request_log)):
+        if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise CLIError(f"{flag} {path}: directory {os.path.dirname(os.path.abspath(path))} does not exist",
+                           key=flag, file=path, hint=f"create the directory or give {flag} a path in an existing one")
+    check_port(args.port, "--port")
+    try:
+        free = port_is_free(args.host, args.port)
+    except OSError as e:  # e.g. a --host that is not an address of this machine
+        raise PortError(f"--host {args.host} --port {args.port} cannot be bound: {e}", key="--host",
+                        hint="give --host an address of this machine (e.g. 127.0.0.1 or 0.0.0.0)") from None
+    if not free:
+        raise PortError(f"--port {args.port} on {args.host} is already in use", key="--port",
+                        hint="choose another --port or stop what holds it")
+    check_hf_model_dir(args.model_path, "--model-path", model_types=None, weights=True)
+    tok = args.tokenizer_path or args.model_path
+    tok_flag = "--tokenizer-path" if args.tokenizer_path else "--model-path (its tokenizer)"
+    if not os.path.isdir(tok) or not any(os.path.isfile(os.path.join(tok, n))
+                                         for n in ("tokenizer.json", "tokenizer_config.json")):
+        raise ModelError(f"{tok_flag}: no tokenizer (tokenizer.json / tokenizer_config.json) in {tok}",
+                         key="--tokenizer-path", file=tok, hint="give --tokenizer-path a tokenizer directory")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    """Entry point of ``python -m moerl.rollout.server`` / ``moerl serve``; blocks until stopped."""
+    """Entry point of ``python -m moerl.rollout.server`` / ``moerl serve``; blocks until stopped.
+
+    Raises:
+        moerl.errors.InputError: a bad argument (:func:`check_args`), before the model is loaded; the
+            entry points turn it into one line and exit code 2.
+    """
     import uvicorn
 
     args = build_arg_parser().parse_args(argv)
-    if args.num_threads < 1:
-        raise SystemExit(f"--num-threads must be >= 1, got {args.num_threads}")
+    check_args(args)
     logging.basicConfig(filename=args.log_file, level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(args.num_threads)
@@ -424,8 +470,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     except RuntimeError:
         pass
     logger.info("loading %s with %d threads", args.model_path, args.num_threads)
-    if args.max_batch_size < 1:
-        raise SystemExit(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
     engine = ReferenceEngine(args.model_path, args.tokenizer_path, max_batch_size=args.max_batch_size)
     app = create_app(engine, {"host": args.host, "port": args.port, "num_threads": args.num_threads,
                               "max_batch_size": args.max_batch_size, "tp_size": 1, "dp_size": 1,
@@ -439,4 +483,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from moerl.errors import run_entry
+
+    raise SystemExit(run_entry("moerl serve", main))
