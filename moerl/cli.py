@@ -45,6 +45,10 @@ def _train(argv: list[str]) -> int:
         from moerl.rollout.sglang_launcher import check_rollout_environment
 
         check_rollout_environment(cfg.rollout)  # sglang installed / CUDA for NCCL, before any work
+        if cfg.precision.fp8 is not None:
+            from moerl.precision.te_fp8 import check_fp8_training
+
+            check_fp8_training(cfg.precision.fp8_recipe)  # Transformer Engine, CUDA GPU, recipe vs GPU
         from moerl.rewards import resolve_reward_fn
 
         resolve_reward_fn(cfg.reward.function, group=cfg.reward.group)  # user code: path and signature

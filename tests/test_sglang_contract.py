@@ -14,11 +14,7 @@ Skipped, with the reason, only when the wheel cannot be downloaded.
 from __future__ import annotations
 
 import ast
-import os
 import re
-import subprocess
-import sys
-import tempfile
 import zipfile
 from pathlib import Path
 
@@ -42,22 +38,9 @@ _FILES = {
 @pytest.fixture(scope="module")
 def sglang_src() -> dict[str, ast.Module]:
     """{short name: parsed module} of the pinned SGLang wheel."""
-    cache = Path(os.environ.get("MOERL_WHEEL_CACHE", Path(tempfile.gettempdir()) / "moerl_wheel_cache"))
-    cache.mkdir(parents=True, exist_ok=True)
-    pattern = f"sglang-{api.SGLANG_VERSION}-*.whl"
-    wheels = sorted(cache.glob(pattern))
-    if not wheels:
-        try:
-            proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q",
-                                   f"sglang=={api.SGLANG_VERSION}", "-d", str(cache)],
-                                  capture_output=True, text=True, timeout=600)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            pytest.skip(f"could not download the sglang {api.SGLANG_VERSION} wheel: {e}")
-        wheels = sorted(cache.glob(pattern))
-        if proc.returncode != 0 or not wheels:
-            pytest.skip(f"could not download the sglang {api.SGLANG_VERSION} wheel (pip exit {proc.returncode}): "
-                        f"{(proc.stderr or proc.stdout)[-500:]}")
-    with zipfile.ZipFile(wheels[-1]) as zf:
+    from _wheels import cached_wheel
+
+    with zipfile.ZipFile(cached_wheel("sglang", api.SGLANG_VERSION, "sglang")) as zf:
         return {k: ast.parse(zf.read(p).decode()) for k, p in _FILES.items()}
 
 

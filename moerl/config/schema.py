@@ -616,6 +616,20 @@ class HardwareConfig(_Section):
         return self
 
 
+class PrecisionConfig(_Section):
+    """FP8 training through NVIDIA Transformer Engine (GPU only), mapped onto Megatron-Core's
+    TransformerConfig by moerl.precision.te_fp8 (fp8, fp8_recipe, first_last_layers_bf16, ...).
+    FP8 runs inside BF16 mixed precision (model.params_dtype: bfloat16). The word embedding and the
+    output layer always stay BF16 and the MoE router FP32 (not TE layers / moe_router_dtype)."""
+
+    fp8: Optional[Literal["e4m3", "hybrid"]] = None  # null = no FP8; hybrid = E4M3 forward, E5M2 gradients
+    # delayed (amax history) | tensorwise (current scaling) | blockwise (DeepSeek-V3 1x128 / 128x128,
+    # Hopper) | mxfp8 (32-element blocks, Blackwell)
+    fp8_recipe: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] = "delayed"
+    fp8_bf16_first_layers: int = Field(0, ge=0)  # transformer layers kept in BF16 at the start (not with delayed)
+    fp8_bf16_last_layers: int = Field(0, ge=0)  # ... and at the end
+
+
 class RecipeConfig(_Section):
     """The whole run recipe (see configs/tiny_arith.yaml for every key with a comment)."""
 
@@ -634,9 +648,22 @@ class RecipeConfig(_Section):
     eval: EvalConfig = EvalConfig()
     log: LogConfig = LogConfig()
     hardware: HardwareConfig = HardwareConfig()  # moerl plan only
+    precision: PrecisionConfig = PrecisionConfig()  # FP8 training (moerl.precision.te_fp8)
     # "none" = start fresh; "auto" = continue from the newest complete checkpoint in
     # <output_dir>/checkpoints (fresh start when there is none); or a checkpoint directory path
     resume: str = Field("none", min_length=1)
+
+    @model_validator(mode="after")
+    def _fp8_rules(self) -> "RecipeConfig":
+        """precision.* against the model shape and layout (TE's alignment, BF16 layers); the machine
+        (TE installed, GPU) is checked by ``moerl train`` before any work (te_fp8.check_fp8_environment)."""
+        from moerl.precision.te_fp8 import validate_fp8_recipe  # light import (no torch)
+
+        p = self.parallel
+        validate_fp8_recipe(self.precision, hf_config=self.model.hf_config, params_dtype=self.model.params_dtype,
+                            tp_size=p.tp_size, etp_size=p.etp_size, pp_size=p.pp_size,
+                            token_dispatcher=self.moe.token_dispatcher)
+        return self
 
     @model_validator(mode="after")
     def _moe_rules(self) -> "RecipeConfig":

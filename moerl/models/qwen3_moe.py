@@ -312,6 +312,9 @@ def transformer_config_from_hf(
         persist_layer_norm=False,
     )
     kwargs.update(overrides)
+    from moerl.precision.te_fp8 import apply_fp8_transformer_config
+
+    kwargs = apply_fp8_transformer_config(kwargs)  # FP8 (Transformer Engine): router FP32, checks; no-op without fp8
     return TransformerConfig(**kwargs)
 
 

@@ -25,6 +25,10 @@ def actor_kwargs(cfg, mk: dict) -> dict:
     config overrides of ``mk`` (moerl.moe.config.moe_actor_kwargs)."""
     pkw = actor_parallel_kwargs(cfg.parallel)
     pkw["config_overrides"] = {**pkw.get("config_overrides", {}), **mk["config_overrides"]}
+    from moerl.precision.te_fp8 import fp8_transformer_config_kwargs  # precision.fp8 (Transformer Engine)
+
+    pkw["config_overrides"].update(fp8_transformer_config_kwargs(cfg.precision,
+                                                                 num_experts=cfg.model.hf_config.num_experts))
     pkw["pipeline_schedule"] = cfg.train.pipeline_schedule  # 1f1b | dualpipe | dualpipev (moerl.pipeline)
     pkw["pipeline_overlap"] = cfg.train.pipeline_overlap  # F&B on two CUDA streams (moerl.pipeline.overlap)
     return pkw
