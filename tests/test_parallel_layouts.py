@@ -52,6 +52,7 @@ LAYOUTS = {
     "tp2_bf16": dict(nproc=2, tp=2, dtype="bfloat16"),
     "ep2_bf16": dict(nproc=2, ep=2, distopt=True, dtype="bfloat16"),
     "pp2_bf16": dict(nproc=2, pp=2, tied=True, dtype="bfloat16"),
+    "dualpipev_bf16": dict(nproc=2, pp=2, dtype="bfloat16", schedule="dualpipev"),
 }
 GLOBAL_SAMPLES, MICRO_BATCH, SEQ = 8, 2, 12
 # Adam's update lr * g / (|g| + eps) turns an fp32 rounding difference of ~1e-9 in a gradient element
@@ -108,7 +109,8 @@ def run_layout(case: str, out_dir: Path) -> None:
         actor = MegatronActor(cfg, lr=1e-3, adam_eps=ADAM_EPS, clip_grad=1.0, moe_aux_loss_coeff=1e-2,
                               use_distributed_optimizer=spec.get("distopt", False),
                               recompute=spec.get("recompute", "none"), config_overrides=overrides,
-                              params_dtype=spec.get("dtype", "float32"))
+                              params_dtype=spec.get("dtype", "float32"),
+                              pipeline_schedule=spec.get("schedule", "1f1b"))
         actor.set_lr(1e-3)  # rebuilding the optimizer (SFT -> RL) must work in every layout
         actor.load_hf_state_dict(hf.state_dict())
         dtype = actor.params_dtype

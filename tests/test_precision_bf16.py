@@ -126,3 +126,17 @@ def test_bf16_checkpoint_keeps_fp32_main_params_and_resumes_bit_identically(dist
         assert torch.equal(x, y)
     sd_a, sd_b = a.export_hf_state_dict(), b.export_hf_state_dict()
     assert all(sd_b[k].dtype == torch.bfloat16 and torch.equal(sd_b[k], sd_a[k]) for k in sd_a)
+
+
+def test_step0_logprob_tolerance_follows_the_dtypes():
+    from moerl.config import load_config
+    from moerl.observe.report import STEP0_LOGPROB_TOL_BF16, step0_check, step0_logprob_tolerance
+
+    recipe = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_arith.yaml")
+    assert step0_logprob_tolerance(load_config(recipe, [])) == 1e-5
+    for over in (["model.params_dtype=bfloat16"], ["rollout.dtype=bfloat16"],
+                 ["model.params_dtype=bfloat16", "rollout.dtype=bfloat16"]):
+        assert step0_logprob_tolerance(load_config(recipe, over)) == STEP0_LOGPROB_TOL_BF16 == 2.0 ** -5
+    # the demo's bf16 figure (mean 1.2e-2) passes the bf16 tolerance and fails the fp32 one
+    m = {"logprob_abs_diff_mean": 1.21e-2, "logprob_abs_diff_max": 1.08, "train/logratio_abs_sum": 0.0}
+    assert step0_check(m, STEP0_LOGPROB_TOL_BF16)["logprob_pass"] and not step0_check(m)["logprob_pass"]

@@ -120,7 +120,11 @@ class ModelConfig(_Section):
 
     hf_config: HFModelConfig = HFModelConfig()
     init_from: Optional[str] = None  # HF checkpoint dir; None = random init (then SFT warm start)
+    # bfloat16 = Megatron-Core mixed precision (BF16 weights/compute, FP32 main params, grads, Adam);
+    # float16 is refused by moerl train (needs loss scaling) but sized by `moerl plan`
     params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # dtype of the HF exports (hf_export, hf_warm_start, hf_critic); None = params_dtype
+    export_dtype: Optional[Literal["float32", "bfloat16"]] = None
     planner_extras: Optional[PlannerExtras] = None  # shape-only recipes (moerl plan), see PlannerExtras
 
 
@@ -267,6 +271,9 @@ class RolloutConfig(_Section):
 
     num_servers: int = Field(2, ge=1)
     threads_per_server: int = Field(1, ge=1)
+    # dtype the servers load and serve the model in (moerl serve --dtype, SGLang's --dtype); weight
+    # updates are cast to it
+    dtype: Literal["float32", "bfloat16"] = "float32"
     host: str = Field("127.0.0.1", min_length=1)
     base_port: int = 30000  # server i listens on base_port + i
     router_port: int = 29000
@@ -484,6 +491,11 @@ class TrainConfig(_Section):
     # all-to-all of one micro-batch hidden behind the other's compute; moerl.pipeline.overlap): GPU only,
     # parallel.ep_size >= 2
     pipeline_overlap: bool = False
+    # how DualPipe(V)'s split backward gets the weight gradients (moerl.pipeline.interpreter): store = B computes
+    # the input gradients and queues the weight GEMMs of Megatron's linear layers and experts, W runs exactly
+    # those (moerl.pipeline.wgrad_store; B + W = one backward); retrace / torch = W re-traverses the autograd
+    # graph (for modules the store cannot split; W costs about a backward with retrace)
+    split_backward: Literal["store", "retrace", "torch"] = "store"
     # Rollout / training overlap (moerl.rollout.manager, moerl.train.loop): sync = generate, then train;
     # one_step_off = the rollout of step k+1 runs while step k trains (weights change between batches);
     # async = a producer keeps every server busy and fills a buffer, weight updates land in flight
@@ -716,6 +728,10 @@ class RecipeConfig(_Section):
                                  "the final norm after an MoE layer only): remove the last layer from "
                                  "model.hf_config.mlp_only_layers or set train.pipeline_overlap=false")
         if sched == "1f1b":
+            if self.train.split_backward != "store":
+                raise ValueError(f"train.split_backward={self.train.split_backward} chooses how DualPipe(V) splits the "
+                                 "backward; train.pipeline_schedule=1f1b runs unsplit backwards: remove "
+                                 "train.split_backward or set train.pipeline_schedule=dualpipe or dualpipev")
             return self
         key = f"train.pipeline_schedule={sched}"
         if p.pp_size < 2:

@@ -566,7 +566,13 @@ class ReferenceEngine(WeightUpdater):
             (rows that already stopped included). An :meth:`abort` or :meth:`pause_generation` it
             calls takes effect at this step (aborted rows keep exactly ``step`` tokens); an exception
             it raises fails the batch. :meth:`pause_after_steps` arms a one-shot pause this way.
-    The model is loaded in fp32, eval mode, without gradients, on CPU.
+        dtype: "float32" | "bfloat16" (or the torch dtype; ``rollout.dtype``, ``moerl serve --dtype``
+            as SGLang's --dtype): the model is loaded in it (a checkpoint of another dtype is cast) and
+            every weight update is cast to it (WeightMapper.apply copies into the served tensors).
+    The model is loaded in ``dtype``, eval mode, without gradients, on CPU.
+
+    Raises:
+        ValueError: an unknown dtype (names rollout.dtype).
 
     Scheduling: every prompt of every /generate request becomes an item in one FIFO queue. A
     scheduler thread repeatedly takes the oldest item and all queued items whose prompt has the
@@ -579,13 +585,16 @@ class ReferenceEngine(WeightUpdater):
 
     def __init__(self, model_path: str, tokenizer_path: Optional[str] = None, max_batch_size: int = 256,
                  batch_wait_s: float = 0.01, max_batch_wait_s: float = 0.2,
-                 step_hook: Optional[Callable[[int, list[str]], None]] = None):
+                 step_hook: Optional[Callable[[int, list[str]], None]] = None, dtype="float32"):
         from transformers import AutoTokenizer, GenerationConfig
+
+        from moerl.models.dtypes import serving_torch_dtype
 
         self.model_path = model_path
         self.tokenizer_path = tokenizer_path or model_path
         self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
-        model = load_causal_lm(model_path, dtype=torch.float32)  # block-FP8 checkpoints dequantised
+        self.dtype = serving_torch_dtype(dtype)  # rollout.dtype; weight updates are cast to it
+        model = load_causal_lm(model_path, dtype=self.dtype)  # block-FP8 checkpoints dequantised
         model.eval().requires_grad_(False)
         eos: set[int] = set()
         for src in (self.tokenizer.eos_token_id, model.config.eos_token_id,

@@ -397,6 +397,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype the model is loaded and served in, as SGLang's --dtype (weight updates are "
+                   "cast to it; recipe key rollout.dtype)")
     p.add_argument("--max-batch-size", type=int, default=256, help="most rows in one generate batch")
     p.add_argument("--switch-interval-ms", type=float, default=0.5, help="Python GIL switch interval")
     p.add_argument("--log-file", default=None, help="append logs here instead of stderr")
@@ -470,8 +473,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     except RuntimeError:
         pass
     logger.info("loading %s with %d threads", args.model_path, args.num_threads)
-    engine = ReferenceEngine(args.model_path, args.tokenizer_path, max_batch_size=args.max_batch_size)
+    engine = ReferenceEngine(args.model_path, args.tokenizer_path, max_batch_size=args.max_batch_size,
+                             dtype=args.dtype)
     app = create_app(engine, {"host": args.host, "port": args.port, "num_threads": args.num_threads,
+                              "dtype": args.dtype,
                               "max_batch_size": args.max_batch_size, "tp_size": 1, "dp_size": 1,
                               "request_log": args.request_log})
     logger.info("serving on http://%s:%d", args.host, args.port)

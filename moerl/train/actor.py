@@ -208,6 +208,9 @@ class MegatronActor:
             needs pp_size > 1 and an even layer split over the stages; any tp_size / ep_size).
         pipeline_overlap: DualPipe(V)'s F&B steps through Megatron's schedule plans on two CUDA streams
             (moerl.pipeline.overlap; needs CUDA, ep_size >= 2 and the alltoall/flex dispatcher).
+        split_backward: how DualPipe(V)'s split backward computes weight gradients: "store" (the layer-level
+            split of moerl.pipeline.wgrad_store), "retrace" or "torch" (graph re-traversal); see
+            ``moerl.pipeline.interpreter.PipelineInterpreter``.  Unused with pipeline_schedule="1f1b".
 
     Raises:
         ValueError: an unknown pipeline_schedule or a layout it does not support; params_dtype
@@ -238,6 +241,7 @@ class MegatronActor:
         pipeline_schedule: str = "1f1b",
         pipeline_overlap: bool = False,
         params_dtype="float32",
+        split_backward: str = "store",
     ):
         self.hf_config = hf_config
         self.params_dtype = params_torch_dtype(params_dtype)
@@ -255,6 +259,11 @@ class MegatronActor:
             raise ValueError("pipeline_overlap=True overlaps DualPipe's F&B steps: it needs pipeline_schedule "
                              "dualpipe or dualpipev")
         self.pipeline_overlap = bool(pipeline_overlap)
+        from moerl.pipeline.interpreter import SPLIT_BACKWARD
+
+        if split_backward not in SPLIT_BACKWARD:
+            raise ValueError(f"split_backward must be one of {SPLIT_BACKWARD}, got {split_backward!r}")
+        self.split_backward = split_backward
         self._stages = None
         if self.dual:
             self._build_chunks(hf_config, overrides, moe_aux_loss_coeff, moe_load_balancing_type, sequence_parallel)
@@ -276,6 +285,8 @@ class MegatronActor:
                 self._module = Float16Module(self.tf_config, self.model)
             self.layout = ShardLayout.from_parallel_state(self.tf_config)
             self._fwd_bwd = get_forward_backward_func()
+        if self.dual and self.tf_config.bf16:
+            self.model.bfloat16()  # as Float16Module does for 1F1B: the torch norms are built in fp32
         self.device = next(self.model.parameters()).device
         # moerl's balancing losses (moerl.moe.balancing): per real sequence, independent of dp_size
         self._routers = install_balancing_losses(self.model)
@@ -363,7 +374,8 @@ class MegatronActor:
 
             for st in self._stages.values():
                 check_overlap_supported(st.model.config, last_stage=st.is_last)
-        self._fwd_bwd = make_forward_backward_func(name, group=group, overlap=self.pipeline_overlap)
+        self._fwd_bwd = make_forward_backward_func(name, group=group, overlap=self.pipeline_overlap,
+                                                   split_backward=self.split_backward)
         if name == "dualpipe":  # the two copies of a stage were initialised on different ranks: make them equal
             self.load_hf_state_dict(self.export_hf_state_dict())
 

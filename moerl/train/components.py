@@ -31,7 +31,16 @@ def actor_kwargs(cfg, mk: dict) -> dict:
                                                                  num_experts=cfg.model.hf_config.num_experts))
     pkw["pipeline_schedule"] = cfg.train.pipeline_schedule  # 1f1b | dualpipe | dualpipev (moerl.pipeline)
     pkw["pipeline_overlap"] = cfg.train.pipeline_overlap  # F&B on two CUDA streams (moerl.pipeline.overlap)
+    pkw["split_backward"] = cfg.train.split_backward  # B/W split of DualPipe(V) (moerl.pipeline.wgrad_store)
+    pkw["params_dtype"] = cfg.model.params_dtype  # float32 | bfloat16 (Megatron mixed precision)
     return pkw
+
+
+def export_dtype(cfg):
+    """The torch dtype of the run's HF exports (model.export_dtype, else model.params_dtype)."""
+    from moerl.models.dtypes import export_torch_dtype
+
+    return export_torch_dtype(cfg.model.export_dtype, cfg.model.params_dtype)
 
 
 def build_actor(ctx) -> tuple[MegatronActor, Optional[MoETelemetry], dict]:
@@ -70,7 +79,7 @@ def rollout_servers(ctx, model_path: str):
             mem_fraction_static=ro.mem_fraction_static, colocated=ro.placement == "colocated",
             external_urls=ro.external_urls, log_dir=str(ctx.run_dir / "logs"), router_policy=ro.router_policy,
             failover=ro.failover, startup_timeout_s=ro.startup_timeout_s, random_seed=cfg.seed,
-            return_routed_experts=cfg.moe.routing_replay == "r3")
+            return_routed_experts=cfg.moe.routing_replay == "r3", dtype=ro.dtype)
         if world.is_main():
             cluster_cm = launched
         elif launched is not None:
@@ -81,6 +90,7 @@ def rollout_servers(ctx, model_path: str):
             router_port=ro.router_port, router_policy=ro.router_policy, threads_per_server=ro.threads_per_server,
             startup_timeout_s=ro.startup_timeout_s, log_dir=str(ctx.run_dir / "logs"),
             failover=ro.failover, max_restarts=ro.max_restarts, extra_worker_urls=ro.external_urls,
+            dtype=ro.dtype,
         )
     if ro.cpu_affinity:
         cluster_cm, node_cm = pinned_start(cluster_cm, ro.cpu_affinity), pinned_start(node_cm, ro.cpu_affinity)
@@ -132,7 +142,7 @@ def warm_start(ctx, actor, client, sync, logger, state, samplers, ckpt, resumed:
         with sync.trainer_loaded():
             warm_sd = actor.export_hf_state_dict(dst=0)
         if world.is_main():
-            save_hf_checkpoint(warm_sd, ctx.hf_config, warm, tokenizer=ctx.tokenizer)
+            save_hf_checkpoint(warm_sd, ctx.hf_config, warm, tokenizer=ctx.tokenizer, dtype=export_dtype(cfg))
         log(f"warm-start weights saved to {warm} (reuse with model.init_from={warm} sft.enabled=false)")
     if state.phase == "sft" or "accuracy_after_warm_start" not in state.summary:
         sync(actor)
@@ -200,10 +210,12 @@ def build_critic(ctx, actor, sync, pkw: dict, resume_path):
     from moerl.train.critic import MegatronCritic
 
     mk = moe_actor_kwargs(cfg)
+    # the value model trains in FP32 whatever model.params_dtype says (its own DDP/optimizer set-up)
+    ckw = {k: v for k, v in pkw.items() if k != "params_dtype"}
     critic = MegatronCritic(ctx.hf_config, lr=cfg.critic.lr, weight_decay=cfg.critic.weight_decay,
                             clip_grad=cfg.critic.clip_grad, adam_beta1=cfg.train.adam_beta1,
                             adam_beta2=cfg.train.adam_beta2, moe_aux_loss_coeff=mk["moe_aux_loss_coeff"],
-                            moe_load_balancing_type=mk["moe_load_balancing_type"], **pkw)
+                            moe_load_balancing_type=mk["moe_load_balancing_type"], **ckw)
     with sync.trainer_loaded():
         critic.load_hf_state_dict(actor.export_hf_state_dict())
     if resume_path is not None and (Path(resume_path) / "critic").is_dir():
@@ -230,13 +242,16 @@ def train_critic(ctx, critic, part, step: int) -> dict:
 
 def export_final(ctx, actor, critic, sync) -> None:
     """Collective: the trained policy as HF weights in <output_dir>/hf_export (with the tokenizer), and
-    the critic (gae) as transformers' Qwen3MoeForTokenClassification (num_labels=1) in hf_critic."""
+    the critic (gae) as transformers' Qwen3MoeForTokenClassification (num_labels=1) in hf_critic, in
+    model.export_dtype (default model.params_dtype; config.json's dtype says which)."""
     with sync.trainer_loaded():
         final_sd = actor.export_hf_state_dict(dst=0)
         critic_sd = critic.export_hf_state_dict(dst=0) if critic is not None else None
     if world.is_main():
-        save_hf_checkpoint(final_sd, ctx.hf_config, ctx.run_dir / "hf_export", tokenizer=ctx.tokenizer)
+        dtype = export_dtype(ctx.cfg)  # model.export_dtype (default: model.params_dtype)
+        save_hf_checkpoint(final_sd, ctx.hf_config, ctx.run_dir / "hf_export", tokenizer=ctx.tokenizer, dtype=dtype)
         if critic_sd is not None:
             from moerl.models.value_head import value_model_hf_config
 
-            save_hf_checkpoint(critic_sd, value_model_hf_config(ctx.hf_config), ctx.run_dir / "hf_critic")
+            save_hf_checkpoint(critic_sd, value_model_hf_config(ctx.hf_config), ctx.run_dir / "hf_critic",
+                               dtype=dtype)

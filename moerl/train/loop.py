@@ -28,7 +28,7 @@ from moerl.checkpoint.hf_io import save_hf_checkpoint
 from moerl.checkpoint.run_state import Checkpointer, TrainState, load_checkpoint, resolve_resume
 from moerl.moe.routing_replay import RoutingReplay, gather_recorded_routing
 from moerl.observe.metrics import MetricsLogger
-from moerl.observe.report import step0_check, step_line
+from moerl.observe.report import step0_check, step0_logprob_tolerance, step_line
 from moerl.observe.timers import Timers
 from moerl.rollout.client import RolloutClient
 from moerl.rollout.manager import RolloutManager
@@ -136,7 +136,7 @@ def _train(ctx, t_start: float) -> dict:
                     metrics.update({f"moe/{k}": v for k, v in telemetry.step_end(step)["metrics"].items()})
                 # the step-0 checks need an update: the first step whose groups carried a reward signal
                 if "step0_check" not in state.summary and "train/logratio_abs_sum" in metrics:
-                    state.summary["step0_check"] = dict(step0_check(metrics), step=step)
+                    state.summary["step0_check"] = dict(step0_check(metrics, step0_logprob_tolerance(cfg)), step=step)
                     state.summary["first_step_metrics"] = {k: float(v) for k, v in metrics.items()}
                 if step < cfg.train.num_steps:
                     ckpt(step)
