@@ -45,7 +45,7 @@ EXPECTED_TINY = {
         "model_path": None, "model_weight": 1.0, "rule_weight": 1.0, "model_batch_size": 16,
     },
     "rollout": {
-        "num_servers": 2, "threads_per_server": 1, "dtype": "float32", "host": "127.0.0.1", "base_port": 30000, "router_port": 29000,
+        "num_servers": 2, "threads_per_server": 1, "dtype": "auto", "host": "127.0.0.1", "base_port": 30000, "router_port": 29000,
         "router_policy": "round_robin", "n_samples_per_prompt": 8, "rollout_batch_size": 16, "temperature": 1.0,
         "top_p": 1.0, "top_k": -1, "max_new_tokens": 8, "request_timeout_s": 60.0, "max_retries": 2,
         "startup_timeout_s": 120.0, "weight_sync": "disk", "weight_sync_bucket_mb": 64.0,

@@ -75,8 +75,17 @@ def test_serving_dtype_rules_and_launch_arguments(tmp_path):
     cluster = RolloutCluster(str(tmp_path), 1, dtype="bfloat16", log_dir=str(tmp_path))
     argv = cluster._server_argv(0, 31000)
     assert argv[argv.index("--dtype") + 1] == "bfloat16"
+    assert "--dtype" not in RolloutCluster(str(tmp_path), 1, log_dir=str(tmp_path))._server_argv(0, 31000)
     with pytest.raises(ValueError, match="rollout.dtype"):
         RolloutCluster(str(tmp_path), 1, dtype="half")
+    # rollout.dtype=auto: the reference server's float32, SGLang's own auto (no --dtype)
+    from types import SimpleNamespace
+
+    from moerl.models.dtypes import rollout_serving_dtype
+
+    assert rollout_serving_dtype(SimpleNamespace(dtype="auto", backend="reference")) == "float32"
+    assert rollout_serving_dtype(SimpleNamespace(dtype="auto", backend="sglang")) is None
+    assert rollout_serving_dtype(SimpleNamespace(dtype="bfloat16", backend="sglang")) == "bfloat16"
     sg = SGLangServerSpec("m", 30000, [0], dtype="bfloat16").argv()
     assert sg[sg.index("--dtype") + 1] == "bfloat16"
     assert "--dtype" not in SGLangServerSpec("m", 30000, [0]).argv()

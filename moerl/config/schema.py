@@ -272,8 +272,8 @@ class RolloutConfig(_Section):
     num_servers: int = Field(2, ge=1)
     threads_per_server: int = Field(1, ge=1)
     # dtype the servers load and serve the model in (moerl serve --dtype, SGLang's --dtype); weight
-    # updates are cast to it
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    # updates are cast to it. auto: reference servers float32, SGLang its own auto (no --dtype)
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     host: str = Field("127.0.0.1", min_length=1)
     base_port: int = 30000  # server i listens on base_port + i
     router_port: int = 29000

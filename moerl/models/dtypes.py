@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["DTYPES", "export_torch_dtype", "params_torch_dtype", "serving_torch_dtype"]
+__all__ = ["DTYPES", "export_torch_dtype", "params_torch_dtype", "rollout_serving_dtype", "serving_torch_dtype"]
 
 # the floating dtypes moerl trains, exports and serves in (names as the recipe and SGLang's --dtype spell them)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -50,6 +50,16 @@ def export_torch_dtype(export_dtype: Optional[str], params_dtype) -> torch.dtype
     if export_dtype is None:
         return params_torch_dtype(params_dtype)
     return _by_name(export_dtype, "model.export_dtype")
+
+
+def rollout_serving_dtype(rollout_cfg) -> Optional[str]:
+    """The ``--dtype`` a recipe's rollout section passes to the servers it launches: ``rollout.dtype``
+    when set ("float32" | "bfloat16"); for "auto" the reference server's default "float32", and None
+    for SGLang (no --dtype: SGLang's own auto, the checkpoint's dtype with FP32 served as BF16)."""
+    dtype = getattr(rollout_cfg, "dtype", "auto")
+    if dtype != "auto":
+        return dtype
+    return "float32" if getattr(rollout_cfg, "backend", "reference") == "reference" else None
 
 
 def serving_torch_dtype(dtype) -> torch.dtype:

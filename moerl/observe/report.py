@@ -16,8 +16,11 @@ STEP0_LOGPROB_TOL_BF16 = 2.0 ** -5
 
 def step0_logprob_tolerance(cfg) -> float:
     """The step-0 log-prob tolerance of a recipe: 1e-5 when trainer and servers run in float32
-    (model.params_dtype, rollout.dtype), :data:`STEP0_LOGPROB_TOL_BF16` when either runs in bfloat16."""
-    fp32 = cfg.model.params_dtype == "float32" and getattr(cfg.rollout, "dtype", "float32") == "float32"
+    (model.params_dtype; rollout.dtype, see moerl.models.dtypes.rollout_serving_dtype),
+    :data:`STEP0_LOGPROB_TOL_BF16` when either runs in bfloat16 (or SGLang chooses)."""
+    from moerl.models.dtypes import rollout_serving_dtype
+
+    fp32 = cfg.model.params_dtype == "float32" and rollout_serving_dtype(cfg.rollout) == "float32"
     return STEP0_LOGPROB_TOL if fp32 else STEP0_LOGPROB_TOL_BF16
 
 

@@ -335,7 +335,7 @@ class RolloutCluster:
         router_policy: sglang-router --policy: round_robin | cache_aware | random | power_of_two.
         threads_per_server: torch threads and OMP_NUM_THREADS of each server.
         dtype: reference servers' ``--dtype`` (rollout.dtype): "float32" | "bfloat16", the dtype they
-            load and serve the model in.
+            load and serve the model in; None passes no --dtype (the server's default, float32).
         startup_timeout_s: seconds to wait for all servers and then the router to answer.
         log_dir: directory of the children's logs (default: a new temp dir).
         tokenizer_path: passed to the reference server as --tokenizer-path.
@@ -374,14 +374,14 @@ class RolloutCluster:
                  health_check_timeout_s: float = 5.0, health_failure_threshold: int = 3,
                  request_log: bool = False, server_env: Optional[Callable[[int], dict]] = None,
                  extra_worker_urls: Sequence[str] = (), peer_worker_urls: Sequence[str] = (),
-                 dtype: str = "float32"):
+                 dtype: Optional[str] = None):
         if num_servers < 0 or (num_servers == 0 and not extra_worker_urls):
             raise ValueError(f"num_servers must be >= 1 (or 0 with extra_worker_urls), got {num_servers}")
         if router_policy not in ROUTER_POLICIES:
             raise ValueError(f"router_policy must be one of {ROUTER_POLICIES}, got {router_policy!r}")
         if threads_per_server < 1:
             raise ValueError(f"threads_per_server must be >= 1, got {threads_per_server}")
-        if dtype not in ("float32", "bfloat16"):
+        if dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"rollout.dtype must be float32 or bfloat16, got {dtype!r}")
         if max_restarts < 0 or health_failure_threshold < 1:
             raise ValueError(f"max_restarts must be >= 0 and health_failure_threshold >= 1, got "
@@ -498,8 +498,9 @@ class RolloutCluster:
         if self.server_command is not None:
             return list(self.server_command(i, port))
         argv = [sys.executable, "-m", "moerl.rollout.server", "--model-path", self.model_path,
-                "--host", self.host, "--port", str(port), "--num-threads", str(self.threads_per_server),
-                "--dtype", self.dtype]
+                "--host", self.host, "--port", str(port), "--num-threads", str(self.threads_per_server)]
+        if self.dtype is not None:
+            argv += ["--dtype", self.dtype]
         if self.tokenizer_path:
             argv += ["--tokenizer-path", self.tokenizer_path]
         if self.request_log:

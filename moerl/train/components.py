@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from moerl.checkpoint.hf_io import load_hf_state_dict, save_hf_checkpoint
+from moerl.models.dtypes import rollout_serving_dtype
 from moerl.moe.config import moe_actor_kwargs
 from moerl.moe.telemetry import MoETelemetry
 from moerl.rollout.launcher import RolloutCluster
@@ -79,7 +80,7 @@ def rollout_servers(ctx, model_path: str):
             mem_fraction_static=ro.mem_fraction_static, colocated=ro.placement == "colocated",
             external_urls=ro.external_urls, log_dir=str(ctx.run_dir / "logs"), router_policy=ro.router_policy,
             failover=ro.failover, startup_timeout_s=ro.startup_timeout_s, random_seed=cfg.seed,
-            return_routed_experts=cfg.moe.routing_replay == "r3", dtype=ro.dtype)
+            return_routed_experts=cfg.moe.routing_replay == "r3", dtype=rollout_serving_dtype(ro))
         if world.is_main():
             cluster_cm = launched
         elif launched is not None:
@@ -90,7 +91,7 @@ def rollout_servers(ctx, model_path: str):
             router_port=ro.router_port, router_policy=ro.router_policy, threads_per_server=ro.threads_per_server,
             startup_timeout_s=ro.startup_timeout_s, log_dir=str(ctx.run_dir / "logs"),
             failover=ro.failover, max_restarts=ro.max_restarts, extra_worker_urls=ro.external_urls,
-            dtype=ro.dtype,
+            dtype=rollout_serving_dtype(ro),
         )
     if ro.cpu_affinity:
         cluster_cm, node_cm = pinned_start(cluster_cm, ro.cpu_affinity), pinned_start(node_cm, ro.cpu_affinity)
