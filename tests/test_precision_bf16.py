@@ -115,6 +115,7 @@ def test_bf16_checkpoint_keeps_fp32_main_params_and_resumes_bit_identically(dist
     m_a = _policy_step(a, samples, old, 3)
 
     b = actor_with(random_hf_model(seed=7), **kw)  # other weights: everything must come from the checkpoint
+    b.set_lr(1e-3)  # as moerl.checkpoint.run_state.load_checkpoint: rebuild the optimizer, then load
     load_dist_checkpoint(b.model, b.optimizer, tmp_path / "ckpt")
     main_b = _fp32_main_params(b.optimizer)
     # the checkpoint held the FP32 main params (not only the BF16 weights, which would round them)
