@@ -57,7 +57,10 @@ def test_default_is_1f1b_and_valid_dualpipev_recipe_loads():
     assert load_config(RECIPE).train.pipeline_schedule == "1f1b"
     cfg = load_config(RECIPE, [*PP2, "train.pipeline_schedule=dualpipev"])
     assert cfg.train.pipeline_schedule == "dualpipev"
+    assert cfg.train.split_backward == "store"  # the layer-level B/W split (moerl.pipeline.wgrad_store)
     assert cfg.check_world_size(2) == 1  # dp 1: 32 / (8 * 1) = 4 micro-batches = 2 * pp
+    assert load_config(RECIPE, [*PP2, "train.pipeline_schedule=dualpipev",
+                                "train.split_backward=retrace"]).train.split_backward == "retrace"
 
 
 @pytest.mark.parametrize(
@@ -77,6 +80,8 @@ def test_default_is_1f1b_and_valid_dualpipev_recipe_loads():
         ([*PP2, "train.pipeline_schedule=dualpipev", "parallel.recompute=full"], ["parallel.recompute"]),
         ([*PP2, "train.pipeline_schedule=dualpipev", "parallel.num_layers_in_first_pipeline_stage=2",
           "parallel.num_layers_in_last_pipeline_stage=2"], ["num_layers_in_first_pipeline_stage"]),
+        ([*PP2, "train.split_backward=retrace"], ["train.split_backward", "train.pipeline_schedule"]),  # 1f1b
+        ([*PP2, "train.pipeline_schedule=dualpipev", "train.split_backward=graph"], ["train.split_backward"]),
     ],
 )
 def test_schedule_rules_name_the_keys(overrides, keys):

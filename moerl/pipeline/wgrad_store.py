@@ -29,9 +29,12 @@ moerl's version for the layers moerl trains on CPU and GPU (the idea is theirs; 
   :func:`check_fifo_weight_order`; true of moerl's schedules), and an unsplit backward (BW) of such a chunk is
   followed by its ``backward_dw()`` at once (:meth:`WeightGradStore.after_unsplit`).  Where it does NOT apply:
   TE modules built without ``delay_wgrad_compute`` (their weight gradients are computed in B and they are
-  named as uncovered), TE < 2.3 (Megatron refuses the flag at build time), and the executor path of
-  ``train.pipeline_overlap`` (Megatron's schedule plans run their own ``backward_dw``).  Not run on CPU (TE
-  does not install here): written against the documented API only.
+  named as uncovered) -- and Megatron-Core 0.16's TransformerConfig accepts ``delay_wgrad_compute`` only
+  together with ``overlap_moe_expert_parallel_comm`` (the EP-overlap schedule plans) and without the legacy
+  grouped GEMM, so in moerl's interpreter without ``train.pipeline_overlap`` TE layers stay in B; TE < 2.3
+  (Megatron refuses the flag at build time); and the executor path of ``train.pipeline_overlap``
+  (:mod:`moerl.pipeline.overlap`: Megatron's schedule plans run their own ``backward_dw``, the interpreter's W
+  is empty there).  Not run on CPU (TE does not install here): written against the documented API only.
 
 Parameters the store does not cover (norms, the router, the embedding, biases, modules of other classes) get
 their gradients in B as before; :class:`Coverage` names them and :meth:`WeightGradStore.install` logs them
