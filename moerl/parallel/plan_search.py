@@ -48,7 +48,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from moerl.parallel.memory_model import _DTYPE_BYTES, GIB, RecipePlan, plan_recipe, total_params
+from moerl.parallel.memory_model import _DTYPE_BYTES, GIB, RecipePlan, plan_recipe, recipe_workload, total_params
 
 __all__ = ["Candidate", "SearchResult", "pipeline_split", "estimate_step_time", "search_layouts", "format_search"]
 
@@ -235,6 +235,7 @@ def search_layouts(cfg, world_size: int, seq_length: Optional[int] = None,
     if hwc.gpu is None and (hwc.gpu_memory_gib is None or hwc.peak_bf16_tflops is None):
         raise ConfigError("--search needs the GPU: set hardware.gpu (e.g. hardware.gpu=H100) or both "
                           "hardware.gpu_memory_gib and hardware.peak_bf16_tflops")
+    recipe_workload(cfg, 1, seq_length)  # a bad --seq-length / hardware.max_prompt_tokens fails here, once
     base = cfg.to_dict()
     hf = cfg.model.hf_config
     p0 = cfg.parallel
@@ -265,8 +266,6 @@ def search_layouts(cfg, world_size: int, seq_length: Optional[int] = None,
                             except ValueError as e:  # pydantic's ValidationError and ConfigError are ValueErrors
                                 result.rejected += 1
                                 first_error = first_error or str(e)
-                                if "max_prompt_tokens" in str(e) or "--seq-length" in str(e):
-                                    raise
                                 continue
                             result.valid += 1
                             peak = plan.memory.worst().total(rec)
