@@ -112,7 +112,7 @@ COMMANDS = {
     "serve": (_serve, "run a reference rollout server speaking SGLang's HTTP API (CPU)"),
     "plan": (
         lambda argv: __import__("moerl.parallel.memory_plan", fromlist=["main"]).main(argv),
-        "per-GPU memory of a recipe's parallel layout (weights, grads, Adam state, activations)",
+        "does a recipe fit its GPUs (per-GPU memory per pipeline stage, FITS / DOES NOT FIT); --search: which layout does",
     ),
 }
 
