@@ -7,18 +7,28 @@ the trainer side (this process) holds a second random copy of the weights as an 
 pushes it with moerl.rollout.weight_sync in every mode:
 
 * ``disk``        sharded HF safetensors written (fsynced) per version, /update_weights_from_disk.
-* ``tensor``      /update_weights_from_tensor per bucket (SGLang's serialized named tensors, base64 in JSON).
+* ``tensor``      /update_weights_from_tensor per bucket (SGLang's serialized named tensors): shared-memory
+                  handles for servers on this host (``--tensor-transport auto``, the servers here are on
+                  127.0.0.1), tensors inline as base64 in the JSON with ``--tensor-transport bytes``.
 * ``distributed`` /init_weights_update_group once (not timed), then per bucket
                   /update_weights_from_distributed + a gloo broadcast from the trainer.
 
+``--weight-dtypes`` adds rows per rollout.weight_dtype (default ``auto fp8``): ``fp8`` times the
+trainer's blockwise FP8 quantisation (moerl.precision.fp8_checkpoint.rollout_state_dict, 128x128
+blocks, router / norms / embeddings kept) plus the sync of the quantised state dict (about a quarter
+of the fp32 bytes) and the servers' dequantisation; its MB/s still counts the fp32 model bytes, so
+the rows compare "model synced per second". ``bf16`` casts to bfloat16 before sending.
+
 Each timed sync ends when every server reports the new weight_version. ``memcpy`` copies the same
 tensors into preallocated buffers (``Tensor.copy_``) in this process: the ceiling for moving the
-bytes once. Columns: median wall seconds over ``--runs`` runs, bytes/s (model bytes / seconds;
-with several servers every server receives all of them, the figure counts them once), and the
-ratio to memcpy's bytes/s. The first sync of each mode is a warm-up and is not timed.
+bytes once. It is timed before the syncs and again after every timed sync (its median over all of
+them is the reference), so the ratio compares the same stretch of time on a shared machine.
+Columns: median wall seconds over ``--runs`` runs, bytes/s (model bytes / seconds; with several
+servers every server receives all of them, the figure counts them once), and the ratio to
+memcpy's bytes/s. The first sync of each mode is a warm-up and is not timed.
 
 Usage: python tools/bench_weight_sync.py [--params 100e6] [--bucket-mb 64] [--runs 3] [--servers 1]
-       [--json OUT.json]
+       [--weight-dtypes auto fp8] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -76,6 +86,10 @@ def main(argv=None) -> int:
     p.add_argument("--servers", type=int, default=1, help="reference servers to sync")
     p.add_argument("--modes", nargs="+", default=["disk", "tensor", "distributed"])
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--weight-dtypes", nargs="+", default=["auto", "fp8"], choices=["auto", "bf16", "fp8"],
+                   help="rollout.weight_dtype variants of every mode (fp8: blockwise quantisation timed too)")
+    p.add_argument("--tensor-transport", default="auto", choices=["auto", "shm", "bytes"],
+                   help="tensor mode: shm handles (auto: for servers on this host) or inline bytes")
     args = p.parse_args(argv)
     if args.runs < 1 or args.servers < 1 or args.bucket_mb <= 0:
         p.error("--runs and --servers must be >= 1 and --bucket-mb > 0")
@@ -83,7 +97,8 @@ def main(argv=None) -> int:
     from moerl.rollout.launcher import wait_healthy
     from moerl.rollout.server import load_safetensors_dir
     from moerl.rollout.testing import make_tiny_moe_checkpoint
-    from moerl.rollout.weight_sync import DistributedWeightUpdater, sync_weights
+    from moerl.precision.fp8_checkpoint import rollout_hf_config, rollout_state_dict
+    from moerl.rollout.weight_sync import DistributedWeightUpdater, sync_weights, tensor_transports
 
     torch.set_num_threads(1)
     bucket_bytes = int(args.bucket_mb * (1 << 20))
@@ -115,21 +130,30 @@ def main(argv=None) -> int:
                 wait_healthy(u, pr, timeout_s=600.0, what=f"server {i}", interval_s=0.5,
                              log_path=os.path.join(tmp, f"server{i}.log"))
             version = 0
-            for mode in args.modes:
-                if mode == "distributed":
+            for wd, mode in [(wd, mode) for wd in args.weight_dtypes for mode in args.modes]:
+                if mode == "distributed" and updater is None:
                     updater = DistributedWeightUpdater(urls, backend="gloo", timeout_s=600)
                     updater.init_group()
+                if mode == "tensor":
+                    used = sorted(set(tensor_transports(urls, args.tensor_transport).values()))
+                    print(f"  tensor transport: {'+'.join(used)} (shm = shared-memory handles, bytes = inline "
+                          f"base64 in the JSON)", flush=True)
                 times = []
                 for k in range(args.runs + 1):
                     version += 1
                     t0 = time.perf_counter()
-                    sync_weights(mode, urls, sd, f"bench{version}", bucket_bytes=bucket_bytes, hf_config=hf_config,
-                                 out_root=os.path.join(tmp, "weights"), updater=updater)
+                    sent = rollout_state_dict(sd, wd)  # rollout.weight_dtype (fp8: quantised here, timed)
+                    sync_weights(mode, urls, sent, f"bench{version}", bucket_bytes=bucket_bytes,
+                                 hf_config=rollout_hf_config(hf_config, wd),
+                                 out_root=os.path.join(tmp, "weights"), updater=updater,
+                                 tensor_transport=args.tensor_transport)
                     dt = time.perf_counter() - t0
                     if k > 0:
                         times.append(dt)
-                    print(f"  {mode:<12} run {k}{' (warm-up)' if k == 0 else ''}: {dt:.2f} s", flush=True)
-                results[mode] = times
+                        results["memcpy"] += bench_memcpy(sd, 1)  # interleaved: same moments of a shared machine
+                    label = mode if wd == "auto" else f"{mode} {wd}"
+                    print(f"  {label:<16} run {k}{' (warm-up)' if k == 0 else ''}: {dt:.2f} s", flush=True)
+                results[label] = times
         finally:
             if updater is not None:
                 updater.close()
@@ -142,6 +166,9 @@ def main(argv=None) -> int:
     print("\n| mode | median s | MB/s | ratio to memcpy |\n|---|---:|---:|---:|")
     for mode, times in results.items():
         med = statistics.median(times)
+        if mode.startswith("tensor"):
+            how = "+".join(sorted(set(tensor_transports(urls, args.tensor_transport).values())))
+            mode = mode.replace("tensor", f"tensor ({how})")
         bps = nbytes / med
         rows.append({"mode": mode, "median_s": med, "bytes_per_s": bps, "ratio_to_memcpy": bps / mem_bps,
                      "runs_s": times})
