@@ -204,3 +204,23 @@ def test_bad_values_exit_2_with_one_line(capsys, argv, needle):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_fp8_gemms_at_the_fp8_peak():
+    """precision.fp8: the transformer layers' GEMMs (minus BF16 first/last layers) at H100's dense FP8 peak
+    (1979 TFLOP/s), attention's core and the output layer at BF16 (989), worked by hand."""
+    from moerl.parallel.plan_search import estimate_step_time
+
+    over = ["hardware.gpu=H100", "parallel.world_size=32", "precision.fp8=e4m3", "precision.fp8_recipe=tensorwise",
+            "precision.fp8_bf16_first_layers=1", "precision.fp8_bf16_last_layers=1"]
+    cfg = load_config(QWEN, over)
+    t = estimate_step_time(plan_recipe(cfg), cfg)
+    bf16 = estimate_step_time(plan_recipe(load_config(QWEN, over[:2])), load_config(QWEN, over[:2]))
+    S, T, h, V = 10240, 256 * 10240, 2048, 151936
+    active = total_params(ModelShape.from_recipe(cfg, V))["active"] - V * h
+    fp8 = 6 * T * 2 * (active - V * h) * 46 / 48  # 6 forward equivalents, 46 of 48 layers in FP8
+    assert t["flops"] == bf16["flops"] and t["fp8_flops"] == pytest.approx(fp8) and bf16["fp8_flops"] == 0
+    rate = 32 * 1e12 * 0.35
+    assert t["compute"] == pytest.approx((t["flops"] - fp8) / (989 * rate) + fp8 / (1979 * rate))
+    a100 = load_config(QWEN, ["hardware.gpu=A100", "parallel.world_size=32", "precision.fp8=e4m3"])
+    assert estimate_step_time(plan_recipe(a100), a100)["fp8_flops"] == 0  # no FP8 tensor cores: all BF16

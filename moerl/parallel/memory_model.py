@@ -57,7 +57,8 @@ trainer is offloaded while the engines run, so the two sides are checked separat
 
 Verdict: a rank FITS when its total is at most the GPU's memory less hardware.reserved_fraction
 (default 10 %: CUDA context ~0.5-1 GiB, NCCL buffers, allocator fragmentation, which the estimate
-leaves out).
+leaves out). Not modelled: Transformer Engine's FP8 weight copies and transposes (precision.fp8), the
+multi-token-prediction module, optimizer CPU offload (moerl has none).
 """
 
 from __future__ import annotations
@@ -631,6 +632,7 @@ class Hardware:
     gpus_per_node: int
     mfu: float
     reserved_fraction: float
+    fp8_tflops: Optional[float] = None
 
     @property
     def usable_bytes(self) -> Optional[float]:
@@ -651,7 +653,7 @@ def hardware_from_recipe(cfg) -> Hardware:
         bf16_tflops=hw.peak_bf16_tflops or (spec.bf16_tflops if spec else None),
         nvlink_gbs=hw.nvlink_gbs or (spec.nvlink_gbs if spec else 450.0),
         inter_node_gbs=hw.inter_node_gbs, gpus_per_node=hw.gpus_per_node, mfu=hw.mfu,
-        reserved_fraction=hw.reserved_fraction,
+        reserved_fraction=hw.reserved_fraction, fp8_tflops=spec.fp8_tflops if spec else None,
     )
 
 

@@ -23,7 +23,9 @@ bound; Megatron overlaps the DP and part of the EP traffic).
   x S tokens: old log-probs (1 forward), reference log-probs (1, with algorithm.reference_policy),
   the update (3: forward + backward), recompute (+1 forward for full, + the attention part for
   selective), and for algorithm.advantage_estimator=gae the critic's values (1) and update (3 +
-  recompute). compute = FLOPs / (N GPUs x peak dense BF16 x hardware.mfu).
+  recompute). compute = FLOPs / (N GPUs x peak dense BF16 x hardware.mfu). With precision.fp8 the
+  transformer layers' GEMMs (all but precision.fp8_bf16_first/last_layers) run at the GPU's dense
+  FP8 peak instead (attention's core and the output layer stay BF16).
 * Pipeline bubble: the DualPipe README's per-rank bubble (moerl.pipeline.simulator.published_bubble)
   with per-chunk costs F = 1, B = 2, W = 1 (a DualPipeV chunk is half a stage: 0.5 / 1 / 0.5, on a
   2 pp pipe), over the m x 3 units of work of m micro-batches per rank: compute x (1 + bubble / 3m).
@@ -103,8 +105,8 @@ def estimate_step_time(plan: RecipePlan, cfg) -> dict[str, float]:
 
     Returns:
         {"compute", "bubble", "tp", "ep", "pp", "dp", "total"} in seconds, plus "flops" (the step's
-        model FLOPs) and the comm volumes per GPU in bytes ("tp_bytes", "ep_bytes", "pp_bytes",
-        "dp_bytes").
+        model FLOPs), "fp8_flops" (the part at the FP8 peak) and the comm volumes per GPU in bytes
+        ("tp_bytes", "ep_bytes", "pp_bytes", "dp_bytes").
 
     Raises:
         ValueError: the GPU's peak BF16 throughput is unknown (hardware.gpu or
@@ -131,10 +133,21 @@ def estimate_step_time(plan: RecipePlan, cfg) -> dict[str, float]:
     attn = shape.num_layers * 2 * shape.num_attention_heads * (dqk + dv) * S / 2
     T = work.step_tokens
     fwd, fwd_attn = T * (2 * active + attn), T * attn
-    recompute_extra = {"none": 0.0, "selective": fwd_attn, "full": fwd}[mem.recompute]
-    train = 3 * fwd + recompute_extra
-    flops = fwd + train + (fwd if mem.reference_policy else 0.0) + ((fwd + train) if mem.critic else 0.0)
-    compute = flops / (mem.world_size * hw.bf16_tflops * 1e12 * hw.mfu)
+    # forward-pass equivalents: old log-probs, update (3), full recompute, reference, critic (values + update)
+    full = 1 if mem.recompute == "full" else 0
+    updates = 2 if mem.critic else 1
+    passes_f = 1 + (1 if mem.reference_policy else 0) + updates * (3 + full) + (1 if mem.critic else 0)
+    flops = passes_f * fwd + (updates * fwd_attn if mem.recompute == "selective" else 0.0)
+    # FP8 (precision.fp8, Transformer Engine): the transformer layers' GEMMs at the FP8 peak, except the
+    # layers kept in BF16; attention's core, the output layer and everything else at the BF16 peak
+    fp8_flops = 0.0
+    prec = getattr(cfg, "precision", None)
+    if prec is not None and getattr(prec, "fp8", None) and hw.fp8_tflops:
+        bf16_layers = prec.fp8_bf16_first_layers + prec.fp8_bf16_last_layers
+        layer_mm = active - shape.vocab_size * h  # the output layer stays BF16
+        fp8_flops = passes_f * T * 2 * layer_mm * max(0, shape.num_layers - bf16_layers) / shape.num_layers
+    rate = mem.world_size * 1e12 * hw.mfu
+    compute = (flops - fp8_flops) / (hw.bf16_tflops * rate) + (fp8_flops / (hw.fp8_tflops * rate) if fp8_flops else 0.0)
     # pipeline bubble
     m = mem.num_microbatches
     bubble = 0.0
@@ -168,7 +181,7 @@ def estimate_step_time(plan: RecipePlan, cfg) -> dict[str, float]:
     dp_s = dense_bytes / (_link(tp * dp, hw) * 1e9) + expert_bytes / (_link(etp * ep * edp, hw) * 1e9)
     total = compute + bubble + tp_s + ep_s + pp_s + dp_s
     return {"compute": compute, "bubble": bubble, "tp": tp_s, "ep": ep_s, "pp": pp_s, "dp": dp_s, "total": total,
-            "flops": flops, "tp_bytes": tp_bytes, "ep_bytes": ep_bytes, "pp_bytes": pp_bytes,
+            "flops": flops, "fp8_flops": fp8_flops, "tp_bytes": tp_bytes, "ep_bytes": ep_bytes, "pp_bytes": pp_bytes,
             "dp_bytes": dense_bytes + expert_bytes}
 
 
@@ -298,6 +311,10 @@ def format_search(result: SearchResult, top: int = 5, title: str = "") -> str:
              f"layouts ({result.rejected} refused by the recipe rules), {len(result.fitting)} fit",
              f"step time = compute at MFU {result.mfu:g} (hardware.mfu) x (1 + pipeline bubble) + TP + EP + PP + DP "
              "communication, not overlapped (formulas: moerl/parallel/plan_search.py)"]
+    every = result.fitting + result.closest
+    if every and every[0].time.get("fp8_flops"):
+        t = every[0].time
+        lines.append(f"precision.fp8: {t['fp8_flops'] / t['flops']:.0%} of the FLOPs at the GPU's FP8 peak")
     if result.current is not None:
         c = result.current
         lines.append(f"the recipe's layout ({c.label()}): peak {c.peak / GIB:.2f} GiB, "
