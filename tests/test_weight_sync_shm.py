@@ -23,8 +23,8 @@ import httpx  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
 from moerl.rollout.server import ReferenceEngine, create_app, load_safetensors_dir  # noqa: E402
-from moerl.rollout.tensor_serde import SHM_DIR, deserialize, serialize_shared  # noqa: E402
-from moerl.rollout.testing import make_tiny_moe_checkpoint  # noqa: E402
+from moerl.rollout.tensor_serde import (  # noqa: E402
+    SHM_DIR, deserialize, named_tensors_from_payload, serialize_shared)
 from moerl.rollout.weight_sync import (  # noqa: E402
     SharedBucketBuffers, WeightSyncError, sync_weights_from_tensor, tensor_transports)
 
@@ -32,14 +32,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _mp_helpers import free_port_block  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    a, b = str(tmp_path_factory.mktemp("shm_a")), str(tmp_path_factory.mktemp("shm_b"))
-    make_tiny_moe_checkpoint(a, seed=0)
-    make_tiny_moe_checkpoint(b, seed=1)
-    return a, b
 
 
 def _my_shm_files() -> dict[str, int]:
@@ -73,26 +65,23 @@ def test_transport_is_decided_by_address():
         tensor_transports(urls, "ipc")
 
 
-def test_payload_holds_handles_and_another_process_reads_the_values(tmp_path):
-    """4 MiB of tensors travel in a payload of well under 1 KiB; an unrelated Python process (not a
-    multiprocessing child) rebuilds them with moerl's restricted unpickler and gets the same bytes."""
-    buf = SharedBucketBuffers().buffer(0, 4 << 20)
+def test_payload_holds_handles_not_bytes():
+    """4 MiB of tensors travel in a payload of well under 1 KiB, and moerl's restricted unpickler
+    rebuilds them as views of the same shared storage (another process reading such payloads:
+    test_repeated_syncs_to_a_server_process..., and tests/test_weight_sync.py's two-server test)."""
+    bufs = SharedBucketBuffers()
+    buf = bufs.buffer(0, 4 << 20)
     g = torch.Generator().manual_seed(3)
     want = {"a": torch.randn(512, 1024, generator=g), "b": torch.randint(-9, 9, (7, 3), generator=g).to(torch.bfloat16)}
-    a, b = buf[:512 * 1024 * 4].view(torch.float32).view(512, 1024), buf[2 << 20:(2 << 20) + 42].view(torch.bfloat16)
+    a = buf[:512 * 1024 * 4].view(torch.float32).view(512, 1024)
+    b = buf[2 << 20:(2 << 20) + 42].view(torch.bfloat16).view(7, 3)
     a.copy_(want["a"])
-    b.view(7, 3).copy_(want["b"])
-    blob = serialize_shared([("a", a), ("b", b.view(7, 3))])
+    b.copy_(want["b"])
+    blob = serialize_shared([("a", a), ("b", b)])
     assert len(blob) < 1024
-    out = tmp_path / "got.pt"
-    code = ("import sys, torch; from moerl.rollout.tensor_serde import deserialize, named_tensors_from_payload; "
-            "named = named_tensors_from_payload(deserialize(sys.stdin.read())); "
-            "torch.save({n: t.clone() for n, t in named}, sys.argv[1])")
-    subprocess.run([sys.executable, "-c", code, str(out)], input=blob, text=True, check=True, timeout=120,
-                   env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
-    got = torch.load(out)
-    assert set(got) == {"a", "b"} and torch.equal(got["a"], want["a"]) and torch.equal(got["b"], want["b"])
-    assert got["b"].dtype == torch.bfloat16
+    got = dict(named_tensors_from_payload(deserialize(blob)))
+    assert torch.equal(got["a"], want["a"]) and torch.equal(got["b"], want["b"]) and got["b"].dtype == torch.bfloat16
+    assert got["a"].untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()  # mapped, not copied
 
 
 def test_restricted_unpickler_refuses_other_globals_and_bad_handles():
@@ -151,12 +140,11 @@ def _logprobs(c: httpx.Client) -> torch.Tensor:
     return out["output_ids"], torch.tensor([x[0] for x in out["meta_info"]["output_token_logprobs"]])
 
 
-def test_repeated_syncs_to_a_server_process_reuse_the_same_shm_files(ckpts, tmp_path):
+@pytest.mark.slow
+def test_repeated_syncs_to_a_server_process_reuse_the_same_shm_files(ckpts, ref_models, tmp_path):
     """A real server process on 127.0.0.1: 6 syncs (alternating two weight sets, several buckets)
     use the same two /dev/shm files; the served log-probs equal transformers' forward of the weights
     sent last; after the trainer drops its buffers, the next sync's end unlinks the old files."""
-    from transformers import AutoModelForCausalLM
-
     sds = [dict(load_safetensors_dir(p)) for p in ckpts]
     port = free_port_block(1)
     url = f"http://127.0.0.1:{port}"
@@ -176,7 +164,7 @@ def test_repeated_syncs_to_a_server_process_reuse_the_same_shm_files(ckpts, tmp_
             seen.append({f: s for f, s in _my_shm_files().items() if f not in before})
         assert len(seen[0]) == 2 and all(s == seen[0] for s in seen), seen  # same 2 files, same sizes
         assert all(bufs.nbytes // 2 <= s <= bufs.nbytes // 2 + 4096 for s in seen[0].values())  # + torch's header
-        ref = AutoModelForCausalLM.from_pretrained(ckpts[0], dtype=torch.float32).eval()  # v5 = sds[0]
+        ref = ref_models[0]  # v5 sent sds[0]
         with httpx.Client(base_url=url, timeout=60, trust_env=False) as c:
             ids, lps = _logprobs(c)
         with torch.no_grad():
