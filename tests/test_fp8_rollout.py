@@ -103,6 +103,19 @@ def test_served_weights_equal_the_trainers_quantise_dequantise_bitwise(mode, buc
         engine.close()
 
 
+def test_fp8_into_a_bfloat16_server_is_the_bf16_cast_of_the_dequantised_weights(ckpts, trainer_sd):
+    """rollout.dtype=bfloat16 + weight_dtype=fp8: q * scale in float32, then ONE cast to bfloat16."""
+    engine = ReferenceEngine(ckpts[0], dtype="bfloat16")
+    client = TestClient(create_app(engine))
+    try:
+        sync_weights("tensor", [str(client.base_url)], rollout_state_dict(trainer_sd, "fp8"), "fp8-bf16",
+                     bucket_bytes=TINY, http_client=client, tensor_transport="shm")
+        want = {n: t.to(torch.bfloat16) for n, t in expected_fp8(trainer_sd).items()}
+        assert [n for n, t in want.items() if not torch.equal(served(engine, n, t), t)] == []
+    finally:
+        engine.close()
+
+
 def test_bf16_weight_dtype_serves_the_bf16_cast(ckpts, trainer_sd, tmp_path):
     engine = ReferenceEngine(ckpts[0])
     client = TestClient(create_app(engine))
@@ -193,3 +206,18 @@ def test_rollout_mismatch_metrics_hand_worked():
     assert rollout_mismatch_metrics([], [])["rollout/mismatch_kl_k3"] == 0.0
     line = step_line(3, 10, m, 1.0)
     assert "lp_diff 2.0e-01" in line and f"mis_kl {k3:.1e}" in line
+
+
+def test_step0_logprob_tolerance_of_fp8_and_bf16_rollout_weights():
+    from moerl.config.loader import load_config
+    from moerl.observe.report import (STEP0_LOGPROB_TOL_BF16, STEP0_LOGPROB_TOL_FP8, step0_check,
+                                      step0_logprob_tolerance)
+
+    assert step0_logprob_tolerance(load_config("configs/tiny_arith.yaml", ["rollout.weight_dtype=fp8"])) == 2.0 ** -3
+    assert step0_logprob_tolerance(load_config("configs/tiny_arith.yaml", ["rollout.weight_dtype=bf16"])) == \
+        STEP0_LOGPROB_TOL_BF16
+    # the fp8 demo's first step (mean 1.73e-2) passes the fp8 tolerance and fails the fp32 one; its
+    # step 60 (3.3e-2) would fail the bf16 one
+    m = {"logprob_abs_diff_mean": 1.73e-2, "logprob_abs_diff_max": 0.422, "train/logratio_abs_sum": 0.0}
+    assert step0_check(m, STEP0_LOGPROB_TOL_FP8)["logprob_pass"] and not step0_check(m)["logprob_pass"]
+    assert not step0_check(dict(m, logprob_abs_diff_mean=3.3e-2), STEP0_LOGPROB_TOL_BF16)["logprob_pass"]

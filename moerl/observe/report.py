@@ -12,15 +12,25 @@ STEP0_LOGPROB_TOL = 1e-5
 # logits of a few units: 8u = 2^-5 bounds the MEAN |diff| (measured on the demo: 1.2e-2; the max, where a
 # near-tie flips an expert choice, can reach ~1, so it is not checked).
 STEP0_LOGPROB_TOL_BF16 = 2.0 ** -5
+# rollout.weight_dtype fp8: every Linear weight of the servers is rounded once to E4M3 (relative rounding
+# u = 2^-4, 3 mantissa bits) in 128x128 blocks; the rounding errors of a dot product's terms are independent
+# and cancel in part, so a logit moves by well under u |z|; 2u = 2^-3 bounds the MEAN |diff| (measured on
+# the demo's first step: 1.7e-2; the max is not checked, as for bf16).
+STEP0_LOGPROB_TOL_FP8 = 2.0 ** -3
 
 
 def step0_logprob_tolerance(cfg) -> float:
     """The step-0 log-prob tolerance of a recipe: 1e-5 when trainer and servers run in float32
     (model.params_dtype; rollout.dtype, see moerl.models.dtypes.rollout_serving_dtype),
-    :data:`STEP0_LOGPROB_TOL_BF16` when either runs in bfloat16 (or SGLang chooses)."""
+    :data:`STEP0_LOGPROB_TOL_BF16` when either runs in bfloat16 (or SGLang chooses, or the weights
+    travel as rollout.weight_dtype=bf16), :data:`STEP0_LOGPROB_TOL_FP8` with FP8 rollout weights."""
     from moerl.models.dtypes import rollout_serving_dtype
 
-    fp32 = cfg.model.params_dtype == "float32" and rollout_serving_dtype(cfg.rollout) == "float32"
+    weight_dtype = getattr(cfg.rollout, "weight_dtype", "auto")
+    if weight_dtype == "fp8":
+        return STEP0_LOGPROB_TOL_FP8
+    fp32 = (cfg.model.params_dtype == "float32" and rollout_serving_dtype(cfg.rollout) == "float32"
+            and weight_dtype == "auto")
     return STEP0_LOGPROB_TOL if fp32 else STEP0_LOGPROB_TOL_BF16
 
 
