@@ -210,6 +210,7 @@ CASES = [
     ("recipe-not-utf8", T, ["@latin1_yaml"], ["latin1.yaml", "line 2", "UTF-8"]),
     ("recipe-not-mapping", T, ["@list_yaml"], ["mapping"]),
     ("output-dir-is-file", T, ["output_dir={a_file}"], ["output_dir", "a_file"]),
+    ("output-dir-under-file", T, ["output_dir={a_file}/run"], ["output_dir", "a_file", "is not a directory"]),
     ("reward-unknown", T, ["reward.function=nosuchreward"], ["reward.function"]),
     ("reward-missing-file", T, ["reward.function=/nonexistent/r.py:fn"], ["reward.function", "/nonexistent/r.py"]),
     ("router-the-rollout-cannot-run", T, ["moe.score_function=sigmoid"], ["moe.score_function"]),
@@ -244,6 +245,7 @@ CASES = [
      ["data.eval_path", "missing.jsonl"]),
     ("prompt-key-absent", T, ["@jsonl", "data.train_path={ok}", "data.prompt_key=question"],
      ["'question'", "data.prompt_key"]),
+    ("tokenizer-path-not-tokenizer", T, ["data.tokenizer_path={llama}"], ["data.tokenizer_path", "no tokenizer files"]),
     ("tokenizer-path-missing", T, ["data.tokenizer_path=/nonexistent/tok"], ["data.tokenizer_path", "/nonexistent/tok"]),
     # model
     ("init-from-missing", T, ["model.init_from=/nonexistent/model"], ["model.init_from", "/nonexistent/model"]),
@@ -263,6 +265,8 @@ CASES = [
     # port
     ("base-port-taken", T, ["@taken=base"], ["rollout.base_port", "already in use"]),
     ("router-port-taken", T, ["@taken=router"], ["rollout.router_port", "already in use"]),
+    ("host-unresolvable", T, ["rollout.host=nohost.invalid"], ["rollout.host", "nohost.invalid"]),
+    ("host-not-this-machine", T, ["rollout.host=192.0.2.1"], ["rollout.host", "192.0.2.1"]),
     # moerl serve
     ("serve-model-missing", S, ["--model-path", "/nonexistent/model"], ["--model-path", "/nonexistent/model"]),
     ("serve-model-no-config", S, ["--model-path", "{no_config}"], ["--model-path", "config.json"]),

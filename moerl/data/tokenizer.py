@@ -110,6 +110,10 @@ def build_tokenizer(out_dir: str | os.PathLike) -> PreTrainedTokenizerFast:
     return load_tokenizer(out_dir)
 
 
+# files that make a directory a tokenizer directory for transformers' AutoTokenizer
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
 def load_tokenizer(path: str | os.PathLike, recipe_key: str = "data.tokenizer_path") -> PreTrainedTokenizerBase:
     """Load a tokenizer directory (moerl's or any HF tokenizer with a chat template and an eos token).
 
@@ -120,10 +124,15 @@ def load_tokenizer(path: str | os.PathLike, recipe_key: str = "data.tokenizer_pa
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise ValueError(f"tokenizer directory not found: {path} ({recipe_key}); set it to a HF tokenizer dir or null")
+    if not any(os.path.isfile(os.path.join(path, n)) for n in _TOKENIZER_FILES):
+        raise ValueError(f"no tokenizer files ({', '.join(_TOKENIZER_FILES)}) in {path} ({recipe_key}); "
+                         "give a directory written by a tokenizer's save_pretrained")
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as e:  # noqa: BLE001 - re-raised with the recipe key
-        raise ValueError(f"cannot load a tokenizer from {path} ({recipe_key}): {e}") from e
+    except Exception as e:  # noqa: BLE001 - re-raised with the recipe key, on one line
+        why = " ".join(str(e).split())
+        raise ValueError(f"cannot load a tokenizer from {path} ({recipe_key}): {type(e).__name__}: "
+                         f"{why[:300]}{' ...' if len(why) > 300 else ''}") from e
     if tok.eos_token_id is None:
         raise ValueError(f"tokenizer at {path} ({recipe_key}) has no eos token; responses could never stop")
     if not getattr(tok, "chat_template", None):

@@ -5,6 +5,7 @@ All checks that can fail on user input happen here, before any model is built or
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -64,13 +65,25 @@ def check_ports_free(rollout) -> None:
 
     Raises:
         PortInUseError: naming the port and the recipe key to change.
+        moerl.errors.PortError: rollout.host does not resolve or is not an address of this machine.
     """
     from moerl.rollout.sglang_launcher import resolve_host
 
-    host = resolve_host(rollout.host)  # "auto": this node's address
+    from moerl.errors import PortError
+
+    try:
+        host = resolve_host(rollout.host)  # "auto": this node's address
+    except OSError as e:
+        raise PortError(f"rollout.host={rollout.host!r} does not resolve ({e})", key="rollout.host",
+                        hint="give rollout.host an address of this machine (127.0.0.1, auto)") from None
     ports = [(rollout.base_port + i, f"rollout.base_port (server {i})") for i in range(rollout.num_servers)]
     for port, key in ports + [(rollout.router_port, "rollout.router_port")]:
-        if not port_is_free(host, port):
+        try:
+            free = port_is_free(host, port)
+        except OSError as e:  # not an address of this machine, or a name that does not resolve
+            raise PortError(f"rollout.host={rollout.host!r}: cannot listen on {host}:{port} ({e})", key="rollout.host",
+                            hint="give rollout.host an address of this machine (127.0.0.1, auto)") from None
+        if not free:
             raise PortInUseError(
                 f"port {port} on {host} is already in use; change {key} in the recipe or on the "
                 f"command line (e.g. {key.split()[0]}={port + 100}) or stop what holds it"
@@ -140,10 +153,15 @@ def _prepare_main(cfg, dist) -> RunContext:
     check_ports_free(cfg.rollout)
     resolve_reward_fn(cfg.reward.function, group=cfg.reward.group)  # user code: path and signature
     run_dir = Path(cfg.output_dir)
-    if run_dir.exists() and not run_dir.is_dir():
+    ancestor = run_dir.absolute()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
         from moerl.config.loader import ConfigError
 
-        raise ConfigError(f"output_dir {run_dir} exists and is not a directory; choose another output_dir")
+        what = "exists and is not a directory" if ancestor == run_dir.absolute() else f"cannot be made: {ancestor} " + (
+            "is not a directory" if not ancestor.is_dir() else "is not writable")
+        raise ConfigError(f"output_dir {run_dir} {what}", key="output_dir", hint="choose another output_dir")
     with tempfile.TemporaryDirectory(prefix="moerl-start-") as scratch:
         _resolve(cfg, dist, Path(scratch), True)
     run_dir.mkdir(parents=True, exist_ok=True)  # every check passed: the first write into output_dir
