@@ -216,7 +216,7 @@ def test_fp8_gemms_at_the_fp8_peak():
     cfg = load_config(QWEN, over)
     t = estimate_step_time(plan_recipe(cfg), cfg)
     bf16 = estimate_step_time(plan_recipe(load_config(QWEN, over[:2])), load_config(QWEN, over[:2]))
-    S, T, h, V = 10240, 256 * 10240, 2048, 151936
+    T, h, V = 256 * 10240, 2048, 151936
     active = total_params(ModelShape.from_recipe(cfg, V))["active"] - V * h
     fp8 = 6 * T * 2 * (active - V * h) * 46 / 48  # 6 forward equivalents, 46 of 48 layers in FP8
     assert t["flops"] == bf16["flops"] and t["fp8_flops"] == pytest.approx(fp8) and bf16["fp8_flops"] == 0

@@ -682,10 +682,12 @@ class RolloutPlan:
 
     @property
     def kv_pool(self) -> Optional[float]:
+        """Bytes per GPU left for the KV cache (static budget - weights); None without a GPU memory."""
         return None if self.static_budget is None else self.static_budget - self.weights
 
     @property
     def fits(self) -> Optional[bool]:
+        """Every sequence of the rollout batch at full length fits the KV pool at once; None without a GPU."""
         return None if self.kv_pool is None else self.kv_needed <= self.kv_pool
 
     @property

@@ -196,6 +196,7 @@ class Candidate:
     time: dict[str, float]
 
     def label(self) -> str:
+        """One-line description, e.g. ``tp 4 pp 16 ep 4 etp 4 dp 4 recompute full 1f1b (first 3, last 2 layers)``."""
         lay = self.layout
         s = (f"tp {lay['tp_size']} pp {lay['pp_size']} ep {lay['ep_size']} etp {lay['etp_size']} "
              f"dp {self.plan.memory.dp_size} recompute {lay['recompute']}")
