@@ -211,8 +211,9 @@ def build_critic(ctx, actor, sync, pkw: dict, resume_path):
     from moerl.train.critic import MegatronCritic
 
     mk = moe_actor_kwargs(cfg)
-    # the value model trains in FP32 whatever model.params_dtype says (its own DDP/optimizer set-up)
-    ckw = {k: v for k, v in pkw.items() if k != "params_dtype"}
+    # the value model trains in FP32 whatever model.params_dtype says (its own DDP/optimizer set-up) and
+    # runs 1F1B only (no DualPipe B/W split)
+    ckw = {k: v for k, v in pkw.items() if k not in ("params_dtype", "split_backward")}
     critic = MegatronCritic(ctx.hf_config, lr=cfg.critic.lr, weight_decay=cfg.critic.weight_decay,
                             clip_grad=cfg.critic.clip_grad, adam_beta1=cfg.train.adam_beta1,
                             adam_beta2=cfg.train.adam_beta2, moe_aux_loss_coeff=mk["moe_aux_loss_coeff"],
