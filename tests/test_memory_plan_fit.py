@@ -224,3 +224,25 @@ def test_fp8_gemms_at_the_fp8_peak():
     assert t["compute"] == pytest.approx((t["flops"] - fp8) / (989 * rate) + fp8 / (1979 * rate))
     a100 = load_config(QWEN, ["hardware.gpu=A100", "parallel.world_size=32", "precision.fp8=e4m3"])
     assert estimate_step_time(plan_recipe(a100), a100)["fp8_flops"] == 0  # no FP8 tensor cores: all BF16
+
+
+def test_pipeline_bubble_equals_the_simulated_schedule():
+    """The step-time model's bubble (DualPipe README formula) against moerl's discrete-event simulation
+    of the very schedules the trainer runs (moerl.pipeline.schedules), per-chunk F = 1, B = 2, W = 1
+    (DualPipeV chunks are half stages: 0.5 / 1 / 0.5)."""
+    from moerl.pipeline.schedules import build_schedule
+    from moerl.pipeline.simulator import Costs, simulate
+
+    res = search_layouts(load_config(QWEN, ["hardware.gpu=H100"]), 32)
+    smallest = {}  # per schedule, the layout with the fewest pp x micro-batches (the simulation's cost)
+    for c in res.fitting + res.closest:
+        mem = c.plan.memory
+        size = mem.pp_size * mem.num_microbatches
+        if mem.pp_size > 1 and size < smallest.get(mem.pipeline_schedule, (1 << 60, None))[0]:
+            smallest[mem.pipeline_schedule] = (size, c)
+    assert set(smallest) == {"1f1b", "dualpipe", "dualpipev"}
+    for name, (_, c) in smallest.items():
+        key = (name, c.plan.memory.pp_size, c.plan.memory.num_microbatches)
+        half = name == "dualpipev"
+        sim = simulate(build_schedule(*key), Costs(F=0.5, B=1.0, W=0.5) if half else Costs(F=1.0, B=2.0, W=1.0))
+        assert c.time["bubble"] / c.time["compute"] == pytest.approx(sim.makespan / max(sim.busy) - 1), key
