@@ -16,6 +16,10 @@ ENV PIP_NO_CACHE_DIR=1 \
 # (0.17+ needs Python >= 3.12, which NGC images have).
 RUN pip install "megatron-core>=0.16.1" psutil
 
+# FP8 training (precision.fp8) uses the base image's Transformer Engine: its version decides which
+# precision.fp8_recipe values Megatron-Core maps (tensorwise from TE 2.2, mxfp8 2.1, blockwise 2.3;
+# moerl train checks the installed version and the GPU before any work, moerl/precision/te_fp8.py).
+
 # SGLang rollout servers and the router (real SGLang pins its own kernels; install it here, never
 # in the CPU environment). 0.5.9 is the version moerl's contract tests parse
 # (tests/test_sglang_contract.py); it pins torch 2.9.1, so choose a BASE whose torch matches
