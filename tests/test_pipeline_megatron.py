@@ -280,7 +280,7 @@ def _double_chunks(chunks):
 
 @pytest.mark.parametrize("kind,name", [("dense", "zb1p"), ("moe", "zb1p"), ("moe", "dualpipev"),
                                        ("tied", "dualpipev")])
-def test_store_split_equals_unsplit_backward_fp64(kind, name, dist):
+def test_store_split_equals_unsplit_backward_fp64(kind, name, dist, caplog):
     from moerl.models.qwen3_moe import make_hf_config
     from moerl.pipeline.interpreter import PipelineInterpreter
     from moerl.pipeline.megatron_stages import PolicyCriterion, build_chunk_modules, megatron_stage_fn
@@ -300,6 +300,13 @@ def test_store_split_equals_unsplit_backward_fp64(kind, name, dist):
     for c in ref:
         ref[c].load_state_dict(chunks[c].state_dict())
     mbs = to_float64(micro_batches(M, cfg.vocab_size))
+    with caplog.at_level("INFO", logger="moerl.pipeline"):
+        interp = PipelineInterpreter(sched, chunks, PolicyCriterion(loss_fn(M)), stage_fn=megatron_stage_fn(mbs))
+        # the parameters left to B are named once per module (a second interpreter, as each step, logs nothing)
+        PipelineInterpreter(sched, chunks, PolicyCriterion(loss_fn(M)), stage_fn=megatron_stage_fn(mbs))
+    logged = [r.getMessage() for r in caplog.records if "split_backward=store" in r.getMessage()]
+    assert len(logged) == len(chunks), logged
+    assert any("embedding.word_embeddings.weight" in x for x in logged) and all("layernorm" in x for x in logged)
     interp = PipelineInterpreter(sched, chunks, PolicyCriterion(loss_fn(M)), stage_fn=megatron_stage_fn(mbs))
     store = interp.wgrad_store
     ran = []

@@ -218,7 +218,8 @@ class WeightGradStore:
             module: a chunk module (e.g. :class:`moerl.pipeline.megatron_stages.MegatronStage`, or a Megatron
                 DDP / Float16Module wrapping one: any ``nn.Module``).
             chunk: the chunk id whose ``W`` will run the TE modules' ``backward_dw`` (TE only).
-            log: log the coverage (INFO; a WARNING when nothing is deferred).
+            log: log the coverage (INFO; a WARNING when nothing is deferred), once per module and coverage
+                (:func:`moerl.pipeline.megatron_stages.make_forward_backward_func` installs a store every step).
         """
         from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -229,7 +230,9 @@ class WeightGradStore:
         for name, mod in module.named_modules():
             own = [(n, p) for n, p in mod.named_parameters(recurse=False) if p.requires_grad]
             if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
-                mod._forward_impl = _deferring_forward_impl(mod, self)
+                if "_moerl_wgrad_store" not in mod.__dict__:
+                    mod._forward_impl = _deferring_forward_impl(mod)
+                mod._moerl_wgrad_store = self
                 for n, p in own:
                     (deferred_ids if n == "weight" else b_ids).add(id(p))
             elif type(mod).__module__.startswith(_TE_MODULE) and hasattr(mod, "backward_dw") and own:
@@ -250,7 +253,8 @@ class WeightGradStore:
             (cov.in_b if id(p) in b_ids or id(p) not in deferred_ids else cov.deferred).append(n)
         self._te[chunk] = te
         self.coverage[chunk] = cov
-        if log:
+        if log and module.__dict__.get("_moerl_wgrad_logged") != cov.summary():  # once per module and coverage
+            module._moerl_wgrad_logged = cov.summary()
             if cov.deferred:
                 logger.info("split_backward=store: chunk %s: %s", chunk, cov.summary())
             else:
@@ -322,14 +326,15 @@ class WeightGradStore:
         self._key = None
 
 
-def _deferring_forward_impl(mod: torch.nn.Module, store: WeightGradStore) -> Callable:
-    """The ``_forward_impl`` installed on ``mod``: :class:`DeferredWgradLinear` when ``store`` is armed, grad
-    mode is on and the weight trains; Megatron's own implementation otherwise (also when an embedding-wgrad
-    deferral buffer is passed)."""
+def _deferring_forward_impl(mod: torch.nn.Module) -> Callable:
+    """The ``_forward_impl`` installed on ``mod``: :class:`DeferredWgradLinear` when ``mod._moerl_wgrad_store``
+    (the store it was last installed for) is armed, grad mode is on and the weight trains; Megatron's own
+    implementation otherwise (also when an embedding-wgrad deferral buffer is passed)."""
     original = type(mod)._forward_impl.__get__(mod)
 
     def forward_impl(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
                      grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None, **kwargs):
+        store = mod._moerl_wgrad_store
         if (not store._armed or not torch.is_grad_enabled() or not weight.requires_grad
                 or grad_output_buffer is not None or kwargs):
             return original(input=input, weight=weight, bias=bias,
