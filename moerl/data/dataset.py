@@ -149,9 +149,9 @@ def load_prompt_dataset(
         dicts; other columns (e.g. a JSON-text ``metadata`` column) are left as they are.
 
     Raises:
-        DatasetError (a ValueError): missing file, a line that is not UTF-8, invalid JSON or non-object line, a row without the
-            prompt/label field, an empty or non-string prompt that is not a valid message list (or a
-            file mixing the two kinds), a label that is not a string or integer (or mixes the two), or
+        DatasetError (a ValueError): missing file, a line that is not UTF-8 (row and byte named), invalid
+            JSON or non-object line, a row without the prompt/label field, an empty or non-string prompt
+            that is not a valid message list (or a file mixing the two kinds), a label that is not a string or integer (or mixes the two), or
             no rows at all. Row numbers are 1-based line numbers (jsonl) or row indices (parquet).
             jsonl rows are checked before ``datasets`` reads the file; parquet rows right after.
     """
