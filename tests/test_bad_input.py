@@ -399,7 +399,9 @@ def test_table_covers_every_entry_point_and_kind():
     assert {"recipe", "row", "init", "resume", "serve", "cli", "plan", "convert", "math"} <= kinds
 
 
-def test_debug_flag_adds_the_traceback(fx, ports):
+def test_debug_flag_adds_the_traceback(fx, ports, monkeypatch):
+    """``moerl --debug`` prints the traceback before the one line (and sets MOERL_DEBUG; restored here)."""
+    monkeypatch.setenv("MOERL_DEBUG", "0")
     rc, out = run_inprocess("moerl", ["--debug", *_train_argv(["@jsonl", "data.train_path={bad_utf8}"], fx, ports)])
     assert rc == 2 and "Traceback" in out and "row 2" in out
 
