@@ -492,3 +492,32 @@ def test_finished_run_is_never_damaged_by_a_failed_start(finished_run, fx, tmp_p
                                                    "--out", str(tmp_path / "hf")])
     assert rc == 2 and "--ckpt" in out and "moe_intermediate_size: checkpoint 128 vs model 64" in out, out
     assert not (tmp_path / "hf").exists()
+
+
+def test_run_entry_turns_only_input_errors_into_exit_2(capsys):
+    """run_entry: an InputError (or PortInUseError / RewardConfigError) -> 2 and one line with its fix;
+    any other error propagates (a bug keeps its traceback); a body's own return code passes through."""
+    from moerl.errors import DataError, check_port, run_entry
+    from moerl.rewards.errors import RewardConfigError
+    from moerl.rollout.errors import PortInUseError
+
+    def fail(e):
+        def body():
+            raise e
+        return body
+
+    assert run_entry("prog", fail(DataError("row 3 of a.jsonl: bad", file="a.jsonl", row=3, hint="fix row 3"))) == 2
+    assert capsys.readouterr().err == "prog: bad data input: row 3 of a.jsonl: bad\n  fix: fix row 3\n"
+    assert run_entry("prog", fail(PortInUseError("port 5 taken"))) == 2
+    assert capsys.readouterr().err == "prog: bad port input: port 5 taken\n"
+    assert run_entry("prog", fail(RewardConfigError("reward.function: nope"))) == 2
+    assert capsys.readouterr().err == "prog: bad recipe input: reward.function: nope\n"
+    with pytest.raises(RuntimeError):
+        run_entry("prog", fail(RuntimeError("a bug")))
+    with pytest.raises(ZeroDivisionError):
+        run_entry("prog", lambda: 1 / 0)
+    assert run_entry("prog", lambda: None) == 0 and run_entry("prog", lambda: 1) == 1
+    assert check_port(1, "--port") == 1 and check_port(65535, "--port") == 65535
+    for bad in (0, 65536, -1, True, "80"):
+        with pytest.raises(ValueError, match="--port"):
+            check_port(bad, "--port")
