@@ -162,11 +162,37 @@ def _prepare_main(cfg, dist) -> RunContext:
         what = "exists and is not a directory" if ancestor == run_dir.absolute() else f"cannot be made: {ancestor} " + (
             "is not a directory" if not ancestor.is_dir() else "is not writable")
         raise ConfigError(f"output_dir {run_dir} {what}", key="output_dir", hint="choose another output_dir")
+    check_logging_packages(cfg.log)
     with tempfile.TemporaryDirectory(prefix="moerl-start-") as scratch:
-        _resolve(cfg, dist, Path(scratch), True)
+        try:
+            _resolve(cfg, dist, Path(scratch), True)
+        except ValueError as e:  # name the file where the run will keep it, not the scratch copy
+            e.args = tuple(a.replace(scratch, str(run_dir)) if isinstance(a, str) else a for a in e.args)
+            if getattr(e, "file", None):
+                e.file = e.file.replace(scratch, str(run_dir))
+            raise
     run_dir.mkdir(parents=True, exist_ok=True)  # every check passed: the first write into output_dir
     cfg.save(str(run_dir / "recipe.yaml"))
     return _resolve(cfg, dist, run_dir, False)
+
+
+def check_logging_packages(log_cfg) -> None:
+    """The packages the ``log`` section asks for are installed (found without importing them).
+
+    Raises:
+        ConfigError: ``log.wandb_project`` set without wandb, or ``log.tensorboard`` without tensorboard,
+            naming the key and what to install.
+    """
+    import importlib.util
+
+    from moerl.config.loader import ConfigError
+
+    if log_cfg.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"log.wandb_project={log_cfg.wandb_project!r} is set but wandb is not installed",
+                          key="log.wandb_project", hint="pip install wandb (or moerl[wandb]), or unset log.wandb_project")
+    if log_cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("log.tensorboard=true but the tensorboard package is not installed", key="log.tensorboard",
+                          hint="pip install tensorboard, or set log.tensorboard=false")
 
 
 def _resolve(cfg, dist, run_dir: Path, check: bool) -> RunContext:
