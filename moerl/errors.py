@@ -152,5 +152,30 @@ def check_port(port: int, key: str) -> int:
     return port
 
 
+def check_writable_path(path, key: str, error: type = None) -> None:
+    """``path`` can be created or written: it is a directory or does not exist yet, and its nearest
+    existing ancestor is a writable directory.
+
+    Args:
+        path: the output path (a directory moerl creates or fills).
+        key: the recipe key or flag that gave it (named in the error).
+        error: the InputError subclass to raise (default :class:`CLIError`).
+
+    Raises:
+        InputError (``error``): ``path`` is a file, or an ancestor is a file or not writable.
+    """
+    error = error or CLIError
+    target = os.path.abspath(os.fspath(path))
+    if os.path.exists(target) and not os.path.isdir(target):
+        raise error(f"{key} {path} exists and is not a directory", key=key, file=str(path), hint=f"choose another {key}")
+    ancestor = target
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor) or not os.access(ancestor, os.W_OK | os.X_OK):
+        why = "is not a directory" if not os.path.isdir(ancestor) else "is not writable"
+        raise error(f"{key} {path} cannot be made: {ancestor} {why}", key=key, file=str(path),
+                    hint=f"choose another {key}")
+
+
 __all__ = ["CLIError", "CheckpointError", "DataError", "InputError", "ModelError", "PortError", "RecipeError",
-           "check_port", "debug_enabled", "input_kind", "report_input_error", "run_entry"]
+           "check_port", "check_writable_path", "debug_enabled", "input_kind", "report_input_error", "run_entry"]

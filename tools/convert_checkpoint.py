@@ -73,8 +73,9 @@ def check_args(args: argparse.Namespace) -> None:
     from transformers import AutoConfig
 
     from moerl.checkpoint.input_checks import check_checkpoint_shapes, check_hf_model_dir, check_hf_tensors
-    from moerl.errors import CLIError
+    from moerl.errors import CLIError, check_writable_path
 
+    check_writable_path(args.out, "--out")
     if args.cmd == "hf-to-mcore":
         if Path(args.out).exists():
             raise CLIError(f"--out {args.out} already exists", key="--out", file=args.out,
@@ -82,8 +83,6 @@ def check_args(args: argparse.Namespace) -> None:
         check_hf_model_dir(args.hf, "--hf", weights=True)
         check_hf_tensors(args.hf, AutoConfig.from_pretrained(args.hf), "--hf")
     else:
-        if Path(args.out).exists() and not Path(args.out).is_dir():
-            raise CLIError(f"--out {args.out} is a file", key="--out", file=args.out, hint="give a directory")
         check_hf_model_dir(args.config, "--config")
         check_checkpoint_shapes(args.ckpt, AutoConfig.from_pretrained(args.config), key="--ckpt")
 

@@ -111,7 +111,7 @@ def main(argv=None) -> int:
 
 
 def _main(argv) -> int:
-    from moerl.errors import CLIError, DataError
+    from moerl.errors import CLIError, DataError, check_writable_path
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--format", required=True, choices=["gsm8k", "dapo", "math"])
@@ -126,6 +126,7 @@ def _main(argv) -> int:
     if os.path.isdir(args.dst):
         raise CLIError(f"output {args.dst} is a directory", key="dst", file=args.dst,
                        hint="give a file name, e.g. data/math_train.jsonl")
+    check_writable_path(os.path.dirname(os.path.abspath(args.dst)), "dst (its directory)")
     if os.path.abspath(args.dst) == os.path.abspath(args.src):
         raise CLIError(f"output {args.dst} is the input file", key="dst", file=args.dst,
                        hint="write to another file; the input would be replaced")

@@ -5,7 +5,6 @@ All checks that can fail on user input happen here, before any model is built or
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -153,15 +152,10 @@ def _prepare_main(cfg, dist) -> RunContext:
     check_ports_free(cfg.rollout)
     resolve_reward_fn(cfg.reward.function, group=cfg.reward.group)  # user code: path and signature
     run_dir = Path(cfg.output_dir)
-    ancestor = run_dir.absolute()
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
-        from moerl.config.loader import ConfigError
+    from moerl.config.loader import ConfigError
+    from moerl.errors import check_writable_path
 
-        what = "exists and is not a directory" if ancestor == run_dir.absolute() else f"cannot be made: {ancestor} " + (
-            "is not a directory" if not ancestor.is_dir() else "is not writable")
-        raise ConfigError(f"output_dir {run_dir} {what}", key="output_dir", hint="choose another output_dir")
+    check_writable_path(run_dir, "output_dir", ConfigError)
     check_logging_packages(cfg.log)
     with tempfile.TemporaryDirectory(prefix="moerl-start-") as scratch:
         try:
