@@ -116,6 +116,14 @@ def fx(tmp_path_factory):
     (d / "no_weights").mkdir()
     shutil.copy(d / "qwen_ok" / "config.json", d / "no_weights" / "config.json")
     p["no_weights"] = str(d / "no_weights")
+    (d / "corrupt_weights").mkdir()
+    shutil.copy(d / "qwen_ok" / "config.json", d / "corrupt_weights" / "config.json")
+    (d / "corrupt_weights" / "model.safetensors").write_bytes(b"garbage")
+    p["corrupt_weights"] = str(d / "corrupt_weights")
+    (d / "bad_index").mkdir()
+    shutil.copy(d / "qwen_ok" / "config.json", d / "bad_index" / "config.json")
+    (d / "bad_index" / "model.safetensors.index.json").write_text("{not json")
+    p["bad_index"] = str(d / "bad_index")
     from moerl.rollout.testing import make_tiny_tokenizer
 
     make_tiny_tokenizer(str(d / "qwen_ok_tok"))  # a tokenizer directory for serve --tokenizer-path
@@ -261,6 +269,9 @@ CASES = [
     ("init-from-missing-tensor", T, ["model.init_from={qwen_missing_tensor}"],
      ["model.init_from", "missing tensors", "model.layers.1.mlp.experts.3.up_proj.weight"]),
     ("init-from-no-weights", T, ["model.init_from={no_weights}"], ["model.init_from", "model.safetensors"]),
+    ("init-from-corrupt-weights", T, ["model.init_from={corrupt_weights}"],
+     ["model.init_from", "corrupt_weights/model.safetensors"]),
+    ("init-from-bad-index", T, ["model.init_from={bad_index}"], ["model.init_from", "not a safetensors index"]),
     ("init-from-other-config", T, ["model.init_from={qwen_ok}", "model.hf_config.moe_intermediate_size=64"],
      ["model.init_from", "moe_intermediate_size: checkpoint 128 vs recipe 64"]),
     # checkpoint
@@ -276,6 +287,9 @@ CASES = [
     ("serve-model-no-config", S, ["--model-path", "{no_config}"], ["--model-path", "config.json"]),
     ("serve-model-no-weights", S, ["--model-path", "{no_weights}", "--tokenizer-path", "{tok}"],
      ["--model-path", "model.safetensors"]),
+    ("serve-corrupt-weights", S, ["--model-path", "{corrupt_weights}", "--tokenizer-path", "{tok}"],
+     ["--model-path", "corrupt_weights/model.safetensors"]),
+    ("serve-host-unresolvable", S, ["--model-path", "{qwen_ok}", "--host", "nohost.invalid"], ["--host", "nohost.invalid"]),
     ("serve-no-tokenizer", S, ["--model-path", "{qwen_ok}"], ["tokenizer", "qwen_ok"]),
     ("serve-tokenizer-missing", S, ["--model-path", "{qwen_ok}", "--tokenizer-path", "/nonexistent/tok"],
      ["--tokenizer-path", "/nonexistent/tok"]),
@@ -305,6 +319,8 @@ CASES = [
      ["--hf", "'llama'"]),
     ("convert-hf-wrong-shapes", "convert_checkpoint", ["hf-to-mcore", "--hf", "{qwen_bad_tensors}", "--out",
                                                        "{dir}/c3"], ["--hf", "wrong shapes"]),
+    ("convert-bad-index", "convert_checkpoint", ["hf-to-mcore", "--hf", "{bad_index}", "--out", "{dir}/c6"],
+     ["--hf", "not a safetensors index"]),
     ("convert-out-exists", "convert_checkpoint", ["hf-to-mcore", "--hf", "{qwen_ok}", "--out", "{dir}"],
      ["--out", "already exists"]),
     ("convert-ckpt-missing", "convert_checkpoint", ["mcore-to-hf", "--ckpt", "/nonexistent/ckpt", "--config",

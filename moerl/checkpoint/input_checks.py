@@ -71,13 +71,18 @@ def hf_tensor_shapes(path: Any, key: str) -> dict[str, tuple[int, ...]]:
     """name -> shape of every tensor in the safetensors of ``path`` (single file or index), headers only.
 
     Raises:
-        ModelError: no safetensors weights, or a file the index names is missing / unreadable.
+        ModelError: no safetensors weights, an index that is not JSON with a weight_map, or a file the
+            index names is missing / unreadable.
     """
     from safetensors import safe_open
 
     p = Path(path)
     if (p / _SAFETENSORS_INDEX).is_file():
-        files = sorted(set(json.loads((p / _SAFETENSORS_INDEX).read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(json.loads((p / _SAFETENSORS_INDEX).read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # not JSON, or no weight_map object
+            raise ModelError(f"{key}: {p / _SAFETENSORS_INDEX} is not a safetensors index ({type(e).__name__}: {e})",
+                             key=key, file=str(p / _SAFETENSORS_INDEX), hint="restore the checkpoint's index file") from None
     elif (p / _SAFETENSORS_SINGLE).is_file():
         files = [_SAFETENSORS_SINGLE]
     else:

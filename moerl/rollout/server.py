@@ -416,10 +416,10 @@ def check_args(args: argparse.Namespace) -> None:
         moerl.errors.CLIError: --num-threads / --max-batch-size < 1, --switch-interval-ms <= 0, a
             --log-file / --request-log whose directory does not exist.
         moerl.errors.PortError: --port outside 1..65535, or taken on --host.
-        moerl.errors.ModelError: --model-path not a model directory (config.json, safetensors), or
+        moerl.errors.ModelError: --model-path not a model directory (config.json, readable safetensors), or
             --tokenizer-path (default: the model path) without tokenizer files.
     """
-    from moerl.checkpoint.input_checks import check_hf_model_dir
+    from moerl.checkpoint.input_checks import check_hf_model_dir, hf_tensor_shapes
     from moerl.errors import CLIError, ModelError, PortError, check_port
     from moerl.rollout.launcher import port_is_free
 
@@ -442,7 +442,8 @@ def check_args(args: argparse.Namespace) -> None:
     if not free:
         raise PortError(f"--port {args.port} on {args.host} is already in use", key="--port",
                         hint="choose another --port or stop what holds it")
-    check_hf_model_dir(args.model_path, "--model-path", model_types=None, weights=True)
+    check_hf_model_dir(args.model_path, "--model-path", model_types=None)
+    hf_tensor_shapes(args.model_path, "--model-path")  # weights present and readable (headers only)
     tok = args.tokenizer_path or args.model_path
     tok_flag = "--tokenizer-path" if args.tokenizer_path else "--model-path (its tokenizer)"
     if not os.path.isdir(tok) or not any(os.path.isfile(os.path.join(tok, n))
