@@ -49,7 +49,7 @@ EXPECTED_TINY = {
         "router_policy": "round_robin", "n_samples_per_prompt": 8, "rollout_batch_size": 16, "temperature": 1.0,
         "top_p": 1.0, "top_k": -1, "max_new_tokens": 8, "request_timeout_s": 60.0, "max_retries": 2,
         "startup_timeout_s": 120.0, "weight_sync": "disk", "weight_sync_bucket_mb": 64.0,
-        "weight_sync_backend": "gloo", "weight_sync_master_address": None, "backend": "reference",
+        "weight_sync_backend": "gloo", "weight_sync_master_address": None, "weight_dtype": "auto", "backend": "reference",
         "placement": "disaggregated", "gpu_ids": [], "server_tp_size": 1, "server_dp_size": 1,
         "server_ep_size": 1, "mem_fraction_static": 0.8, "external_urls": [], "failover": True, "max_restarts": 3,
         "dynamic_sampling": False, "max_oversample_factor": 3.0, "cpu_affinity": [],
