@@ -335,13 +335,20 @@ class _SharedMemoryPickler(pickle.Pickler):
     tensor, ``reduce_typed_storage`` for its typed storage, and the file_system strategy for the
     bytes (chosen here for this pickle only; the process-wide sharing strategy is left alone)."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._storages: dict = {}  # (data_ptr, dtype) -> one TypedStorage object, so the memo pickles it once
+
     def reducer_override(self, obj):
         from torch.multiprocessing import reductions as red
 
         if isinstance(obj, torch.Tensor):
             if obj.device.type != "cpu":
                 raise ValueError(f"serialize_shared takes CPU tensors, got one on {obj.device}")
-            return red.reduce_tensor(obj)
+            rebuild, (cls, storage, meta) = red.reduce_tensor(obj)
+            # views of one buffer share one storage handle (and one reference) per payload
+            storage = self._storages.setdefault((storage._untyped_storage.data_ptr(), storage.dtype), storage)
+            return rebuild, (cls, storage, meta)
         if isinstance(obj, torch.TypedStorage):
             return red.reduce_typed_storage(obj)
         if isinstance(obj, torch.UntypedStorage):
