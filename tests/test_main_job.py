@@ -208,7 +208,7 @@ def _step_lines(stdout: str) -> list[str]:
             line = re.sub(r"\beta [0-9hms]+", "eta", line)  # whole-second ETA (e.g. "eta 1s")
             # the servers batch concurrent requests as they arrive, so the server-side log-probs (not
             # the samples, which come from per-request seeds) can move in the last bits
-            line = re.sub(r"lp_diff \S+", "lp_diff", line)
+            line = re.sub(r"(lp_diff|mis_kl) \S+", r"\1", line)  # mis_kl: from the same server log-probs
             line = re.sub(r"STEP-0 CHECK: .*?: (PASS|FAIL);", r"STEP-0 CHECK: \1;", line)
             out.append(line)
     return out
