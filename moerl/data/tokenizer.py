@@ -111,7 +111,7 @@ def build_tokenizer(out_dir: str | os.PathLike) -> PreTrainedTokenizerFast:
 
 
 # files that make a directory a tokenizer directory for transformers' AutoTokenizer
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
 def load_tokenizer(path: str | os.PathLike, recipe_key: str = "data.tokenizer_path") -> PreTrainedTokenizerBase:
@@ -124,8 +124,8 @@ def load_tokenizer(path: str | os.PathLike, recipe_key: str = "data.tokenizer_pa
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise ValueError(f"tokenizer directory not found: {path} ({recipe_key}); set it to a HF tokenizer dir or null")
-    if not any(os.path.isfile(os.path.join(path, n)) for n in _TOKENIZER_FILES):
-        raise ValueError(f"no tokenizer files ({', '.join(_TOKENIZER_FILES)}) in {path} ({recipe_key}); "
+    if not any(os.path.isfile(os.path.join(path, n)) for n in TOKENIZER_FILES):
+        raise ValueError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {path} ({recipe_key}); "
                          "give a directory written by a tokenizer's save_pretrained")
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)

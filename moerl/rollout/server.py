@@ -446,9 +446,10 @@ def check_args(args: argparse.Namespace) -> None:
     hf_tensor_shapes(args.model_path, "--model-path")  # weights present and readable (headers only)
     tok = args.tokenizer_path or args.model_path
     tok_flag = "--tokenizer-path" if args.tokenizer_path else "--model-path (its tokenizer)"
-    if not os.path.isdir(tok) or not any(os.path.isfile(os.path.join(tok, n))
-                                         for n in ("tokenizer.json", "tokenizer_config.json")):
-        raise ModelError(f"{tok_flag}: no tokenizer (tokenizer.json / tokenizer_config.json) in {tok}",
+    from moerl.data.tokenizer import TOKENIZER_FILES
+
+    if not os.path.isdir(tok) or not any(os.path.isfile(os.path.join(tok, n)) for n in TOKENIZER_FILES):
+        raise ModelError(f"{tok_flag}: no tokenizer ({' / '.join(TOKENIZER_FILES)}) in {tok}",
                          key="--tokenizer-path", file=tok, hint="give --tokenizer-path a tokenizer directory")
 
 
