@@ -10,7 +10,8 @@ reports:
   rank's end, ``time.perf_counter`` is system-wide on Linux) and each rank's idle fraction
   (1 - compute time / step time, medians);
 - the simulator's prediction (``moerl.pipeline.simulator``) from the F, B, W and F&B costs measured in the
-  same runs (per-chunk medians of the timed actions; F&B per (forward chunk, backward chunk) pair);
+  same runs (per-chunk medians of the timed actions; F&B per (forward chunk, backward chunk) pair), the
+  measured p2p latency (ping-pong) and per-action overhead (see ``_analyse``);
 - ratios measured/predicted and between schedules;
 - per chunk of every schedule that splits its backward, measured alone on each rank (no pipeline, same
   process, ``--chunk-runs`` medians): F, the unsplit backward (input + weight grads in one ``autograd.grad``), and
@@ -146,6 +147,33 @@ def _chunk_costs(sched, chunks, mbs, crit, args) -> dict:
     return out
 
 
+def _ping_pong(rank, world, args, rounds: int = 30) -> float:
+    """One-way latency (s) of an activation message between pp ranks 0 and 1: half the median round trip of
+    a header (13 int64, as the interpreter's) and a float32 [seq, batch, hidden] tensor, blocking gloo
+    send/recv.  Other ranks return 0."""
+    import time
+
+    import torch.distributed as dist
+
+    hdr, act = torch.zeros(13, dtype=torch.int64), torch.zeros(args.seq, args.batch, args.hidden)
+    trips = []
+    for _ in range(rounds + 2):
+        dist.barrier()
+        t = time.perf_counter()
+        if rank == 0:
+            for x in (hdr, act):
+                dist.send(x, 1)
+            for x in (hdr, act):
+                dist.recv(x, 1)
+        elif rank == 1:
+            for x in (hdr, act):
+                dist.recv(x, 0)
+            for x in (hdr, act):
+                dist.send(x, 0)
+        trips.append(time.perf_counter() - t)
+    return statistics.median(trips[2:]) / 2 if rank == 0 else 0.0
+
+
 def _worker(rank, world, port, args, out_path):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -165,6 +193,7 @@ def _worker(rank, world, port, args, out_path):
     results = {}
     try:
         cfg = _model_config(args)
+        results["comm_s"] = _ping_pong(rank, world, args)
         for M in args.microbatches:
             mbs = _micro_batches(M, args.batch, args.seq, cfg.vocab_size)
             setups = {}
@@ -187,7 +216,7 @@ def _worker(rank, world, port, args, out_path):
                     t1 = time.perf_counter()
                     sync_mirrored_grads(sched, chunks, channels=interp.channels)
                     if i >= args.warmup:
-                        tl = [(s - t0, e - t0, a.kind, a.chunk, a.chunk_b) for _, s, e, a in res.timeline]
+                        tl = [(w - t0, s - t0, e - t0, a.kind, a.chunk, a.chunk_b) for w, s, e, a in res.timeline]
                         results[f"{name}/{M}"].append({"t0": t0, "t1": t1, "timeline": tl})
             if M == args.microbatches[0]:
                 for name, (sched, chunks, crit, interp) in setups.items():
@@ -203,44 +232,63 @@ def _worker(rank, world, port, args, out_path):
 
 
 def _analyse(name, per_rank, world, M):
-    from moerl.pipeline.schedules import build_schedule
+    """Measured step / idle of schedule ``name`` at M micro-batches, and the simulator's prediction, run by
+    run: each timed run's own compute costs (per chunk, the mean over that run's actions of F, unsplit
+    backward BW, split B and W, and F&B per (forward, backward) chunk pair), the measured one-way p2p latency
+    (``comm``) and the per-action overhead ``o`` (median time between an action's turn and its compute start
+    when its plan round receives nothing: posting sends, bookkeeping) are simulated, so a slow phase of a
+    shared machine enters measurement and prediction alike; medians over runs are reported.  The simulator
+    charges ``cost + o`` per action; its idle fraction counts ``o`` as idle, as the measurement does (busy =
+    compute only)."""
+    from moerl.pipeline.schedules import build_schedule, comm_plan
     from moerl.pipeline.simulator import Costs, simulate
 
     sched = build_schedule(name, world, M)
+    plans = comm_plan(sched)
     key = f"{name}/{M}"
     nruns = len(per_rank[0][key])
-    steps, idles = [], []
-    durs: dict[tuple, list[float]] = {}
+    comm = max(r.get("comm_s", 0.0) for r in per_rank)
+    over = [s - w for r in range(world) for run in per_rank[r][key] for j, (w, s, *_) in enumerate(run["timeline"])
+            if not any(recvs for _, recvs in plans[r][j])]
+    o = statistics.median(over) if over else 0.0
+    C = sched.num_chunks
+    steps, idles, preds, pred_idles, costs = [], [], [], [], []
     for i in range(nruns):
         t0 = min(per_rank[r][key][i]["t0"] for r in range(world))
         t1 = max(per_rank[r][key][i]["t1"] for r in range(world))
         step = t1 - t0
         steps.append(step)
         idle = []
+        durs: dict[tuple, list[float]] = {}
         for r in range(world):
             tl = per_rank[r][key][i]["timeline"]
-            busy = sum(e - s for s, e, *_ in tl)
-            idle.append(1 - busy / step)
-            for s, e, kind, c, cb in tl:
+            idle.append(1 - sum(e - s for _, s, e, *_ in tl) / step)
+            for w, s, e, kind, c, cb in tl:
                 durs.setdefault((kind, c, cb) if kind == "FB" else (kind, c), []).append(e - s)
         idles.append(idle)
-    med = {k: statistics.median(v) for k, v in durs.items()}
-    C = sched.num_chunks
-    F = [med.get(("F", c), 0.0) for c in range(C)]
-    W = [med.get(("W", c), 0.0) for c in range(C)]
-    Bi = [med.get(("B", c), 0.0) for c in range(C)]
-    B = [med[("BW", c)] if ("BW", c) in med else Bi[c] + W[c] for c in range(C)]
-    FB = {(k[1], k[2]): v for k, v in med.items() if k[0] == "FB"}  # measured F&B per (forward, backward) chunk
-    sim = simulate(sched, Costs(F=F, B=B, W=W, FB=FB,
-                                Bi=[Bi[c] if ("B", c) in med else B[c] - W[c] for c in range(C)]))
+        mean = {k: statistics.fmean(v) for k, v in durs.items()}
+        F = [mean.get(("F", c), 0.0) for c in range(C)]
+        W = [mean.get(("W", c), 0.0) for c in range(C)]
+        Bi = [mean.get(("B", c), 0.0) for c in range(C)]
+        B = [mean[("BW", c)] if ("BW", c) in mean else Bi[c] + W[c] for c in range(C)]
+        Bi = [Bi[c] if ("B", c) in mean else B[c] - W[c] for c in range(C)]
+        FB = {(k[1], k[2]): v + o for k, v in mean.items() if k[0] == "FB"}
+        sim = simulate(sched, Costs(F=[x + o for x in F], B=[x + o for x in B], W=[x + o for x in W], FB=FB,
+                                    Bi=[x + o for x in Bi], comm=comm))
+        preds.append(sim.makespan)
+        pred_idles.append([1 - (sum(e - s for s, e, _ in tl) - o * len(tl)) / sim.makespan for tl in sim.timeline])
+        costs.append((F, B, W, Bi))
     return {
         "step_s": statistics.median(steps),
         "step_all_s": steps,
         "idle": [statistics.median(x[r] for x in idles) for r in range(world)],
-        "pred_step_s": sim.makespan,
-        "pred_idle": sim.idle_fraction,
-        "costs_ms": {"F": 1e3 * statistics.median(F), "B": 1e3 * statistics.median(B),
-                     "W": 1e3 * statistics.median(W), "Bi": 1e3 * statistics.median(Bi)},
+        "pred_step_s": statistics.median(preds),
+        "pred_all_s": preds,
+        "pred_idle": [statistics.median(x[r] for x in pred_idles) for r in range(world)],
+        "overhead_ms": 1e3 * o,
+        "comm_ms": 1e3 * comm,
+        "costs_ms": {k: 1e3 * statistics.median(statistics.fmean(c[j]) for c in costs)
+                     for j, k in enumerate(("F", "B", "W", "Bi"))},
     }
 
 
@@ -322,6 +370,8 @@ def main(argv=None):
             print(f"{'':5s}{n:10s} {r['step_s']:8.3f} {r['pred_step_s']:8.3f} {r['step_s'] / r['pred_step_s']:9.2f}  "
                   f"{' '.join(f'{x:.3f}' for x in r['idle']):22s} {' '.join(f'{x:.3f}' for x in r['pred_idle']):22s} "
                   f"{diff:10.3f}  {c['F']:.1f}/{c['B']:.1f}/{c['W']:.1f}/{c['Bi']:.1f}")
+        print(f"{'':5s}simulator inputs: p2p latency {rows[names[0]]['comm_ms']:.2f} ms, per-action overhead "
+              + ", ".join(f"{n} {rows[n]['overhead_ms']:.2f} ms" for n in names))
         base = names[0]
         for n in names[1:]:
             print(f"{'':5s}{n}/{base}: measured step ratio {rows[n]['step_s'] / rows[base]['step_s']:.3f}, "
