@@ -36,7 +36,8 @@ setup(
         "reasoning-gym==0.1.25",  # data.task: reasoning_gym and reward.function: reasoning_gym
     ],
     extras_require={
-        "test": ["pytest>=8,<10"],
+        # accelerate: transformers' FineGrainedFP8 loader reads moerl's FP8 rollout checkpoints (tests/test_fp8_rollout.py)
+        "test": ["pytest>=8,<10", "accelerate>=1.0,<2"],
         "wandb": ["wandb"],
     },
     entry_points={"console_scripts": ["moerl=moerl.cli:main"]},
