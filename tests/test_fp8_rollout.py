@@ -72,7 +72,7 @@ def test_fp8_layout_of_the_state_dict(trainer_sd):
 
 
 @pytest.mark.parametrize("bucket", [TINY, HUGE], ids=["pairs-split", "one-bucket"])
-@pytest.mark.parametrize("mode", ["disk", "tensor", "distributed"])
+@pytest.mark.parametrize("mode", ["disk", "tensor", "tensor-bytes", "distributed"])
 def test_served_weights_equal_the_trainers_quantise_dequantise_bitwise(mode, bucket, ckpts, trainer_sd, tmp_path):
     engine = ReferenceEngine(ckpts[0])
     client = TestClient(create_app(engine))
@@ -81,10 +81,11 @@ def test_served_weights_equal_the_trainers_quantise_dequantise_bitwise(mode, buc
     want = expected_fp8(trainer_sd)
     try:
         sent = rollout_state_dict(trainer_sd, "fp8")
-        # tensor: the shared-memory transport (what a local server gets; the in-process engine can open it)
-        sync_weights(mode, [url], sent, f"fp8-{mode}", bucket_bytes=bucket, out_root=tmp_path, updater=updater,
-                     hf_config=rollout_hf_config(AutoConfig.from_pretrained(ckpts[1]), "fp8"), http_client=client,
-                     **({"tensor_transport": "shm"} if mode == "tensor" else {}))
+        # tensor: the shared-memory transport (what a local server gets; the in-process engine can open it);
+        # tensor-bytes: tensors inline (a server on another host): FP8 buckets go as SGLang flattened buckets
+        sync_weights(mode.split("-")[0], [url], sent, f"fp8-{mode}", bucket_bytes=bucket, out_root=tmp_path,
+                     updater=updater, hf_config=rollout_hf_config(AutoConfig.from_pretrained(ckpts[1]), "fp8"),
+                     http_client=client, tensor_transport="bytes" if mode == "tensor-bytes" else "shm")
         bad = [n for n, t in want.items() if not torch.equal(served(engine, n, t), t)]
         assert bad == []
         # quantisation really changed the matrices (and only them)

@@ -335,6 +335,19 @@ def _bucket_span(bucket: Mapping[str, torch.Tensor]) -> int:
     return sum(-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in bucket.values())
 
 
+def _bytes_payload(bucket: Mapping[str, torch.Tensor]) -> tuple[str, Optional[str]]:
+    """(serialized payload, load_format) of one bucket for the ``bytes`` transport: SGLang's list of
+    (name, tensor) pairs (load_format None); a bucket holding float8 tensors (rollout.weight_dtype=fp8)
+    goes as SGLang's flattened bucket (one uint8 tensor + metadata naming each dtype, load_format
+    "flattened_bucket"), because torch 2.13 cannot unpickle a plainly pickled float8 tensor."""
+    from moerl.rollout.tensor_serde import flatten_bucket, serialize, serialize_named_tensors
+
+    if any(t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for t in bucket.values()):
+        flat, meta = flatten_bucket(bucket.items())
+        return serialize({"flattened_tensor": flat, "metadata": meta}), "flattened_bucket"
+    return serialize_named_tensors(bucket)[0], None
+
+
 def sync_weights_from_tensor(server_urls: Sequence[str], hf_state_dict: Mapping[str, torch.Tensor],
                              weight_version: str, bucket_bytes: int = 64 << 20, *, timeout_s: float = 600.0,
                              http_client: Optional[httpx.Client] = None, transport: str = "auto",
@@ -370,7 +383,7 @@ def sync_weights_from_tensor(server_urls: Sequence[str], hf_state_dict: Mapping[
         raise ValueError("hf_state_dict is empty")
     if not server_urls:  # nothing to send to (e.g. every server restarting: the restorer catches them up)
         return 0
-    from moerl.rollout.tensor_serde import serialize_named_tensors, serialize_shared
+    from moerl.rollout.tensor_serde import serialize_shared
 
     # one client per sync; without TLS (all http://) skip loading the CA bundle (~15-30 ms per client)
     client = http_client or httpx.Client(timeout=timeout_s, trust_env=False,
@@ -379,8 +392,8 @@ def sync_weights_from_tensor(server_urls: Sequence[str], hf_state_dict: Mapping[
     byte_urls = [u for u in server_urls if how[u] == "bytes"]
     buffers = buffers if buffers is not None else SHARED_BUCKET_BUFFERS
 
-    def body(blobs: list[str], last: bool) -> dict:
-        return {"serialized_named_tensors": blobs, "load_format": None, "flush_cache": last,
+    def body(blobs: list[str], last: bool, load_format: Optional[str] = None) -> dict:
+        return {"serialized_named_tensors": blobs, "load_format": load_format, "flush_cache": last,
                 "weight_version": weight_version if last else None}
 
     def wait(futures) -> None:
@@ -405,10 +418,10 @@ def sync_weights_from_tensor(server_urls: Sequence[str], hf_state_dict: Mapping[
                     payload = body([serialize_shared(shared) for _ in range(tp_of[u])], last)
                     in_flight.append(_post_async(pool, client, u, "/update_weights_from_tensor", payload))
                 if byte_urls:
-                    blob = serialize_named_tensors(bucket)[0]
+                    blob, fmt = _bytes_payload(bucket)
                     for u in byte_urls:
                         in_flight.append(_post_async(pool, client, u, "/update_weights_from_tensor",
-                                                     body([blob] * tp_of[u], last)))
+                                                     body([blob] * tp_of[u], last, fmt)))
             wait(in_flight)
         verify_weight_version(server_urls, weight_version, http_client=client)
     finally:
