@@ -52,11 +52,13 @@ def _two_steps(actor, samples, offload_between: bool):
     return [p.detach().clone() for p in actor.model.parameters()], state
 
 
-@pytest.mark.parametrize("use_distributed_optimizer", [False, True])
-def test_offload_reload_is_bitwise_transparent(dist, use_distributed_optimizer):
+@pytest.mark.parametrize("use_distributed_optimizer, params_dtype",
+                         [(False, "float32"), (True, "float32"), (False, "bfloat16"), (True, "bfloat16")])
+def test_offload_reload_is_bitwise_transparent(dist, use_distributed_optimizer, params_dtype):
+    """(bfloat16: the FP32 main params of Megatron's mixed-precision optimizers move too.)"""
     hf = random_hf_model()
     samples = make_samples(FIELDS["vocab_size"])
-    kw = dict(lr=1e-2, use_distributed_optimizer=use_distributed_optimizer)
+    kw = dict(lr=1e-2, use_distributed_optimizer=use_distributed_optimizer, params_dtype=params_dtype)
     ref_params, _ = _two_steps(actor_with(hf, **kw), samples, offload_between=False)
     actor = actor_with(hf, **kw)
     params, state = _two_steps(actor, samples, offload_between=True)
@@ -64,7 +66,13 @@ def test_offload_reload_is_bitwise_transparent(dist, use_distributed_optimizer):
     n_weights = sum(p.numel() * p.element_size() for p in actor.model.parameters())
     assert state.nbytes >= 4 * n_weights
     # the two steps changed the weights (so the comparison below can fail) and both runs agree bitwise
-    initial = actor_with(hf, trainable=False)
+    # bfloat16: the optimizer's FP32 main params are among the tensors moved (fp32: there are none)
+    from moerl.train.actor import _fp32_main_params
+
+    mains, moved = _fp32_main_params(actor.optimizer), _storages(actor_tensors(actor))
+    assert (len(mains) > 0) == (params_dtype == "bfloat16")
+    assert all((m.untyped_storage().data_ptr(), m.device.type) in moved for m in mains)
+    initial = actor_with(hf, trainable=False, params_dtype=params_dtype)
     assert any(not torch.equal(a.detach(), b) for a, b in zip(initial.model.parameters(), params))
     assert len(params) == len(ref_params)
     for a, b in zip(params, ref_params):
