@@ -36,8 +36,9 @@ moerl's version for the layers moerl trains on CPU and GPU (the idea is theirs; 
   (:mod:`moerl.pipeline.overlap`: Megatron's schedule plans run their own ``backward_dw``, the interpreter's W
   is empty there).  Not run on CPU (TE does not install here): written against the documented API only.
 
-Parameters the store does not cover (norms, the router, the embedding, biases, modules of other classes) get
-their gradients in B as before; :class:`Coverage` names them and :meth:`WeightGradStore.install` logs them
+Parameters the store does not cover (norms, the router, the embedding, biases, modules of other classes --
+e.g. the legacy ``GroupedMLP`` whose expert weights are raw parameters of a grouped GEMM, or a forward
+re-run by activation recomputation inside B) get their gradients in B as before; :class:`Coverage` names them and :meth:`WeightGradStore.install` logs them
 once (logger ``moerl.pipeline``), so nothing is silently left out.  A parameter used by a covered linear AND
 elsewhere (a tied embedding: the embedding lookup and the output layer) gets the lookup's share in B and the
 output GEMM's share in W, into the same tensor.
