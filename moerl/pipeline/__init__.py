@@ -1,5 +1,7 @@
-"""Pipeline-parallel schedules (1F1B, ZB1P, DualPipe, DualPipeV) as data, a bubble simulator and one
-point-to-point interpreter that runs any of them (see :mod:`moerl.pipeline.schedules`)."""
+"""Pipeline-parallel schedules (1F1B, ZB1P, DualPipe, DualPipeV) as data, a bubble simulator, one
+point-to-point interpreter that runs any of them (see :mod:`moerl.pipeline.schedules`) and the layer-level
+B/W backward split it uses by default (:mod:`moerl.pipeline.wgrad_store`; not imported here: the package's
+top level stays pure Python)."""
 
 from moerl.pipeline.schedules import (  # noqa: F401
     SCHEDULE_NAMES,
