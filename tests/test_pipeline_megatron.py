@@ -339,3 +339,44 @@ def test_store_split_equals_unsplit_backward_fp64(kind, name, dist, caplog):
             assert rel_err(got[k].grad, p.grad) < 1e-12, (c, k, rel_err(got[k].grad, p.grad))
             n_checked += 1
     assert n_checked >= 10
+
+
+def test_store_outside_capture_and_misuse(dist):
+    """An armed forward whose backward runs outside ``capture`` (an ordinary ``loss.backward()``) gets every
+    weight gradient in that backward, equal (float64) to Megatron's own linear; captures refuse nesting and a
+    key whose GEMMs are still queued."""
+    from moerl.pipeline.megatron_stages import PolicyCriterion, build_chunk_modules
+    from moerl.pipeline.wgrad_store import WeightGradStore
+
+    M = 2
+    cfg = hf_config(2)
+    sched = build_schedule("zb1p", 1, M)
+    torch.manual_seed(4)
+    (mod,) = _double_chunks(build_chunk_modules(sched, 0, cfg, init_method_std=0.2)).values()
+    (ref,) = _double_chunks(build_chunk_modules(sched, 0, cfg)).values()
+    ref.load_state_dict(mod.state_dict())
+    store = WeightGradStore()
+    cov = store.install(mod)
+    assert cov.deferred and "model.output_layer.weight" in cov.deferred
+    mb = to_float64(micro_batches(M, cfg.vocab_size))[0]
+    crit = PolicyCriterion(loss_fn(M))
+    with store.arm():
+        loss = crit(mod(None, mb), mb)
+    loss.backward()
+    crit(ref(None, mb), mb).backward()
+    assert not store.pending()
+    want = dict(ref.named_parameters())
+    for n, p in mod.named_parameters():
+        assert rel_err(p.grad, want[n].grad) < 1e-12, n
+    with store.arm():
+        loss = crit(mod(None, mb), mb)
+    with store.capture((0, 0)):
+        with pytest.raises(RuntimeError, match="inside capture"):
+            with store.capture((0, 1)):
+                pass
+        loss.backward()
+    assert store.pending() == [(0, 0)]
+    with pytest.raises(RuntimeError, match="run W for it first"):
+        with store.capture((0, 0)):
+            pass
+    assert store.run((0, 0)) == len(cov.deferred)  # one GEMM per deferred weight (no expert sees 0 calls)
