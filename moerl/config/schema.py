@@ -375,8 +375,9 @@ class RolloutConfig(_Section):
                     f"rollout.server_tp_size * rollout.server_dp_size ({per}): one SGLang server per {per} GPUs")
             if self.weight_sync == "tensor":
                 raise ValueError(
-                    "rollout.weight_sync=tensor sends SGLang's serialized payload with the tensors copied into it "
-                    "(moerl/rollout/tensor_serde.py), checked against the reference server only; SGLang's own "
+                    "rollout.weight_sync=tensor sends SGLang's serialized payload of CPU tensors (shared-memory "
+                    "handles on this host, inline bytes otherwise: moerl/rollout/tensor_serde.py), checked against "
+                    "the reference server only; SGLang's own "
                     "trainers pass CUDA-IPC handles between co-located GPUs instead: use "
                     "rollout.weight_sync=distributed (NCCL) or disk with rollout.backend=sglang")
         return self
