@@ -329,3 +329,25 @@ def test_fifo_blocking_sends_model():
     assert [([(x.what, x.microbatch) for x in sd], [(x.what, x.microbatch) for x in rv]) for sd, rv in b1] == \
         [([("act", 0)], []), ([], [("grad", 0)])]
     assert [[(x.what, x.microbatch) for x in sd] for sd, _ in comm_plan(zw)[0][1]] == [[("act", 0)]]
+
+
+def test_weight_steps_follow_input_grad_order_per_chunk():
+    """Transformer Engine's delay_wgrad_compute queue is FIFO per module, so W of a chunk must run in its
+    B order (an unsplit BW counting as B then W): true of every split schedule; a swapped pair is named."""
+    import dataclasses
+
+    from moerl.pipeline.schedules import Action
+    from moerl.pipeline.wgrad_store import check_fifo_weight_order
+
+    for name in ("zb1p", "dualpipe", "dualpipev"):
+        for P in (2, 4):
+            for M in (2 * P, 2 * P + 2, 4 * P):
+                s = build_schedule(name, P, M)
+                for r in range(P):
+                    check_fifo_weight_order(s, r)
+    s = build_schedule("zb1p", 1, 2)  # F0.0 B0.0 W0.0 F0.1 B0.1 W0.1
+    acts = list(s.actions[0])
+    acts[2], acts[5] = Action("W", 0, 1), Action("W", 0, 0)  # ... B0.0 W0.1 ... B0.1 W0.0: 0.1 not B'd yet
+    swapped = dataclasses.replace(s, actions=(tuple(acts),))
+    with pytest.raises(ValueError, match=r"chunk 0 runs W in micro-batch order \[1, 0\] but B in \[0, 1\]"):
+        check_fifo_weight_order(swapped, 0)
