@@ -25,6 +25,14 @@ from moerl.train.actor import _fp32_main_params, params_torch_dtype  # noqa: E40
 U_BF16 = 2.0 ** -8  # unit roundoff of bfloat16 (8 significant bits, round to nearest)
 
 
+def _model_and_main_params(optimizer) -> list:
+    """(BF16 model param, its FP32 main param) pairs of Megatron's Float16OptimizerWithFloat16Params
+    (every sub-optimizer of a ChainedOptimizer: dense and expert parameters)."""
+    subs = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [(w, main) for o in subs for mg, fg in zip(o.float16_groups, o.fp32_from_float16_groups)
+            for w, main in zip(mg, fg)]
+
+
 def test_params_dtype_names_and_float16_refusal():
     assert params_torch_dtype("bfloat16") is torch.bfloat16 and params_torch_dtype("float32") is torch.float32
     assert params_torch_dtype(torch.bfloat16) is torch.bfloat16
@@ -54,10 +62,8 @@ def test_bf16_actor_keeps_fp32_main_params_grads_moments_and_norm(dist):
     mains = _fp32_main_params(actor.optimizer)
     assert any(not torch.equal(p, p.bfloat16().float()) for p in mains)
     # and the model params are their BF16 rounding (Megatron copies main -> model after the step)
-    opt = actor.optimizer.chained_optimizers[0] if hasattr(actor.optimizer, "chained_optimizers") else actor.optimizer
-    for model_group, main_group in zip(opt.float16_groups, opt.fp32_from_float16_groups):
-        for w, main in zip(model_group, main_group):
-            assert torch.equal(w, main.bfloat16())
+    pairs = _model_and_main_params(actor.optimizer)
+    assert len(pairs) == facts["n_main"] and all(torch.equal(w, main.bfloat16()) for w, main in pairs)
 
 
 def test_bf16_log_probs_match_fp32_transformers_within_bf16_rounding(dist):
@@ -141,3 +147,42 @@ def test_step0_logprob_tolerance_follows_the_dtypes():
     # the demo's bf16 figure (mean 1.2e-2) passes the bf16 tolerance and fails the fp32 one
     m = {"logprob_abs_diff_mean": 1.21e-2, "logprob_abs_diff_max": 1.08, "train/logratio_abs_sum": 0.0}
     assert step0_check(m, STEP0_LOGPROB_TOL_BF16)["logprob_pass"] and not step0_check(m)["logprob_pass"]
+
+
+def test_params_dtype_change_at_resume_loads_weights_not_optimizer(dist, tmp_path):
+    """A checkpoint of another model.params_dtype: its layout differs (run_state.layout), so resume loads
+    the weights only (cast: bf16 = the fp32 weights' rounding) with fresh Adam, and the FP32 main params
+    follow the loaded weights (else the first step would put the fresh model's weights back). Loading its
+    optimizer state would fail: Megatron's bf16 optimizer holds other tensors."""
+    import json
+    from types import SimpleNamespace
+
+    from moerl.checkpoint.dist_ckpt import load_dist_checkpoint
+    from moerl.checkpoint.run_state import (COMPLETE_MARKER, TrainState, layout, load_checkpoint, save_checkpoint,
+                                            saved_layout)
+    from moerl.config import load_config
+
+    recipe = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_arith.yaml")
+    cfg32, cfg16 = (load_config(recipe, [f"model.params_dtype={d}"]) for d in ("float32", "bfloat16"))
+    f32, b16 = layout(cfg32), layout(cfg16)
+    assert f32 != b16 and {k: v for k, v in f32.items() if k != "params_dtype"} == \
+        {k: v for k, v in b16.items() if k != "params_dtype"}
+    old = {k: v for k, v in f32.items() if k != "params_dtype"}  # a marker written before the key existed
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / COMPLETE_MARKER).write_text(json.dumps({"layout": old}))
+    assert saved_layout(tmp_path / "old") == f32
+
+    a = actor_with(random_hf_model(), lr=1e-3)
+    path = save_checkpoint(SimpleNamespace(cfg=cfg32, run_dir=tmp_path / "run"), a, TrainState(phase="rl", rl_step=1),
+                           {})
+    b = actor_with(random_hf_model(seed=3), lr=1e-3, params_dtype="bfloat16")
+    state = load_checkpoint(SimpleNamespace(cfg=cfg16, run_dir=tmp_path / "run"), b, path)
+    assert state.rl_step == 1
+    sa, sb = a.export_hf_state_dict(), b.export_hf_state_dict()
+    assert all(torch.equal(sb[k], sa[k].bfloat16()) for k in sa)
+    pairs = _model_and_main_params(b.optimizer)
+    assert len(pairs) == sum(1 for _ in b.model.parameters())
+    assert all(torch.equal(main, w.float()) for w, main in pairs)
+    with pytest.raises(BaseException):  # torch's CheckpointException is a BaseException
+        c = actor_with(random_hf_model(seed=3), lr=1e-3, params_dtype="bfloat16")
+        load_dist_checkpoint(c.model, c.optimizer, path)

@@ -75,16 +75,19 @@ def _set_rng_state(st: dict) -> None:
 def layout(cfg) -> dict:
     """The parallel layout a checkpoint is written in (a change reshards the model weights)."""
     p = cfg.parallel
-    # the pipeline schedule places stages differently (DualPipe(V) chunks): a change reshards like TP/PP/EP
+    # the pipeline schedule places stages differently (DualPipe(V) chunks): a change reshards like TP/PP/EP;
+    # model.params_dtype changes the optimizer's state (bfloat16 adds FP32 main params): the weights load
+    # (cast), the optimizer state does not
     return {"world_size": world.world_size(), "tp_size": p.tp_size, "pp_size": p.pp_size, "ep_size": p.ep_size,
-            "etp_size": p.expert_tp_size, "pipeline_schedule": cfg.train.pipeline_schedule}
+            "etp_size": p.expert_tp_size, "pipeline_schedule": cfg.train.pipeline_schedule,
+            "params_dtype": cfg.model.params_dtype}
 
 
 def saved_layout(path: Path) -> dict:
     """The :func:`layout` a complete checkpoint at ``path`` was written in (from its completion marker;
-    checkpoints older than the pipeline_schedule key were 1F1B)."""
+    checkpoints older than the pipeline_schedule / params_dtype keys were 1F1B / float32)."""
     marker = json.loads((Path(path) / COMPLETE_MARKER).read_text())
-    return {"pipeline_schedule": "1f1b", **marker["layout"]}
+    return {"pipeline_schedule": "1f1b", "params_dtype": "float32", **marker["layout"]}
 
 
 def checkpoint_dir(run_dir: Path, state: TrainState) -> Path:
@@ -176,9 +179,10 @@ def save_checkpoint(ctx, actor, state: TrainState, samplers: dict, critic=None) 
 
 def load_checkpoint(ctx, actor, path: Path) -> TrainState:
     """Collective: restore model, optimizer (rebuilt for the checkpoint's phase first), TrainState
-    and, when the layout is unchanged, every rank's RNG states. After a TP/PP/EP/world-size or
-    pipeline-schedule change the model weights reshard but the optimizer state is not loaded (it
-    reshards over DP only) and the RNG states are not restored; both are warned about."""
+    and, when the layout is unchanged, every rank's RNG states. After a TP/PP/EP/world-size,
+    pipeline-schedule or model.params_dtype change the model weights reshard (and are cast) but the
+    optimizer state is not loaded (it reshards over DP only; a dtype change changes its tensors) and
+    the RNG states are not restored; both are warned about."""
     marker = json.loads((path / COMPLETE_MARKER).read_text())
     saved, now = saved_layout(path), layout(ctx.cfg)
     same = saved == now
@@ -186,9 +190,10 @@ def load_checkpoint(ctx, actor, path: Path) -> TrainState:
     if {k: v for k, v in saved.items() if k != "world_size"} == {k: v for k, v in now.items() if k != "world_size"}:
         extra = load_dist_checkpoint(actor.model, actor.optimizer, path)  # DP changes reshard
     else:
-        log(f"WARNING: checkpoint layout {saved} differs from this run's {now} in TP/PP/EP/schedule: model weights "
-            "are resharded, the optimizer state is NOT loaded (fresh Adam moments)")
+        log(f"WARNING: checkpoint layout {saved} differs from this run's {now} in TP/PP/EP/schedule/params_dtype: "
+            "model weights are resharded, the optimizer state is NOT loaded (fresh Adam moments)")
         extra = load_dist_checkpoint(actor.model, None, path)
+        actor.optimizer.reload_model_params()  # BF16: the FP32 main params follow the loaded weights
     state = TrainState(**extra["moerl_state"])
     if same:
         _set_rng_state(extra["rng"][world.global_rank()])
