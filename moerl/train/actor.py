@@ -32,6 +32,11 @@ Parallel layouts (whatever moerl.runtime.distributed.init_distributed set up):
   micro-batch order. Steps with fewer than 2*PP micro-batches run GPipe order on the same chunks
   (build_schedule(..., fallback=True)).
 
+Precision (``params_dtype``): float32, or bfloat16 through Megatron-Core's mixed precision (BF16
+weights and compute in a Float16Module, FP32 DDP gradient buffers and reduction, FP32 main params /
+grads / Adam moments in Float16OptimizerWithFloat16Params or the distributed optimizer, grad norm and
+clipping in FP32; see MegatronActor). float16 is refused (no loss scaling).
+
 Padding is right padding with a zero loss mask: with a causal mask it leaves every real token's
 logits unchanged, and the padding mask (moerl.train.batching.padding_mask) keeps padded tokens out
 of Megatron's per-micro-batch MoE aux / z losses.
