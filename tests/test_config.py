@@ -76,7 +76,7 @@ EXPECTED_TINY = {
         "adam_beta1": 0.9, "adam_beta2": 0.999, "clip_grad": 1.0, "num_threads": 2, "save_every": 0,
         "save_every_minutes": 0.0, "keep_checkpoints": 3, "pack": True,
         "max_tokens_per_micro_batch": 2048, "pack_balance": "tokens", "pipeline_schedule": "1f1b",
-        "pipeline_overlap": False, "mode": "sync", "max_staleness": 1, "staleness_policy": "wait",
+        "pipeline_overlap": False, "split_backward": "store", "mode": "sync", "max_staleness": 1, "staleness_policy": "wait",
         "partial_rollout_mask_old": False, "cpu_affinity": [],
     },
     "sft": {
