@@ -179,3 +179,26 @@ def test_repeated_syncs_to_a_server_process_reuse_the_same_shm_files(ckpts, ref_
         bufs.release()
         proc.kill()
         proc.wait()
+
+
+def test_tensors_already_in_shared_memory_travel_uncopied(ckpts):
+    """A trainer tensor already in shared memory (share_memory_) is sent by its own handle: no bucket
+    buffer is needed for it, and the served parameters still equal the trainer's bitwise."""
+    sd = {n: t.clone() for n, t in load_safetensors_dir(ckpts[1])}
+    names = sorted(sd)
+    for n in names[::2]:
+        sd[n].share_memory_()
+    engine = ReferenceEngine(ckpts[0])
+    client = TestClient(create_app(engine))
+    try:
+        bufs = SharedBucketBuffers()
+        url = str(client.base_url)
+        sync_weights_from_tensor([url], {n: sd[n] for n in names[::2]}, "z1", http_client=client, transport="shm",
+                                 buffers=bufs)
+        assert bufs.nbytes == 0  # every tensor went by its own handle
+        sync_weights_from_tensor([url], sd, "z2", http_client=client, transport="shm", buffers=bufs)
+        private = sum(-(-sd[n].numel() * sd[n].element_size() // 64) * 64 for n in names[1::2])
+        assert bufs.nbytes == max(1 << 20, -(-private // (1 << 20)) << 20)  # only the private half was copied
+        assert [k for k, t in sd.items() if not torch.equal(engine.mapper.resolve(k, t)[0], t)] == []
+    finally:
+        engine.close()

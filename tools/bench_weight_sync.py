@@ -10,6 +10,8 @@ pushes it with moerl.rollout.weight_sync in every mode:
 * ``tensor``      /update_weights_from_tensor per bucket (SGLang's serialized named tensors): shared-memory
                   handles for servers on this host (``--tensor-transport auto``, the servers here are on
                   127.0.0.1), tensors inline as base64 in the JSON with ``--tensor-transport bytes``.
+                  ``--trainer-shm`` keeps the trainer's tensors in shared memory (``share_memory_``), so
+                  they travel by their own handles with no copy into bucket buffers (one copy in all).
 * ``distributed`` /init_weights_update_group once (not timed), then per bucket
                   /update_weights_from_distributed + a gloo broadcast from the trainer.
 
@@ -28,7 +30,7 @@ servers every server receives all of them, the figure counts them once), and the
 memcpy's bytes/s. The first sync of each mode is a warm-up and is not timed.
 
 Usage: python tools/bench_weight_sync.py [--params 100e6] [--bucket-mb 64] [--runs 3] [--servers 1]
-       [--weight-dtypes auto fp8] [--json OUT.json]
+       [--weight-dtypes auto fp8] [--tensor-transport auto] [--trainer-shm] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -90,6 +92,9 @@ def main(argv=None) -> int:
                    help="rollout.weight_dtype variants of every mode (fp8: blockwise quantisation timed too)")
     p.add_argument("--tensor-transport", default="auto", choices=["auto", "shm", "bytes"],
                    help="tensor mode: shm handles (auto: for servers on this host) or inline bytes")
+    p.add_argument("--trainer-shm", action="store_true",
+                   help="keep the trainer's tensors in shared memory (Tensor.share_memory_): the tensor mode "
+                        "then passes their own handles without copying them into bucket buffers")
     args = p.parse_args(argv)
     if args.runs < 1 or args.servers < 1 or args.bucket_mb <= 0:
         p.error("--runs and --servers must be >= 1 and --bucket-mb > 0")
@@ -108,6 +113,9 @@ def main(argv=None) -> int:
         make_tiny_moe_checkpoint(served, seed=0, **ov)
         make_tiny_moe_checkpoint(trainer, seed=1, **ov)
         sd = dict(load_safetensors_dir(trainer))
+        if args.trainer_shm:
+            for t in sd.values():
+                t.share_memory_()
         nbytes = sum(t.numel() * t.element_size() for t in sd.values())
         n_params = sum(t.numel() for t in sd.values())
         from transformers import AutoConfig

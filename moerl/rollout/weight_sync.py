@@ -318,11 +318,21 @@ SHARED_BUCKET_BUFFERS = SharedBucketBuffers()
 _ALIGN = 64  # bytes; every tensor starts at a multiple of this in a shared bucket buffer
 
 
-def _fill_shared(buf: torch.Tensor, bucket: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-    """Copy ``bucket`` into ``buf`` (64-byte aligned, in order); returns (name, view of buf) pairs."""
+def _already_shared(t: torch.Tensor) -> bool:
+    """A CPU tensor whose storage is in shared memory already: it travels by its own handle, uncopied."""
+    return t.device.type == "cpu" and t.is_shared()
+
+
+def _fill_shared(buf: Optional[torch.Tensor], bucket: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """Copy ``bucket`` into ``buf`` (64-byte aligned, in order); returns (name, view of buf) pairs.
+    Tensors already in shared memory are not copied: their pair holds the tensor itself (zero copy,
+    as SGLang's trainers hand over their own CUDA tensors by IPC handle)."""
     out, at = [], 0
     with torch.no_grad():
         for name, t in bucket.items():
+            if _already_shared(t):
+                out.append((name, t.detach()))
+                continue
             nb = t.numel() * t.element_size()
             view = buf[at:at + nb].view(t.dtype).view(t.shape)
             view.copy_(t.detach())
@@ -332,7 +342,7 @@ def _fill_shared(buf: torch.Tensor, bucket: Mapping[str, torch.Tensor]) -> list[
 
 
 def _bucket_span(bucket: Mapping[str, torch.Tensor]) -> int:
-    return sum(-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in bucket.values())
+    return sum(-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in bucket.values() if not _already_shared(t))
 
 
 def _bytes_payload(bucket: Mapping[str, torch.Tensor]) -> tuple[str, Optional[str]]:
@@ -358,7 +368,10 @@ def sync_weights_from_tensor(server_urls: Sequence[str], hf_state_dict: Mapping[
 
     Transport per server (:func:`tensor_transports`): ``shm`` servers get payloads of handles into
     ``buffers`` (default :data:`SHARED_BUCKET_BUFFERS`; one payload per server and TP rank, as each
-    carries one reference; bucket k+1 is copied while the servers apply bucket k), ``bytes``
+    carries one reference; bucket k+1 is copied while the servers apply bucket k; a tensor already
+    in shared memory, e.g. after ``Tensor.share_memory_()``, is passed by its own handle without a
+    copy and must stay unchanged until this call returns; the servers keep its mapping until the end
+    of their next sync), ``bytes``
     servers the tensors inline (moerl.rollout.tensor_serde.serialize_named_tensors). Every bucket
     reaches every server before the next one is sent; the last bucket carries weight_version and
     flush_cache=True. The servers apply what they get (SGLang semantics): ``hf_state_dict`` must
@@ -411,7 +424,8 @@ def sync_weights_from_tensor(server_urls: Sequence[str], hf_state_dict: Mapping[
                 if buffers.depth < 2:  # one buffer: it is free only once bucket k-1 was applied
                     wait(in_flight)
                     in_flight = []
-                shared = _fill_shared(buffers.buffer(k, _bucket_span(bucket)), bucket) if shm_urls else None
+                span = _bucket_span(bucket) if shm_urls else 0
+                shared = _fill_shared(buffers.buffer(k, span) if span else None, bucket) if shm_urls else None
                 wait(in_flight)  # bucket k-1 applied everywhere, so its buffer may be refilled next
                 in_flight = []
                 for u in shm_urls:
