@@ -33,6 +33,13 @@ Megatron side (local layer spec)::
     decoder.layers.{l}.mlp.experts.local_experts.{e}.linear_fc2.weight  = down        [H, I]
     decoder.layers.{l}.mlp.linear_fc1 / linear_fc2 (dense layers), decoder.final_layernorm.weight
 
+Megatron side (Transformer Engine spec, ``layer_spec="transformer_engine"``; see ``TE_NAMES``): the same
+except ``decoder.layers.{l}.self_attention.linear_qkv.layer_norm_weight`` (the input RMSNorm, fused
+into QKV) instead of ``input_layernorm.weight``; dense layers' ``mlp.linear_fc1.layer_norm_weight``
+instead of ``pre_mlp_layernorm.weight`` (MoE layers keep it); TEGroupedMLP experts
+``mlp.experts.linear_fc1.weight{e}`` / ``mlp.experts.linear_fc2.weight{e}`` (same tensors and TP
+splits as ``local_experts.{e}``). Megatron -> HF functions read the spec from the keys.
+
 The conversion is a table of ``ParamRule`` (one per Megatron parameter) whose ``kind`` selects
 a pair of pure functions (``_PACKERS``): HF tensors -> Megatron tensor and back. Each rule also
 records how the tensor shards (``tp_dim``: the tensor-parallel split dim, ``expert``: the global
@@ -67,6 +74,7 @@ stage, never tied to the embedding. Every function below takes ``head`` ("lm" by
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Optional, Sequence
 
@@ -79,7 +87,10 @@ __all__ = [
     "HEADS",
     "ParamRule",
     "ShardLayout",
+    "LAYER_SPECS",
+    "TE_NAMES",
     "conversion_rules",
+    "detect_layer_spec",
     "fused_experts_to_per_expert",
     "gather_megatron_to_hf",
     "hf_to_megatron",
@@ -87,6 +98,8 @@ __all__ = [
     "load_megatron_state_dict",
     "megatron_to_hf",
     "merge_megatron_shards",
+    "model_layer_spec",
+    "rename_layer_spec",
     "pipeline_layer_range",
     "shard_rules",
     "strip_wrapper_prefix",
@@ -203,8 +216,94 @@ def _expect_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
         raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} from the HF config")
 
 
-def conversion_rules(hf_config, expert_bias: bool = False, head: str = "lm") -> list[ParamRule]:
+#: Megatron parameter names of the layer specs moerl builds (moerl.models.qwen3_moe.build_gpt_model)
+LAYER_SPECS = ("local", "transformer_engine")
+
+#: The Transformer Engine spec's names that differ from the local spec's, per decoder layer (Megatron-Core
+#: 0.16 gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec: linear_qkv is
+#: TELayerNormColumnParallelLinear, whose TE LayerNormLinear holds the fused norm as ``layer_norm_weight``
+#: (no ``layer_norm_bias`` with RMSNorm) and ``input_layernorm`` is not in the spec; dense layers' fc1 is
+#: TELayerNormColumnParallelLinear too, with ``pre_mlp_layernorm=IdentityOp``; MoE layers keep a TENorm
+#: ``pre_mlp_layernorm``; experts with moe_grouped_gemm are TEGroupedMLP, whose TE GroupedLinear fc1 / fc2
+#: register ``weight{i}`` per local expert i). tests/test_hf_convert_te.py parses those sources for each.
+TE_NAMES = {
+    "input_layernorm": "self_attention.linear_qkv.layer_norm_weight",
+    "dense_pre_mlp_layernorm": "mlp.linear_fc1.layer_norm_weight",
+    "expert_fc1": "mlp.experts.linear_fc1.weight{e}",
+    "expert_fc2": "mlp.experts.linear_fc2.weight{e}",
+}
+
+
+def _check_layer_spec(layer_spec: str) -> str:
+    if layer_spec not in LAYER_SPECS:
+        raise ValueError(f"layer_spec must be one of {LAYER_SPECS}, got {layer_spec!r}")
+    return layer_spec
+
+
+def detect_layer_spec(keys: Iterable[str]) -> str:
+    """The layer spec a Megatron state dict was written by: "transformer_engine" when any key is a TE
+    fused norm (``...linear_qkv.layer_norm_weight``) or a TEGroupedMLP weight, else "local" (also for a
+    pipeline stage without decoder layers, whose names are the same under both specs)."""
+    for k in keys:
+        if k.endswith(".self_attention.linear_qkv.layer_norm_weight") or ".mlp.experts.linear_fc1.weight" in k:
+            return "transformer_engine"
+    return "local"
+
+
+def model_layer_spec(model: torch.nn.Module) -> str:
+    """:func:`detect_layer_spec` of a built GPTModel's parameter names."""
+    return detect_layer_spec(name for name, _ in model.named_parameters())
+
+
+_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+_TE_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)(linear_fc[12])\.weight(\d+)$")
+
+
+def rename_layer_spec(state_dict: Mapping[str, torch.Tensor], dst: str) -> dict[str, torch.Tensor]:
+    """The same state dict (whole or one rank's, any numbering) with its keys in layer spec ``dst``'s
+    names (see :func:`conversion_rules`); tensors untouched (shared), other keys (``_extra_state``,
+    wrapper prefixes) kept. Local -> TE: ``input_layernorm.weight`` ->
+    ``self_attention.linear_qkv.layer_norm_weight``; ``pre_mlp_layernorm.weight`` of a dense layer (one
+    with ``mlp.linear_fc1.weight``) -> ``mlp.linear_fc1.layer_norm_weight``;
+    ``mlp.experts.local_experts.{j}.linear_fc{1,2}.weight`` -> ``mlp.experts.linear_fc{1,2}.weight{j}``;
+    TE -> local is the inverse.
+
+    Raises: ValueError for an unknown ``dst``."""
+    _check_layer_spec(dst)
+    out: dict[str, torch.Tensor] = {}
+    ln_local, ln_te = ".input_layernorm.weight", "." + TE_NAMES["input_layernorm"]
+    mlp_local, mlp_te = ".pre_mlp_layernorm.weight", "." + TE_NAMES["dense_pre_mlp_layernorm"]
+    for key, value in state_dict.items():
+        if dst == "transformer_engine":
+            m = _LOCAL_EXPERT.match(key)
+            if m:
+                key = f"{m.group(1)}{m.group(3)}.weight{m.group(2)}"
+            elif key.endswith(ln_local):
+                key = key[: -len(ln_local)] + ln_te
+            elif key.endswith(mlp_local) and key[: -len(mlp_local)] + ".mlp.linear_fc1.weight" in state_dict:
+                key = key[: -len(mlp_local)] + mlp_te
+        else:
+            m = _TE_EXPERT.match(key)
+            if m:
+                key = f"{m.group(1)}local_experts.{m.group(3)}.{m.group(2)}.weight"
+            elif key.endswith(ln_te):
+                key = key[: -len(ln_te)] + ln_local
+            elif key.endswith(mlp_te):
+                key = key[: -len(mlp_te)] + mlp_local
+        out[key] = value
+    return out
+
+
+def conversion_rules(hf_config, expert_bias: bool = False, head: str = "lm",
+                     layer_spec: str = "local") -> list[ParamRule]:
     """All parameter rules for an unsharded Qwen3-MoE model (tp = ep = pp = 1), in model order.
+
+    ``layer_spec``: "local" (Megatron-Core's local layer spec, the names in the module docstring) or
+    "transformer_engine" (the TE spec, :data:`TE_NAMES`): the input RMSNorm is fused into QKV
+    (``self_attention.linear_qkv.layer_norm_weight``), a dense layer's pre-MLP RMSNorm into fc1
+    (``mlp.linear_fc1.layer_norm_weight``), and experts are TEGroupedMLP's
+    (``mlp.experts.linear_fc1.weight{e}`` / ``linear_fc2.weight{e}``); MoE layers keep
+    ``pre_mlp_layernorm.weight``. The HF names and their order are the same for both.
 
     ``head="value"``: the output layer is a value model's scalar head (``output_layer.weight`` [1, H],
     ``output_layer.bias`` [1] <-> ``score.weight``, ``score.bias``; replicated, never tied) instead of
@@ -216,6 +315,7 @@ def conversion_rules(hf_config, expert_bias: bool = False, head: str = "lm") -> 
     DeepSeek-V3's HF checkpoints use for the same bias); replicated over TP, one per layer.
     """
     _check_head(head)
+    te = _check_layer_spec(layer_spec) == "transformer_engine"
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     pattern = hf_moe_layer_pattern(hf_config)
     num_experts = hf_num_experts(hf_config)
@@ -224,7 +324,8 @@ def conversion_rules(hf_config, expert_bias: bool = False, head: str = "lm") -> 
         hf = f"model.layers.{l}."
         mc = f"decoder.layers.{l}."
         rules += [
-            ParamRule(mc + "input_layernorm.weight", (hf + "input_layernorm.weight",), "copy", layer=l),
+            ParamRule(mc + (TE_NAMES["input_layernorm"] if te else "input_layernorm.weight"),
+                      (hf + "input_layernorm.weight",), "copy", layer=l),
             ParamRule(
                 mc + "self_attention.linear_qkv.weight",
                 tuple(hf + f"self_attn.{p}_proj.weight" for p in "qkv"),
@@ -235,7 +336,8 @@ def conversion_rules(hf_config, expert_bias: bool = False, head: str = "lm") -> 
             ParamRule(mc + "self_attention.q_layernorm.weight", (hf + "self_attn.q_norm.weight",), "copy", layer=l),
             ParamRule(mc + "self_attention.k_layernorm.weight", (hf + "self_attn.k_norm.weight",), "copy", layer=l),
             ParamRule(mc + "self_attention.linear_proj.weight", (hf + "self_attn.o_proj.weight",), "copy", tp_dim=1, layer=l),
-            ParamRule(mc + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",), "copy", layer=l),
+            ParamRule(mc + (TE_NAMES["dense_pre_mlp_layernorm"] if te and not is_moe else "pre_mlp_layernorm.weight"),
+                      (hf + "post_attention_layernorm.weight",), "copy", layer=l),
         ]
         if is_moe:
             rules.append(ParamRule(mc + "mlp.router.weight", (hf + "mlp.gate.weight",), "copy", layer=l))
@@ -244,16 +346,18 @@ def conversion_rules(hf_config, expert_bias: bool = False, head: str = "lm") -> 
             for e in range(num_experts):
                 he = hf + f"mlp.experts.{e}."
                 me = mc + f"mlp.experts.local_experts.{e}."
+                fc1, fc2 = (mc + TE_NAMES["expert_fc1"].format(e=e), mc + TE_NAMES["expert_fc2"].format(e=e)) if te \
+                    else (me + "linear_fc1.weight", me + "linear_fc2.weight")
                 rules += [
                     ParamRule(
-                        me + "linear_fc1.weight",
+                        fc1,
                         (he + "gate_proj.weight", he + "up_proj.weight"),
                         "gate_up",
                         tp_dim=0,
                         layer=l,
                         expert=e,
                     ),
-                    ParamRule(me + "linear_fc2.weight", (he + "down_proj.weight",), "copy", tp_dim=1, layer=l, expert=e),
+                    ParamRule(fc2, (he + "down_proj.weight",), "copy", tp_dim=1, layer=l, expert=e),
                 ]
         else:
             rules += [
@@ -323,7 +427,7 @@ def fused_experts_to_per_expert(hf_state_dict: Mapping[str, torch.Tensor], hf_co
 
 def hf_to_megatron(
     hf_state_dict: Mapping[str, torch.Tensor], hf_config, layout: Optional["ShardLayout"] = None, *,
-    head: str = "lm",
+    head: str = "lm", layer_spec: str = "local",
 ) -> dict[str, torch.Tensor]:
     """Convert a Qwen3-MoE HF state dict to a Megatron GPTModel state dict (whole, or one rank's shard).
 
@@ -336,6 +440,8 @@ def hf_to_megatron(
             None (or tp = ep = pp = 1) gives the unsharded state dict.
         head: "lm" | "value" (``score.weight`` / ``score.bias`` instead of ``lm_head.weight``; see
             :func:`conversion_rules`).
+        layer_spec: "local" | "transformer_engine": the Megatron names to produce (see
+            :func:`conversion_rules`; ``load_megatron_state_dict`` also renames local names for a TE model).
 
     Returns:
         dict mcore_key -> tensor (no ``_extra_state`` entries) with this rank's *local* keys
@@ -355,13 +461,13 @@ def hf_to_megatron(
         if embed is not None and not torch.equal(lm_head, embed):
             raise ValueError("tie_word_embeddings=True but lm_head.weight differs from model.embed_tokens.weight")
     bias = _has_bias(sd, _HF_BIAS)  # expert bias given -> converted (see conversion_rules)
-    rules = conversion_rules(hf_config, expert_bias=bias, head=head)
+    rules = conversion_rules(hf_config, expert_bias=bias, head=head, layer_spec=layer_spec)
     known = {k for r in rules for k in r.hf_keys}
     if layout is None or layout.is_trivial:
         needed = known
     else:  # a shard needs only its own tensors; the others may be absent
-        needed = {k for _, r, _, _ in shard_rules(hf_config, layout, expert_bias=bias, head=head)
-                  for k in r.hf_keys}
+        needed = {k for _, r, _, _ in shard_rules(hf_config, layout, expert_bias=bias, head=head,
+                                                  layer_spec=layer_spec) for k in r.hf_keys}
     missing = sorted(needed - set(sd))
     unexpected = sorted(set(sd) - known)
     if missing or unexpected:
@@ -376,7 +482,8 @@ def hf_to_megatron(
             to_mcore, _ = _PACKERS[rule.kind]
             out[rule.mcore_key] = to_mcore([sd[k] for k in rule.hf_keys], hf_config)
         return out
-    for local_key, rule, size, rank in shard_rules(hf_config, layout, expert_bias=bias, head=head):
+    for local_key, rule, size, rank in shard_rules(hf_config, layout, expert_bias=bias, head=head,
+                                                   layer_spec=layer_spec):
         to_mcore, _ = _PACKERS[rule.kind]
         full = to_mcore([sd[k] for k in rule.hf_keys], hf_config)
         out[local_key] = _tp_split(rule, full, size, rank)
@@ -394,7 +501,8 @@ def strip_wrapper_prefix(state_dict: Mapping[str, torch.Tensor]) -> dict[str, to
 
 
 def megatron_to_hf(
-    mcore_state_dict: Mapping[str, torch.Tensor], hf_config, *, head: str = "lm"
+    mcore_state_dict: Mapping[str, torch.Tensor], hf_config, *, head: str = "lm",
+    layer_spec: Optional[str] = None,
 ) -> dict[str, torch.Tensor]:
     """Convert an unsharded Megatron GPTModel state dict to HF on-disk / SGLang names.
 
@@ -403,6 +511,8 @@ def megatron_to_hf(
             ``_extra_state`` entries are ignored).
         hf_config: the model's Qwen3MoeConfig.
         head: "lm" | "value" (see :func:`conversion_rules`).
+        layer_spec: the names of ``mcore_state_dict``: "local" | "transformer_engine" | None (read
+            from the keys, :func:`detect_layer_spec`).
 
     Returns:
         dict HF key -> tensor with per-expert keys ``mlp.experts.{e}.{gate,up,down}_proj.weight``
@@ -417,7 +527,8 @@ def megatron_to_hf(
         for k, v in strip_wrapper_prefix(mcore_state_dict).items()
         if not k.endswith(_EXTRA_STATE)
     }
-    rules = conversion_rules(hf_config, expert_bias=_has_bias(sd, _MC_BIAS), head=head)
+    spec = detect_layer_spec(sd) if layer_spec is None else layer_spec
+    rules = conversion_rules(hf_config, expert_bias=_has_bias(sd, _MC_BIAS), head=head, layer_spec=spec)
     needed = {r.mcore_key for r in rules}
     missing = sorted(needed - set(sd))
     unexpected = sorted(set(sd) - needed)
@@ -439,6 +550,10 @@ def megatron_to_hf(
 def load_megatron_state_dict(model: torch.nn.Module, mcore_state_dict: Mapping[str, torch.Tensor]) -> None:
     """Load a converted state dict into a GPTModel strictly.
 
+    A state dict in the other layer spec's names than the model's (:func:`detect_layer_spec`, e.g.
+    ``hf_to_megatron``'s default local names for a Transformer Engine model) is renamed first
+    (:func:`rename_layer_spec`).
+
     Every model key must be provided except Megatron's ``_extra_state`` entries and the routers'
     ``expert_bias`` buffers (a checkpoint without them, e.g. a Qwen3 HF model, leaves the bias at
     the model's value: zeros when built), and no extra key is accepted. Values are copied into the
@@ -449,6 +564,9 @@ def load_megatron_state_dict(model: torch.nn.Module, mcore_state_dict: Mapping[s
     """
     model_sd = model.state_dict()
     wanted = {k for k in model_sd if not k.endswith(_EXTRA_STATE)}
+    spec = detect_layer_spec(wanted)
+    if detect_layer_spec(mcore_state_dict) != spec:
+        mcore_state_dict = rename_layer_spec(mcore_state_dict, spec)
     given = {k for k in mcore_state_dict if not k.endswith(_EXTRA_STATE)}
     wanted -= {k for k in wanted - given if k.endswith(_MC_BIAS)}  # optional: keep the model's bias
     missing, unexpected = sorted(wanted - given), sorted(given - wanted)
@@ -577,10 +695,11 @@ def _check_divisible(hf_config, layout: ShardLayout) -> None:
 
 
 def shard_rules(hf_config, layout: ShardLayout, expert_bias: bool = False,
-                head: str = "lm") -> list[tuple[str, ParamRule, int, int]]:
+                head: str = "lm", layer_spec: str = "local") -> list[tuple[str, ParamRule, int, int]]:
     """The parameters one rank holds: ``(local mcore key, global rule, split size, split rank)``
-    (``expert_bias``, ``head``: see :func:`conversion_rules`; a value head lives on the last stage,
-    replicated over TP).
+    (``expert_bias``, ``head``, ``layer_spec``: see :func:`conversion_rules`; a value head lives on the
+    last stage, replicated over TP; TEGroupedMLP's ``weight{e}`` is renumbered locally as
+    ``local_experts.{e}`` is).
 
     The split size/rank are the TP ones for dense weights and the expert-TP ones for expert
     weights (1/0 for a replicated tensor). See the module docstring for the local numbering.
@@ -598,7 +717,7 @@ def shard_rules(hf_config, layout: ShardLayout, expert_bias: bool = False,
     per_rank = hf_num_experts(hf_config) // layout.ep_size
     experts = range(layout.ep_rank * per_rank, (layout.ep_rank + 1) * per_rank)
     out: list[tuple[str, ParamRule, int, int]] = []
-    for rule in conversion_rules(hf_config, expert_bias=expert_bias, head=head):
+    for rule in conversion_rules(hf_config, expert_bias=expert_bias, head=head, layer_spec=layer_spec):
         key = rule.mcore_key
         if rule.layer is None:
             if key.startswith("embedding.") and not layout.is_first_stage:
@@ -612,9 +731,12 @@ def shard_rules(hf_config, layout: ShardLayout, expert_bias: bool = False,
         if rule.expert is not None:
             if rule.expert not in experts:
                 continue
-            key = key.replace(
-                f"local_experts.{rule.expert}.", f"local_experts.{rule.expert - experts.start}.", 1
-            )
+            if key.endswith(f".weight{rule.expert}"):  # TEGroupedMLP: mlp.experts.linear_fc{1,2}.weight{e}
+                key = key[: -len(str(rule.expert))] + str(rule.expert - experts.start)
+            else:
+                key = key.replace(
+                    f"local_experts.{rule.expert}.", f"local_experts.{rule.expert - experts.start}.", 1
+                )
         if rule.tp_dim is None:
             size, rank = 1, 0
         elif rule.expert is not None:
@@ -674,21 +796,24 @@ def merge_megatron_shards(shards: Mapping[ShardLayout, Mapping[str, torch.Tensor
     rules: dict[str, ParamRule] = {}
     sizes: dict[str, int] = {}
     bias = any(_has_bias(sd, _MC_BIAS) for sd in shards.values())
+    spec = "transformer_engine" if any(detect_layer_spec(sd) == "transformer_engine" for sd in shards.values()) \
+        else "local"
     for layout, sd in shards.items():
         sd = strip_wrapper_prefix({k: v for k, v in sd.items() if not k.endswith(_EXTRA_STATE)})
-        for local_key, rule, size, rank in shard_rules(hf_config, layout, expert_bias=bias, head=head):
+        for local_key, rule, size, rank in shard_rules(hf_config, layout, expert_bias=bias, head=head,
+                                                       layer_spec=spec):
             if rule.tied_copy:
                 continue
             if local_key not in sd:
                 raise ValueError(f"shard {layout} has no {local_key} (global {rule.mcore_key})")
             rules[rule.mcore_key], sizes[rule.mcore_key] = rule, size
             pieces.setdefault(rule.mcore_key, {}).setdefault(rank, sd[local_key].detach())
-    for rule in conversion_rules(hf_config, expert_bias=bias, head=head):
+    for rule in conversion_rules(hf_config, expert_bias=bias, head=head, layer_spec=spec):
         got = pieces.get(rule.mcore_key, {})
         if sorted(got) != list(range(sizes.get(rule.mcore_key, 1))) or not got:
             raise ValueError(f"{rule.mcore_key}: shards cover TP ranks {sorted(got)} only")
         whole[rule.mcore_key] = _tp_merge(rule, [got[r] for r in range(len(got))])
-    return megatron_to_hf(whole, hf_config, head=head)
+    return megatron_to_hf(whole, hf_config, head=head, layer_spec=spec)
 
 
 def gather_megatron_to_hf(
@@ -732,6 +857,7 @@ def gather_megatron_to_hf(
         if not layout.is_trivial:
             raise ValueError("a sharded layout needs torch.distributed to be initialised")
         return {k: v.detach().cpu().clone() for k, v in megatron_to_hf(sd, hf_config, head=head).items()}
+    spec = detect_layer_spec(sd)  # a stage without decoder layers has the same names under both specs
     world, me = dist.get_world_size(), dist.get_rank()
     if dst is not None and not 0 <= dst < world:
         raise ValueError(f"dst={dst} is not a rank of the world of {world}")
@@ -741,7 +867,7 @@ def gather_megatron_to_hf(
     flags: list = [None] * world  # expert bias anywhere (a stage may hold no MoE layer)
     dist.all_gather_object(flags, _has_bias(sd, _MC_BIAS))
     bias = any(flags)
-    for local_key, rule, size, _ in shard_rules(hf_config, layout, expert_bias=bias, head=head):
+    for local_key, rule, size, _ in shard_rules(hf_config, layout, expert_bias=bias, head=head, layer_spec=spec):
         if rule.tied_copy:
             continue
         if local_key not in sd:
