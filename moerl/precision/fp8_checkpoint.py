@@ -92,16 +92,16 @@ def quantize_state_dict(hf_state_dict: Mapping[str, torch.Tensor], block_size: S
 
 
 def rollout_state_dict(hf_state_dict: Mapping[str, torch.Tensor], weight_dtype: str,
-                       pow2: bool = False) -> dict[str, torch.Tensor]:
+                       pow2: bool = False) -> Mapping[str, torch.Tensor]:
     """What the trainer sends to the rollout servers for ``rollout.weight_dtype``.
 
-    ``auto``: unchanged; ``bf16``: floating tensors cast to bfloat16 (halves fp32 traffic);
+    ``auto``: ``hf_state_dict`` itself (no copy: the sync and the failover restorer share it); ``bf16``: floating tensors cast to bfloat16 (halves fp32 traffic);
     ``fp8``: :func:`quantize_state_dict` with 128 x 128 blocks.
     Raises:
         ValueError: unknown ``weight_dtype`` (names the recipe key), or quantisation errors.
     """
     if weight_dtype == "auto":
-        return dict(hf_state_dict)
+        return hf_state_dict
     if weight_dtype == "bf16":
         return {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in hf_state_dict.items()}
     if weight_dtype == "fp8":
