@@ -28,6 +28,7 @@ EXPECTED_TINY = {
         "init_from": None,
         "params_dtype": "float32",
         "export_dtype": None,
+        "layer_spec": "auto",
         "planner_extras": None,
     },
     "parallel": {

@@ -120,13 +120,55 @@ def test_cpu_machine_refuses_fp8_before_any_work(tmp_path, capsys):
 
 
 def test_te_layer_spec_flag_matches_the_model_builder():
-    """TE_LAYER_SPEC_BUILT (which makes moerl train refuse FP8 while False) must say what
-    build_gpt_model does: its get_gpt_decoder_block_spec call passes use_transformer_engine=False."""
+    """TE_LAYER_SPEC_BUILT (which lets moerl train accept FP8) must say what build_gpt_model does: it calls
+    get_gpt_decoder_block_spec with use_transformer_engine=True (the TE branch, never wrapped with moerl's
+    packed core attention) as well as False (the local branch, wrapped)."""
     tree = ast.parse((REPO / "moerl" / "models" / "qwen3_moe.py").read_text())
-    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) ==
+    build = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "build_gpt_model")
+    calls = [n for n in ast.walk(build) if isinstance(n, ast.Call) and getattr(n.func, "id", None) ==
              "get_gpt_decoder_block_spec"]
     assert calls, "build_gpt_model no longer calls get_gpt_decoder_block_spec: update te_fp8.TE_LAYER_SPEC_BUILT"
     values = {kw.value.value for c in calls for kw in c.keywords
               if kw.arg == "use_transformer_engine" and isinstance(kw.value, ast.Constant)}
-    assert values == {TE_LAYER_SPEC_BUILT}, (values, TE_LAYER_SPEC_BUILT)
+    assert values == ({True, False} if TE_LAYER_SPEC_BUILT else {False}), (values, TE_LAYER_SPEC_BUILT)
+    branches = [n for n in ast.walk(build) if isinstance(n, ast.If) and "transformer_engine" in ast.unparse(n.test)]
+    te_branch = ast.unparse(ast.Module(body=branches[0].body, type_ignores=[]))
+    assert "use_transformer_engine=True" in te_branch and "with_packed_core_attention" not in te_branch
+    assert "normalization='RMSNorm'" in te_branch
     assert os.path.exists(REPO / "moerl" / "precision" / "te_fp8.py")
+
+
+def test_layer_spec_key_on_a_cpu_machine(tmp_path, capsys, dist):
+    """model.layer_spec: auto resolves to local here (no TE, no CUDA); transformer_engine makes moerl train
+    exit 2 naming what to install before any work; precision.fp8 with layer_spec=local is a recipe error; the TE
+    TransformerConfig (built without TE) selects TEGroupedMLP experts; the builder refuses it here, clearly."""
+    import torch
+
+    from moerl.cli import main
+    from moerl.models.qwen3_moe import build_gpt_model, make_hf_config, resolve_layer_spec, transformer_config_from_hf
+
+    assert _load().model.layer_spec == "auto" and resolve_layer_spec("auto") == "local" == resolve_layer_spec("local")
+    with pytest.raises(ValueError, match=r"model.layer_spec=transformer_engine .*pip install transformer-engine\[pytorch\]"):
+        resolve_layer_spec("transformer_engine")
+    out = tmp_path / "run"
+    code = main(["train", TINY, "model.layer_spec=transformer_engine", f"output_dir={out}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "model.layer_spec" in err and "pip install transformer-engine[pytorch]" in err, err
+    assert not out.exists()
+    with pytest.raises(ConfigError, match="model.layer_spec"):
+        _load("model.layer_spec=te")
+    with pytest.raises(ConfigError, match="model.layer_spec=transformer_engine"):
+        _load(*BF16, "precision.fp8=e4m3", "model.layer_spec=local")
+    hf = make_hf_config(dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, vocab_size=64))
+    local = transformer_config_from_hf(hf, tp_size=1, pp_size=1, ep_size=1)
+    assert local.transformer_impl == "local" and local.moe_grouped_gemm is False
+    te = transformer_config_from_hf(hf, tp_size=1, pp_size=1, ep_size=1, transformer_impl="transformer_engine")
+    assert te.transformer_impl == "transformer_engine" and te.moe_grouped_gemm is True
+    assert transformer_config_from_hf(hf, tp_size=1, pp_size=1, ep_size=1, layer_spec="auto").transformer_impl == "local"
+    with pytest.raises(ValueError, match=r"pip install transformer-engine\[pytorch\]"):
+        build_gpt_model(hf, te)
+    model = build_gpt_model(hf, local)  # the local path is unchanged: its names are the local spec's
+    names = {n for n, _ in model.named_parameters()}
+    assert "decoder.layers.0.input_layernorm.weight" in names and all("layer_norm_weight" not in n for n in names)
+    assert isinstance(next(model.parameters()), torch.Tensor)

@@ -125,6 +125,10 @@ class ModelConfig(_Section):
     params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # dtype of the HF exports (hf_export, hf_warm_start, hf_critic); None = params_dtype
     export_dtype: Optional[Literal["float32", "bfloat16"]] = None
+    # Megatron-Core layer spec (moerl.models.qwen3_moe.build_gpt_model): local = Megatron's own layers (CPU
+    # and GPU); transformer_engine = TE layers (CUDA + `pip install transformer-engine[pytorch]`; needed by
+    # precision.fp8); auto = transformer_engine when TE is importable and a CUDA GPU is visible, else local
+    layer_spec: Literal["auto", "local", "transformer_engine"] = "auto"
     planner_extras: Optional[PlannerExtras] = None  # shape-only recipes (moerl plan), see PlannerExtras
 
 
@@ -675,7 +679,7 @@ class RecipeConfig(_Section):
         p = self.parallel
         validate_fp8_recipe(self.precision, hf_config=self.model.hf_config, params_dtype=self.model.params_dtype,
                             tp_size=p.tp_size, etp_size=p.etp_size, pp_size=p.pp_size,
-                            token_dispatcher=self.moe.token_dispatcher)
+                            token_dispatcher=self.moe.token_dispatcher, layer_spec=self.model.layer_spec)
         return self
 
     @model_validator(mode="after")

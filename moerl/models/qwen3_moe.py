@@ -1,4 +1,4 @@
-"""Qwen3-MoE as a Megatron-Core GPTModel (local layer spec on CPU).
+"""Qwen3-MoE as a Megatron-Core GPTModel (local layer spec on CPU, Transformer Engine's on GPU).
 
 Three steps, each usable alone:
 
@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "LAYER_SPECS",
     "build_gpt_model",
     "causal_attention_mask",
     "hf_moe_layer_pattern",
@@ -38,6 +39,7 @@ __all__ = [
     "hf_head_dim",
     "hf_rope_theta",
     "make_hf_config",
+    "resolve_layer_spec",
     "transformer_config_from_hf",
 ]
 
@@ -194,6 +196,46 @@ def hf_moe_layer_pattern(hf_config) -> list[int]:
 # --------------------------------------------------------------------------------------------
 
 
+#: ``model.layer_spec`` values: which Megatron-Core layer spec build_gpt_model builds
+LAYER_SPECS = ("auto", "local", "transformer_engine")
+TE_INSTALL = "pip install transformer-engine[pytorch]"
+
+
+def _te_unavailable() -> Optional[str]:
+    """Why Transformer Engine layers cannot run here (None when they can): TE not importable, or no CUDA GPU."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as e:  # ImportError, or TE's own load errors (no CUDA libraries)
+        return f"Transformer Engine is not importable ({type(e).__name__}: {e})"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible (Transformer Engine layers run on CUDA only)"
+    return None
+
+
+def resolve_layer_spec(layer_spec: str) -> str:
+    """The layer spec ``model.layer_spec`` asks for on this machine: "local" | "transformer_engine".
+
+    "auto" = "transformer_engine" when Transformer Engine is importable and a CUDA GPU is visible, else
+    "local"; "local" always works; "transformer_engine" needs both (TE imported lazily, here only).
+
+    Raises:
+        ValueError: an unknown value, or "transformer_engine" where TE / CUDA is missing (names
+            ``pip install transformer-engine[pytorch]``).
+    """
+    if layer_spec not in LAYER_SPECS:
+        raise ValueError(f"model.layer_spec must be one of {list(LAYER_SPECS)}, got {layer_spec!r}")
+    if layer_spec == "local":
+        return "local"
+    why = _te_unavailable()
+    if layer_spec == "auto":
+        return "local" if why else "transformer_engine"
+    if why:
+        raise ValueError(f"model.layer_spec=transformer_engine builds Megatron-Core's Transformer Engine layers, but {why}; "
+                         f"install it with `{TE_INSTALL}` on a machine with a CUDA GPU, or set model.layer_spec=local "
+                         "(or auto)")
+    return "transformer_engine"
+
+
 def _parallel_size(name: str, value: Optional[int]) -> int:
     if value is not None:
         return int(value)
@@ -221,6 +263,7 @@ def transformer_config_from_hf(
     ep_size: Optional[int] = None,
     etp_size: Optional[int] = None,
     sequence_parallel: Optional[bool] = None,
+    layer_spec: str = "local",
     **overrides: Any,
 ):
     """Megatron-Core ``TransformerConfig`` equivalent to a Qwen3-MoE HF config.
@@ -236,6 +279,11 @@ def transformer_config_from_hf(
             by Megatron when pp_size > 1) is ``params_dtype``.
         sequence_parallel: Megatron sequence parallelism; None = on iff tp_size > 1 (Megatron
             requires it for MoE with TP when training). Always off at tp_size == 1.
+        layer_spec: "local" | "transformer_engine" | "auto" (:func:`resolve_layer_spec`; an override
+            ``transformer_impl`` wins): sets Megatron's ``transformer_impl``, which ``build_gpt_model``
+            builds, and for "transformer_engine" ``moe_grouped_gemm=True`` (TEGroupedMLP experts, whose
+            names moerl.checkpoint.hf_convert maps) unless overridden. The config itself is built
+            without TE (CPU dry checks); the model is not.
         **overrides: any TransformerConfig field, applied last (e.g. moe_router_dtype="fp32",
             moe_token_dispatcher_type="allgather", recompute_granularity="full").
 
@@ -311,6 +359,10 @@ def transformer_config_from_hf(
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
     )
+    spec = overrides.pop("transformer_impl", None) or layer_spec
+    spec = spec if spec == "transformer_engine" else resolve_layer_spec(spec)
+    kwargs["transformer_impl"] = spec
+    kwargs["moe_grouped_gemm"] = spec == "transformer_engine"  # TEGroupedMLP (TE GroupedLinear) experts
     kwargs.update(overrides)
     from moerl.precision.te_fp8 import apply_fp8_transformer_config
 
@@ -321,9 +373,19 @@ def transformer_config_from_hf(
 def build_gpt_model(hf_config, transformer_config=None, **kw):
     """Build the Megatron-Core ``GPTModel`` for a Qwen3-MoE HF config (this pipeline stage).
 
-    Local (non-Transformer-Engine) layer spec with q/k RMSNorm, MoE MLPs (SequentialMLP experts,
-    fc1 = [gate; up] SwiGLU), core attention ``PackedDotProductAttention`` (also takes packed THD
-    input with ``packed_seq_params``: moerl.models.packed_attention), dense MLP layers where
+    The layer spec is the config's ``transformer_impl`` (``transformer_config_from_hf(layer_spec=...)``):
+
+    * "local": Megatron-Core's local spec with q/k RMSNorm, MoE MLPs (SequentialMLP experts,
+      fc1 = [gate; up] SwiGLU), core attention ``PackedDotProductAttention`` (also takes packed THD
+      input with ``packed_seq_params``: moerl.models.packed_attention);
+    * "transformer_engine" (CUDA + Transformer Engine; needed for ``precision.fp8``):
+      ``get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm")``
+      (Megatron-Core 0.16; q/k norms from ``config.qk_layernorm``): TELayerNormColumnParallelLinear
+      QKV and dense fc1 with the RMSNorm fused in, TENorm q/k / MoE pre-MLP / final norms,
+      TEGroupedMLP experts (``moe_grouped_gemm``), TEDotProductAttention, which takes packed THD with
+      ``packed_seq_params`` itself (not wrapped). Parameter names: moerl.checkpoint.hf_convert.TE_NAMES.
+
+    Both: dense MLP layers where
     ``mlp_only_layers``/``decoder_sparse_step`` say so, RoPE with base ``rope_theta``, vocabulary
     exactly ``hf_config.vocab_size`` and embeddings tied iff ``hf_config.tie_word_embeddings``.
 
@@ -343,7 +405,9 @@ def build_gpt_model(hf_config, transformer_config=None, **kw):
 
     Raises:
         RuntimeError: parallel_state is not initialised.
-        ValueError: vocab_size not divisible by tp_size.
+        ValueError: vocab_size not divisible by tp_size; transformer_impl "transformer_engine" where
+            Transformer Engine or CUDA is missing (names ``pip install transformer-engine[pytorch]``),
+            or another transformer_impl.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -372,11 +436,26 @@ def build_gpt_model(hf_config, transformer_config=None, **kw):
             "vocab-parallel embedding needs vocab_size % tp_size == 0"
         )
     vp_stage = model_kw.pop("vp_stage", None)
-    block_spec = get_gpt_decoder_block_spec(
-        transformer_config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage
-    )
-    # local core attention that also takes packed THD input (moerl.models.packed_attention)
-    block_spec = with_packed_core_attention(block_spec)
+    spec = getattr(transformer_config, "transformer_impl", "local")
+    if spec == "transformer_engine":
+        resolve_layer_spec("transformer_engine")  # TE importable and CUDA, else a clear error
+        if not transformer_config.moe_grouped_gemm:
+            raise ValueError("the Transformer Engine layer spec needs moe_grouped_gemm=True (TEGroupedMLP experts, the "
+                             "names moerl.checkpoint.hf_convert maps); build the config with "
+                             "transformer_config_from_hf(..., layer_spec='transformer_engine')")
+        # TE core attention takes packed THD (packed_seq_params) natively: no moerl wrapper
+        block_spec = get_gpt_decoder_block_spec(
+            transformer_config, use_transformer_engine=True, normalization="RMSNorm", vp_stage=vp_stage
+        )
+    elif spec == "local":
+        block_spec = get_gpt_decoder_block_spec(
+            transformer_config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage
+        )
+        # local core attention that also takes packed THD input (moerl.models.packed_attention)
+        block_spec = with_packed_core_attention(block_spec)
+    else:
+        raise ValueError(f"transformer_impl={spec!r}: moerl builds 'local' or 'transformer_engine' layer specs "
+                         "(model.layer_spec)")
     model = GPTModel(
         config=transformer_config,
         transformer_layer_spec=block_spec,

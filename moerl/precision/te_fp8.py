@@ -24,7 +24,8 @@ GEMMs. With MoE, ``moe_router_padding_for_quantization=True`` pads each expert's
 FP8 GEMM alignment (Megatron-Core; not with the allgather dispatcher).
 
 Rules checked from the recipe alone (:func:`validate_fp8_recipe`, at load time, also on CPU so that
-``moerl plan`` can check a GPU recipe): FP8 runs inside BF16 mixed precision
+``moerl plan`` can check a GPU recipe): FP8 runs on Transformer Engine layers (``model.layer_spec``
+transformer_engine or auto, not local: moerl.models.qwen3_moe.build_gpt_model); inside BF16 mixed precision
 (``model.params_dtype: bfloat16``); every GEMM dimension per tensor-parallel shard is a multiple of
 TE's alignment for the recipe (:data:`FP8_ALIGNMENT`: 16 for delayed / tensorwise, TE
 ``assert_dim_for_fp8_exec``; 32 for mxfp8, ``MXFP8_BLOCK_SCALING_SIZE``; 128 for blockwise,
@@ -87,7 +88,7 @@ def _gemm_dims(hf: Any, tp: int, etp: int) -> list[tuple[str, int]]:
 
 def validate_fp8_recipe(precision: Any, *, hf_config: Any, params_dtype: str, tp_size: int = 1,
                         etp_size: Optional[int] = None, pp_size: int = 1,
-                        token_dispatcher: str = "alltoall") -> None:
+                        token_dispatcher: str = "alltoall", layer_spec: str = "auto") -> None:
     """Check a recipe's FP8 keys against the model and layout (no import of TE or torch).
 
     Args:
@@ -99,6 +100,7 @@ def validate_fp8_recipe(precision: Any, *, hf_config: Any, params_dtype: str, tp
         params_dtype: ``model.params_dtype``.
         tp_size, etp_size, pp_size: parallel sizes (etp None = tp_size, Megatron's default).
         token_dispatcher: ``moe.token_dispatcher``.
+        layer_spec: ``model.layer_spec``; FP8 needs Transformer Engine layers, so "local" is refused.
     Raises:
         ValueError: the first rule broken, naming the recipe key and the fix.
     """
@@ -113,6 +115,10 @@ def validate_fp8_recipe(precision: Any, *, hf_config: Any, params_dtype: str, tp
         raise ValueError(f"precision.fp8 must be null, e4m3 or hybrid, got {fp8!r}")
     if recipe not in FP8_RECIPES:
         raise ValueError(f"precision.fp8_recipe must be one of {list(FP8_RECIPES)}, got {recipe!r}")
+    if layer_spec == "local":
+        raise ValueError(f"precision.fp8={fp8} runs on Transformer Engine layers; model.layer_spec=local builds "
+                         "Megatron-Core's local spec, whose linears ignore FP8: set model.layer_spec=transformer_engine "
+                         "(or auto)")
     if params_dtype != "bfloat16":
         raise ValueError(f"precision.fp8={fp8} runs FP8 GEMMs inside BF16 mixed precision (Megatron-Core bf16=True); "
                          f"set model.params_dtype=bfloat16 (got {params_dtype})")
@@ -184,24 +190,26 @@ def apply_fp8_transformer_config(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-#: Does moerl.models build Transformer Engine layers? Not yet: build_gpt_model uses Megatron-Core's
-#: local spec (use_transformer_engine=False), whose linears ignore TransformerConfig.fp8, and
-#: moerl.checkpoint.hf_convert knows the local parameter names only. tests/test_te_fp8.py checks this
-#: flag against the model actually built; flip it with the TE spec.
-TE_LAYER_SPEC_BUILT = False
+#: Does moerl.models build Transformer Engine layers? Yes: build_gpt_model builds Megatron-Core's TE
+#: layer spec (get_gpt_decoder_block_spec(..., use_transformer_engine=True)) when the config's
+#: transformer_impl is "transformer_engine" (model.layer_spec: transformer_engine, or auto on a CUDA
+#: machine with TE), and moerl.checkpoint.hf_convert maps its parameter names (TE_NAMES). FP8 needs that
+#: spec: the local spec's linears ignore TransformerConfig.fp8. tests/test_te_fp8.py checks this flag
+#: against the builder's source. Not run on a GPU yet (see the README's Precision section).
+TE_LAYER_SPEC_BUILT = True
 
 
-def check_fp8_training(recipe: str) -> None:
+def check_fp8_training(recipe: str, layer_spec: str = "auto") -> None:
     """Everything ``moerl train`` checks for ``precision.fp8`` before any work: the machine
-    (:func:`check_fp8_environment`), then that moerl's model builder makes TE layers (FP8 would
-    otherwise silently train in BF16: refused while :data:`TE_LAYER_SPEC_BUILT` is False).
-    Raises: ValueError naming ``precision.fp8`` and the fix."""
+    (:func:`check_fp8_environment`: TE importable, CUDA GPU, the recipe on this GPU), then that the
+    model is built with Transformer Engine layers (``model.layer_spec`` not "local"; FP8 would otherwise
+    silently train in BF16).
+    Raises: ValueError naming ``precision.fp8`` / ``model.layer_spec`` and the fix."""
     check_fp8_environment(recipe)
-    if not TE_LAYER_SPEC_BUILT:
-        raise ValueError("precision.fp8: moerl.models.qwen3_moe.build_gpt_model builds Megatron-Core's local layer "
-                         "spec, whose linear layers ignore TransformerConfig.fp8, so FP8 would silently train in BF16; "
-                         "FP8 training needs the Transformer Engine layer spec (and its parameter names in "
-                         "moerl.checkpoint.hf_convert), which moerl does not build yet: set precision.fp8=null")
+    if not TE_LAYER_SPEC_BUILT or layer_spec == "local":
+        raise ValueError("precision.fp8 needs Transformer Engine layers (the local layer spec's linears ignore "
+                         "TransformerConfig.fp8, so FP8 would silently train in BF16): set model.layer_spec="
+                         "transformer_engine (or auto), or precision.fp8=null")
 
 
 def _version_tuple(v: str) -> tuple[int, ...]:
