@@ -16,7 +16,8 @@ ENV PIP_NO_CACHE_DIR=1 \
 # (0.17+ needs Python >= 3.12, which NGC images have).
 RUN pip install "megatron-core>=0.16.1" psutil
 
-# FP8 training (precision.fp8) uses the base image's Transformer Engine: its version decides which
+# Transformer Engine layers (model.layer_spec: auto picks them when TE imports and a GPU is visible) and
+# FP8 training (precision.fp8) use the base image's Transformer Engine: its version decides which
 # precision.fp8_recipe values Megatron-Core maps (tensorwise from TE 2.2, mxfp8 2.1, blockwise 2.3;
 # moerl train checks the installed version and the GPU before any work, moerl/precision/te_fp8.py).
 
