@@ -246,3 +246,19 @@ def test_contract_transformer_engine_parameter_names():
     assert default is not None and ast.unparse(default) == "False"
     # TENorm(RMSNorm) for q/k/final/MoE pre-MLP norms: TE's RMSNorm op registers `weight`
     assert "'weight'" in _registered(_cls(src["rmsnorm_op"], "RMSNorm"))
+
+
+def test_gpu_check_tool_cpu_dry_run(capsys):
+    """tools/check_te_spec.py (the GPU check of the TE spec and FP8): on this machine it checks the local
+    model's names against the rules and the exact round trip, and refuses the GPU part naming the install."""
+    import importlib.util as iu
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "check_te_spec.py"
+    spec = iu.spec_from_file_location("check_te_spec", path)
+    tool = iu.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main(["--cpu-dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "ok   [local] 57 parameter names = moerl's conversion rules" in out and "HF -> model -> HF exact" in out
+    assert tool.main([]) == 2
+    assert "pip install transformer-engine[pytorch]" in capsys.readouterr().err
