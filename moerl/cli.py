@@ -38,7 +38,13 @@ def _train(argv: list[str]) -> int:
     try:
         cfg = load_config(args.recipe, args.overrides)
         # the layout rules need the world size: check them before any work (torchrun sets WORLD_SIZE)
-        cfg.check_world_size(int(os.environ.get("WORLD_SIZE", "1")))
+        world = os.environ.get("WORLD_SIZE", "") or "1"
+        if not world.strip().isdigit() or int(world) < 1:
+            from moerl.errors import CLIError
+
+            raise CLIError(f"environment variable WORLD_SIZE={world!r} is not a positive integer", key="WORLD_SIZE",
+                           hint="unset WORLD_SIZE (one process) or launch with torchrun --nproc_per_node N")
+        cfg.check_world_size(int(world))
         from moerl.moe.config import check_rollout_routing_matches
 
         check_rollout_routing_matches(cfg.moe)  # the trained router must be the one that samples
@@ -149,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         if not argv:
             err = CLIError("no command given", key="command", hint="moerl train RECIPE.yaml (see moerl --help)")
         else:
-            close = difflib.get_close_matches(argv[0], list(COMMANDS), n=1, cutoff=0.5)
+            close = ([argv[0].lower()] if argv[0].lower() in COMMANDS
+                     else difflib.get_close_matches(argv[0].lower(), list(COMMANDS), n=1, cutoff=0.5))
             err = CLIError(f"unknown command {argv[0]!r}" + (f"; did you mean {close[0]!r}?" if close else ""),
                            key="command", hint=f"use one of {', '.join(COMMANDS)} (moerl --help)")
         _usage(sys.stderr)

@@ -154,7 +154,8 @@ def check_port(port: int, key: str) -> int:
 
 def check_writable_path(path, key: str, error: type = None) -> None:
     """``path`` can be created or written: it is a directory or does not exist yet, and its nearest
-    existing ancestor is a writable directory.
+    existing ancestor is a writable directory in which the missing directories can really be made (they
+    are made and removed again: ``/proc``, ``/sys`` refuse it even where ``os.access`` says yes).
 
     Args:
         path: the output path (a directory moerl creates or fills).
@@ -162,7 +163,8 @@ def check_writable_path(path, key: str, error: type = None) -> None:
         error: the InputError subclass to raise (default :class:`CLIError`).
 
     Raises:
-        InputError (``error``): ``path`` is a file, or an ancestor is a file or not writable.
+        InputError (``error``): ``path`` is a file, or an ancestor is a file or not writable, or making
+            it fails (the OSError's reason named).
     """
     error = error or CLIError
     target = os.path.abspath(os.fspath(path))
@@ -175,6 +177,26 @@ def check_writable_path(path, key: str, error: type = None) -> None:
         why = "is not a directory" if not os.path.isdir(ancestor) else "is not writable"
         raise error(f"{key} {path} cannot be made: {ancestor} {why}", key=key, file=str(path),
                     hint=f"choose another {key}")
+    if ancestor != target:  # try it (os.access says yes for root on /proc, /sys): make the missing dirs, undo
+        made = []
+        try:
+            probe = target
+            chain = []
+            while probe != ancestor:
+                chain.append(probe)
+                probe = os.path.dirname(probe)
+            for d in reversed(chain):
+                os.mkdir(d)
+                made.append(d)
+        except OSError as e:
+            raise error(f"{key} {path} cannot be made: {e.strerror or e} ({ancestor})", key=key, file=str(path),
+                        hint=f"choose another {key} (a directory you can write)") from None
+        finally:
+            for d in reversed(made):
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    pass
 
 
 __all__ = ["CLIError", "CheckpointError", "DataError", "InputError", "ModelError", "PortError", "RecipeError",

@@ -220,6 +220,14 @@ CASES = [
     ("recipe-not-mapping", T, ["@list_yaml"], ["mapping"]),
     ("output-dir-is-file", T, ["output_dir={a_file}"], ["output_dir", "a_file"]),
     ("output-dir-under-file", T, ["output_dir={a_file}/run"], ["output_dir", "a_file", "is not a directory"]),
+    ("output-dir-holds-run", T, [], ["output_dir=", "existing_run", "already holds a moerl run", "resume=auto",
+                                     "overwrite_output_dir=true", "fix:"]),
+    ("output-dir-sys", T, ["output_dir=/sys/kernel/moerl_x"], ["output_dir", "/sys/kernel/moerl_x", "fix:"]),
+    ("output-dir-proc", T, ["output_dir=/proc/moerl_x"], ["output_dir", "/proc/moerl_x", "fix:"]),
+    ("recipe-inf-lr", T, ["train.lr=.inf"], ["train.lr", "finite"]),
+    ("recipe-inf-temperature", T, ["rollout.temperature=.inf"], ["rollout.temperature", "finite"]),
+    ("recipe-inf-timeout", T, ["reward.timeout_s=.inf"], ["reward.timeout_s", "finite"]),
+    ("recipe-inf-eps-clip", T, ["algorithm.eps_clip_high=.inf"], ["algorithm.eps_clip_high", "finite"]),
     ("reward-unknown", T, ["reward.function=nosuchreward"], ["reward.function"]),
     ("reward-missing-file", T, ["reward.function=/nonexistent/r.py:fn"], ["reward.function", "/nonexistent/r.py"]),
     ("router-the-rollout-cannot-run", T, ["moe.score_function=sigmoid"], ["moe.score_function"]),
@@ -301,9 +309,13 @@ CASES = [
     ("serve-threads", S, ["--model-path", "{qwen_ok}", "--num-threads", "0"], ["--num-threads"]),
     ("serve-batch", S, ["--model-path", "{qwen_ok}", "--max-batch-size", "0"], ["--max-batch-size"]),
     ("serve-log-dir", S, ["--model-path", "{qwen_ok}", "--log-file", "/nonexistent/dir/s.log"], ["--log-file"]),
+    ("serve-log-file-is-dir", S, ["--model-path", "{qwen_ok}", "--log-file", "{dir}"], ["--log-file", "is a directory"]),
+    ("serve-request-log-is-dir", S, ["--model-path", "{qwen_ok}", "--request-log", "{dir}"],
+     ["--request-log", "is a directory"]),
     ("serve-no-model-flag", S, [], ["--model-path"]),
     # moerl itself
     ("cli-typo", "cli", ["trian", RECIPE], ["'trian'", "did you mean 'train'", "plan"]),
+    ("cli-upper-case", "cli", ["TRAIN", RECIPE], ["'TRAIN'", "did you mean 'train'"]),
     ("cli-nothing", "cli", [], ["no command"]),
     ("train-no-recipe", "cli", ["train"], ["recipe"]),
     # moerl plan (issue #21 owns the planner's values)
@@ -323,6 +335,10 @@ CASES = [
      ["--hf", "not a safetensors index"]),
     ("convert-out-exists", "convert_checkpoint", ["hf-to-mcore", "--hf", "{qwen_ok}", "--out", "{dir}"],
      ["--out", "already exists"]),
+    ("convert-mcore-out-exists", "convert_checkpoint", ["mcore-to-hf", "--ckpt", "{dir}", "--config", "{qwen_ok}",
+                                                        "--out", "{run}"], ["--out", "existing_run", "already exists",
+                                                                            "fix:"]),
+    ("convert-out-empty", "convert_checkpoint", ["hf-to-mcore", "--hf", "{qwen_ok}", "--out", ""], ["--out is empty"]),
     ("convert-ckpt-missing", "convert_checkpoint", ["mcore-to-hf", "--ckpt", "/nonexistent/ckpt", "--config",
                                                     "{qwen_ok}", "--out", "{dir}/c4"], ["--ckpt", "/nonexistent/ckpt"]),
     ("convert-config-missing", "convert_checkpoint", ["mcore-to-hf", "--ckpt", "{dir}", "--config", "/nonexistent/cfg",
@@ -548,3 +564,34 @@ def test_run_entry_turns_only_input_errors_into_exit_2(capsys):
     for bad in (0, 65536, -1, True, "80"):
         with pytest.raises(ValueError, match="--port"):
             check_port(bad, "--port")
+
+
+def test_overwrite_output_dir_starts_over_without_stale_files(fx, tmp_path):
+    """overwrite_output_dir=true (resume=none) into a directory holding a run: the old run's weights,
+    checkpoints, logs and exports are removed before the new recipe.yaml is written; the user's other
+    files stay. Without the opt-in the same start is refused (the table's output-dir-holds-run row)."""
+    from types import SimpleNamespace
+
+    from moerl.config import load_config
+    from moerl.rollout.common import free_port_block
+    from moerl.train.setup import prepare_run
+
+    run = tmp_path / "run"
+    shutil.copytree(fx["run"], run)
+    for rel in ("weights/weights_77/model.safetensors", "checkpoints/step_3/moerl_complete.json", "logs/x.log",
+                "hf_export/config.json", "summary.json", "user_notes.txt"):
+        (run / rel).parent.mkdir(parents=True, exist_ok=True)
+        (run / rel).write_text("old\n")
+    base = free_port_block(3)
+    overrides = [f"output_dir={run}", f"rollout.base_port={base}", f"rollout.router_port={base + 2}", *SMALL]
+    dist = SimpleNamespace(world_size=1, is_main=True, rank=0)
+    with pytest.raises(ValueError, match="already holds a moerl run"):
+        prepare_run(load_config(RECIPE, overrides), dist)
+    assert (run / "weights" / "weights_77" / "model.safetensors").exists()  # refused: nothing removed
+    ctx = prepare_run(load_config(RECIPE, [*overrides, "overwrite_output_dir=true"]), dist)
+    assert ctx.run_dir == run
+    for gone in ("weights", "checkpoints", "logs", "hf_export", "summary.json"):
+        assert not (run / gone).exists(), gone
+    assert (run / "user_notes.txt").read_text() == "old\n"
+    assert "overwrite_output_dir: true" in (run / "recipe.yaml").read_text()
+    assert (run / "data" / "train.jsonl").stat().st_size > 0

@@ -17,6 +17,7 @@ TINY = REPO / "configs" / "tiny_arith.yaml"
 EXPECTED_TINY = {
     "seed": 1234,
     "output_dir": "runs/tiny_arith",
+    "overwrite_output_dir": False,
     "model": {
         "hf_config": {
             "num_hidden_layers": 3, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -65,7 +65,7 @@ def check_args(args: argparse.Namespace) -> None:
     hf-to-mcore: ``--hf`` a Qwen3-MoE HF directory whose safetensors match its config.json (names and
     shapes), ``--out`` not existing. mcore-to-hf: ``--ckpt`` a torch_dist checkpoint written for the model
     of ``--config`` (its recorded tensor shapes), ``--config`` a Qwen3-MoE config directory, ``--out`` not
-    an existing file.
+    an existing non-empty directory (both subcommands: nothing is overwritten).
 
     Raises:
         moerl.errors.ModelError / CheckpointError / CLIError: naming the flag, the path and the fix.
@@ -75,11 +75,14 @@ def check_args(args: argparse.Namespace) -> None:
     from moerl.checkpoint.input_checks import check_checkpoint_shapes, check_hf_model_dir, check_hf_tensors
     from moerl.errors import CLIError, check_writable_path
 
+    if not str(args.out).strip():
+        raise CLIError("--out is empty", key="--out", hint="give --out a new directory path")
     check_writable_path(args.out, "--out")
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CLIError(f"--out {args.out} already exists", key="--out", file=args.out,
+                       hint="choose a new (or empty) directory (nothing is overwritten)")
     if args.cmd == "hf-to-mcore":
-        if Path(args.out).exists():
-            raise CLIError(f"--out {args.out} already exists", key="--out", file=args.out,
-                           hint="choose a new directory (nothing is overwritten)")
         check_hf_model_dir(args.hf, "--hf", weights=True)
         check_hf_tensors(args.hf, AutoConfig.from_pretrained(args.hf), "--hf")
     else:
@@ -96,11 +99,11 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("hf-to-mcore", help="HF checkpoint -> Megatron torch_dist checkpoint")
     a.add_argument("--hf", required=True, help="HF checkpoint directory (config.json + safetensors)")
-    a.add_argument("--out", required=True, help="output checkpoint directory (must not exist)")
+    a.add_argument("--out", required=True, help="output checkpoint directory (must not exist, or be empty)")
     b = sub.add_parser("mcore-to-hf", help="Megatron torch_dist checkpoint -> HF checkpoint")
     b.add_argument("--ckpt", required=True, help="torch_dist checkpoint directory (e.g. runs/x/checkpoints/step_N)")
     b.add_argument("--config", required=True, help="directory with the model's HF config.json")
-    b.add_argument("--out", required=True, help="output HF directory")
+    b.add_argument("--out", required=True, help="output HF directory (must not exist, or be empty)")
     args = parser.parse_args(argv)
     return run_entry("convert_checkpoint", lambda: _convert(args))
 

@@ -20,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from moerl.config.errors import ConfigError
 
-_STRICT = ConfigDict(extra="forbid", frozen=True, strict=True, validate_default=True)
+# allow_inf_nan=False: every float key is finite (.inf and .nan are refused naming the key)
+_STRICT = ConfigDict(extra="forbid", frozen=True, strict=True, validate_default=True, allow_inf_nan=False)
 
 PORT_MIN = 1024
 PORT_MAX = 65535
@@ -652,6 +653,10 @@ class RecipeConfig(_Section):
 
     seed: int = Field(1234, ge=0)
     output_dir: str = Field("runs/tiny_arith", min_length=1)
+    # an output_dir that already holds a moerl run (recipe.yaml, weights/ or checkpoints/) is refused with
+    # resume=none unless this is true (HF Trainer's overwrite_output_dir): the old run's weights,
+    # checkpoints, logs and exports are removed before the new run writes
+    overwrite_output_dir: bool = False
     model: ModelConfig = ModelConfig()
     parallel: ParallelConfig = ParallelConfig()
     data: DataConfig = DataConfig()

@@ -414,7 +414,7 @@ def check_args(args: argparse.Namespace) -> None:
 
     Raises:
         moerl.errors.CLIError: --num-threads / --max-batch-size < 1, --switch-interval-ms <= 0, a
-            --log-file / --request-log whose directory does not exist.
+            --log-file / --request-log whose directory does not exist, or that is a directory itself.
         moerl.errors.PortError: --port outside 1..65535, or taken on --host.
         moerl.errors.ModelError: --model-path not a model directory (config.json, readable safetensors), or
             --tokenizer-path (default: the model path) without tokenizer files.
@@ -433,6 +433,11 @@ def check_args(args: argparse.Namespace) -> None:
         if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise CLIError(f"{flag} {path}: directory {os.path.dirname(os.path.abspath(path))} does not exist",
                            key=flag, file=path, hint=f"create the directory or give {flag} a path in an existing one")
+        if path is not None and os.path.isdir(path):
+            raise CLIError(f"{flag} {path} is a directory", key=flag, file=path,
+                           hint=f"give {flag} a file path (e.g. {os.path.join(path, 'serve.log')})")
+        if path is not None and os.path.exists(path) and not os.access(path, os.W_OK):
+            raise CLIError(f"{flag} {path} is not writable", key=flag, file=path, hint=f"give {flag} a file you can write")
     check_port(args.port, "--port")
     try:
         free = port_is_free(args.host, args.port)

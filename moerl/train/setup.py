@@ -165,9 +165,50 @@ def _prepare_main(cfg, dist) -> RunContext:
             if getattr(e, "file", None):
                 e.file = e.file.replace(scratch, str(run_dir))
             raise
+    check_existing_run(cfg, run_dir)
+    if cfg.overwrite_output_dir and cfg.resume == "none":
+        clear_run_outputs(run_dir)  # start over: no stale weights / checkpoints / logs mix with the new run
     run_dir.mkdir(parents=True, exist_ok=True)  # every check passed: the first write into output_dir
     cfg.save(str(run_dir / "recipe.yaml"))
     return _resolve(cfg, dist, run_dir, False)
+
+
+# what marks a directory as holding a moerl run, and what a run writes there besides data/ and tokenizer/
+RUN_MARKERS = ("recipe.yaml", "checkpoints", "weights")
+RUN_OUTPUTS = ("recipe.yaml", "checkpoints", "weights", "logs", "tensorboard", "hf_export", "hf_critic",
+               "hf_warm_start", "reference_resets", "moe_telemetry.jsonl", "samples.jsonl", "summary.json")
+
+
+def check_existing_run(cfg, run_dir: Path) -> None:
+    """A fresh start (``resume=none``) must not write over a run already in ``output_dir`` unless the
+    recipe says so (``overwrite_output_dir=true``).
+
+    Raises:
+        ConfigError: naming output_dir, what marks it as a run, and the three ways on.
+    """
+    from moerl.config.loader import ConfigError
+
+    if cfg.resume != "none" or cfg.overwrite_output_dir or not run_dir.is_dir():
+        return
+    found = [m for m in RUN_MARKERS if (run_dir / m).exists()]
+    if found:
+        raise ConfigError(f"output_dir={cfg.output_dir} already holds a moerl run ({', '.join(found)}) and "
+                          "resume=none would write over it", key="output_dir", file=str(run_dir),
+                          hint="resume=auto to continue it, another output_dir, or overwrite_output_dir=true to "
+                               "start over (removes its weights, checkpoints and logs)")
+
+
+def clear_run_outputs(run_dir: Path) -> None:
+    """Remove what an earlier run wrote into ``run_dir`` (:data:`RUN_OUTPUTS`); data/ and tokenizer/ are
+    rewritten by the new run."""
+    import shutil
+
+    for name in RUN_OUTPUTS:
+        path = run_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
 
 
 def check_logging_packages(log_cfg) -> None:
