@@ -132,6 +132,12 @@ def fx(tmp_path_factory):
     p["math_noanswer"] = _jsonl(d / "math_noanswer.jsonl", [{"question": "q", "answer": "no marker"}])
     (d / "telemetry_bad.jsonl").write_text("garbage\n")
     p["telemetry_bad"] = str(d / "telemetry_bad.jsonl")
+    tel = {"step": 1, "layer": 0, "num_experts": 4, "tokens_per_expert": [4, 4, 4, 4], "alerts": []}
+    p["telemetry_ok"] = _jsonl(d / "telemetry_ok.jsonl", [tel])
+    p["telemetry_short"] = _jsonl(d / "telemetry_short.jsonl", [tel, dict(tel, step=2, tokens_per_expert=[4, 4])])
+    p["telemetry_neg_layer"] = _jsonl(d / "telemetry_neg.jsonl", [tel, dict(tel, layer=-1)])
+    (d / "telemetry_bin.jsonl").write_bytes(b'{"step": 1, "layer": 0, \xff\xfe}\n')
+    p["telemetry_bin"] = str(d / "telemetry_bin.jsonl")
     # an existing run directory every train row starts into
     run = d / "existing_run"
     for rel, text in (("recipe.yaml", "seed: 7\n"), ("data/train.jsonl", json.dumps(ok[0]) + "\n"),
@@ -361,7 +367,12 @@ CASES = [
     ("math-dst-dir", "prepare_math_data", ["--format", "gsm8k", "{math_bad}", "{dir}"], ["is a directory"]),
     ("math-bad-format", "prepare_math_data", ["--format", "csv", "{ok}", "{dir}/m7.jsonl"], ["--format"]),
     ("inspect-missing", "inspect_experts", ["/nonexistent/moe_telemetry.jsonl"], ["/nonexistent/moe_telemetry.jsonl"]),
-    ("inspect-garbage", "inspect_experts", ["{telemetry_bad}"], ["telemetry_bad.jsonl:1"]),
+    ("inspect-garbage", "inspect_experts", ["{telemetry_bad}"], ["telemetry_bad.jsonl:1", "fix:"]),
+    ("inspect-dir", "inspect_experts", ["{dir}"], ["is a directory", "fix:"]),
+    ("inspect-out-is-file", "inspect_experts", ["{telemetry_ok}", "--out", "{a_file}"], ["--out", "a_file", "fix:"]),
+    ("inspect-binary", "inspect_experts", ["{telemetry_bin}"], ["telemetry_bin.jsonl:1", "UTF-8"]),
+    ("inspect-short-counts", "inspect_experts", ["{telemetry_short}"], ["telemetry_short.jsonl:2", "num_experts"]),
+    ("inspect-negative-layer", "inspect_experts", ["{telemetry_neg_layer}"], ["telemetry_neg.jsonl:2", "layer -1"]),
 ]
 # rows known to fail until another issue lands: {id: reason}
 XFAIL: dict[str, str] = {}

@@ -37,29 +37,52 @@ def load_telemetry(path: str | Path) -> dict[str, Any]:
         (NaN where a (step, layer) line is missing), "alerts": {layer: count}}``.
 
     Raises:
-        FileNotFoundError: no such file.
-        ValueError: an unparsable line, a line without step/layer/tokens_per_expert, layers with
-            different expert counts, or no lines at all (each naming the file and line number).
+        moerl.errors.DataError (a ValueError): no such file, a directory, a line that is not UTF-8 or not
+            JSON, a line without step/layer/tokens_per_expert, a negative step or layer, a
+            tokens_per_expert list whose length is not the line's num_experts, layers with different
+            expert counts, or no lines at all (each naming the file and line number).
     """
+    from moerl.errors import DataError
+
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{path} is a directory, not a telemetry file", file=str(path),
+                        hint=f"give the run's moe_telemetry.jsonl (e.g. {path / 'moe_telemetry.jsonl'})")
+    if not path.is_file():
+        raise DataError(f"telemetry file {path} not found", file=str(path),
+                        hint="give a run's moe_telemetry.jsonl (written with moe.telemetry on)")
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
+    fix = "give a moe_telemetry.jsonl written by moerl train (moe.telemetry on)"
+    with path.open("rb") as f:
+        for i, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{i}: not UTF-8 text ({e.reason} at byte {e.start})", file=str(path), row=i,
+                                hint=fix) from None
             if not line.strip():
                 continue
             try:
                 d = json.loads(line)
-                rows.append((int(d["step"]), int(d["layer"]), [float(x) for x in d["tokens_per_expert"]],
-                             len(d.get("alerts", []))))
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(
-                    f"{path}:{i}: not a MoETelemetry line (need step, layer, tokens_per_expert): {e}"
-                ) from None
+                counts = [float(x) for x in d["tokens_per_expert"]]
+                step, layer = int(d["step"]), int(d["layer"])
+                if step < 0 or layer < 0:
+                    raise ValueError(f"step {step} / layer {layer} must be >= 0")
+                if "num_experts" in d and len(counts) != int(d["num_experts"]):
+                    raise ValueError(f"tokens_per_expert has {len(counts)} entries, num_experts is {d['num_experts']}")
+                if not counts or any(not math.isfinite(c) or c < 0 for c in counts):
+                    raise ValueError("tokens_per_expert must be a non-empty list of counts >= 0")
+                rows.append((step, layer, counts, len(d.get("alerts", []))))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise DataError(
+                    f"{path}:{i}: not a MoETelemetry line (need step, layer, tokens_per_expert): {e}",
+                    file=str(path), row=i, hint=fix) from None
     if not rows:
-        raise ValueError(f"{path}: no telemetry lines (was moe.telemetry on and did training run a step?)")
+        raise DataError(f"{path}: no telemetry lines (was moe.telemetry on and did training run a step?)",
+                        file=str(path), hint=fix)
     widths = {len(r[2]) for r in rows}
     if len(widths) != 1:
-        raise ValueError(f"{path}: lines have different numbers of experts {sorted(widths)}")
+        raise DataError(f"{path}: lines have different numbers of experts {sorted(widths)}", file=str(path), hint=fix)
     steps = sorted({r[0] for r in rows})
     layers = sorted({r[1] for r in rows})
     si, li = {s: i for i, s in enumerate(steps)}, {l: i for i, l in enumerate(layers)}
@@ -191,13 +214,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", default=None, help="output folder (default: moe_inspect/ next to the JSONL)")
     ap.add_argument("--top", type=int, default=3, help="most / least loaded experts listed per layer")
     args = ap.parse_args(argv)
+    from moerl.errors import run_entry
+
+    return run_entry("inspect_experts", lambda: _inspect(args))
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    """Check --top / --out / the telemetry file (moerl.errors: exit 2 naming it), then write the report."""
+    from moerl.errors import CLIError, check_writable_path
+
     if args.top < 1:
-        ap.error("--top must be >= 1")
-    try:
-        paths = write_report(args.jsonl, args.out, top=args.top)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise CLIError(f"--top must be >= 1, got {args.top}", key="--top", hint="give --top 1 or more")
+    load_telemetry(args.jsonl)  # the file's errors first (named with file:line)
+    if args.out is not None:
+        check_writable_path(args.out, "--out")  # a file, or under a file / unwritable: refused
+    paths = write_report(args.jsonl, args.out, top=args.top)
     print(paths["summary"].read_text(), end="")
     for name, p in paths.items():
         print(f"wrote {p}")
