@@ -129,6 +129,7 @@ def fx(tmp_path_factory):
     make_tiny_tokenizer(str(d / "qwen_ok_tok"))  # a tokenizer directory for serve --tokenizer-path
     p["tok"] = str(d / "qwen_ok_tok")
     p["math_bad"] = _jsonl(d / "math_bad.jsonl", [{"question": "q", "answer": "a #### 1"}, {"answer": "b #### 2"}])
+    p["math_list_q"] = _jsonl(d / "math_list_q.jsonl", [{"question": ["q"], "answer": "a #### 1"}])
     p["math_noanswer"] = _jsonl(d / "math_noanswer.jsonl", [{"question": "q", "answer": "no marker"}])
     (d / "telemetry_bad.jsonl").write_text("garbage\n")
     p["telemetry_bad"] = str(d / "telemetry_bad.jsonl")
@@ -365,6 +366,10 @@ CASES = [
     ("convert-out-under-file", "convert_checkpoint", ["hf-to-mcore", "--hf", "{qwen_ok}", "--out", "{a_file}/ckpt"],
      ["--out", "a_file", "is not a directory"]),
     ("math-dst-dir", "prepare_math_data", ["--format", "gsm8k", "{math_bad}", "{dir}"], ["is a directory"]),
+    ("math-dst-exists", "prepare_math_data", ["--format", "gsm8k", "{math_noanswer}", "{run}/recipe.yaml"],
+     ["recipe.yaml", "already exists", "--overwrite"]),
+    ("math-question-list", "prepare_math_data", ["--format", "gsm8k", "{math_list_q}", "{dir}/m8.jsonl"],
+     ["row 1", "math_list_q.jsonl", "'question'", "list"]),
     ("math-bad-format", "prepare_math_data", ["--format", "csv", "{ok}", "{dir}/m7.jsonl"], ["--format"]),
     ("inspect-missing", "inspect_experts", ["/nonexistent/moe_telemetry.jsonl"], ["/nonexistent/moe_telemetry.jsonl"]),
     ("inspect-garbage", "inspect_experts", ["{telemetry_bad}"], ["telemetry_bad.jsonl:1", "fix:"]),
@@ -606,3 +611,23 @@ def test_overwrite_output_dir_starts_over_without_stale_files(fx, tmp_path):
     assert (run / "user_notes.txt").read_text() == "old\n"
     assert "overwrite_output_dir: true" in (run / "recipe.yaml").read_text()
     assert (run / "data" / "train.jsonl").stat().st_size > 0
+
+
+def test_prepare_math_data_stderr_is_one_line_and_overwrite_is_explicit(fx, tmp_path):
+    """No datasets progress bar before moerl's line; an existing output is replaced only with --overwrite."""
+    rc, out = run_inprocess("prepare_math_data", ["--format", "gsm8k", fx["math_bad"], str(tmp_path / "a.jsonl")])
+    assert rc == 2 and out.splitlines()[0].startswith("prepare_math_data: bad data input: row 2"), out
+    good = _jsonl(tmp_path / "gsm.jsonl", [{"question": "1+1?", "answer": "so #### 2"}])
+    dst = tmp_path / "out.jsonl"
+    dst.write_text("keep\n")
+    rc, out = run_inprocess("prepare_math_data", ["--format", "gsm8k", good, str(dst)])
+    assert rc == 2 and dst.read_text() == "keep\n", out
+    rc, out = run_inprocess("prepare_math_data", ["--format", "gsm8k", "--overwrite", good, str(dst)])
+    assert rc == 0 and json.loads(dst.read_text()) == {"prompt": [{"role": "user", "content": "1+1?"}], "label": "2"}
+
+
+def test_world_size_not_an_integer_is_named(fx, ports, monkeypatch):
+    """WORLD_SIZE=abc: exit 2 naming the environment variable (not int()'s message)."""
+    monkeypatch.setenv("WORLD_SIZE", "abc")
+    rc, out = run_inprocess("moerl", _train_argv([], fx, ports))
+    assert rc == 2 and "WORLD_SIZE='abc'" in out and "fix:" in out and "invalid literal" not in out, out

@@ -10,9 +10,11 @@ Formats (read with ``datasets``, so .jsonl / .json / .parquet all work, offline 
   ``"answer"`` field; the label is ``answer`` when present, else the last ``\\boxed{...}`` of the solution.
 
 Usage:
-    python tools/prepare_math_data.py --format gsm8k gsm8k_test.jsonl data/math_eval.jsonl [--limit N]
+    python tools/prepare_math_data.py --format gsm8k gsm8k_test.jsonl data/math_eval.jsonl [--limit N] [--overwrite]
 
-Rows whose label cannot be found are skipped and counted (printed). The output is written atomically.
+Rows whose label cannot be found are skipped and counted (printed); a row whose question / problem /
+message is not text (e.g. a list) is refused, naming the row. The output is written atomically; an
+existing output file is refused unless ``--overwrite``.
 """
 
 from __future__ import annotations
@@ -44,6 +46,15 @@ def last_boxed(text: str) -> Optional[str]:
     return None
 
 
+def _text(value, field: str, numbers: bool = False) -> str:
+    """``value`` as text: a string (or, with ``numbers``, an int/float answer); a list, dict, bool... is
+    refused (``str()`` would turn ``['q']`` into the text "['q']")."""
+    if isinstance(value, str) or (numbers and isinstance(value, (int, float)) and not isinstance(value, bool)):
+        return str(value)
+    raise ValueError(f"field {field!r} must be {'text or a number' if numbers else 'text'}, got "
+                     f"{type(value).__name__} {str(value)[:60]}")
+
+
 def convert_row(row: dict, fmt: str) -> Optional[dict]:
     """One source row -> ``{"prompt": [{"role": "user", "content": ...}] or the row's messages, "label": str}``,
     or None when the row has no usable answer.
@@ -54,11 +65,11 @@ def convert_row(row: dict, fmt: str) -> Optional[dict]:
     if fmt == "gsm8k":
         if row.get("question") is None or row.get("answer") is None:  # datasets fills a missing field with None
             raise ValueError(f"--format gsm8k rows need 'question' and 'answer' fields, got {sorted(row)}")
-        answer = str(row["answer"])
+        answer = _text(row["answer"], "answer")
         if "####" not in answer:
             return None
         label = answer.rsplit("####", 1)[1].strip().replace(",", "")
-        prompt = [{"role": "user", "content": str(row["question"])}]
+        prompt = [{"role": "user", "content": _text(row["question"], "question")}]
     elif fmt == "dapo":
         gt = (row.get("reward_model") or {}).get("ground_truth")
         if row.get("prompt") is None:
@@ -66,19 +77,19 @@ def convert_row(row: dict, fmt: str) -> Optional[dict]:
         if gt is None:
             return None
         msgs = row["prompt"]
-        prompt = ([{"role": str(m["role"]), "content": str(m["content"])} for m in msgs]
-                  if isinstance(msgs, list) else [{"role": "user", "content": str(msgs)}])
-        label = str(gt).strip()
+        prompt = ([{"role": _text(m["role"], "prompt[].role"), "content": _text(m["content"], "prompt[].content")}
+                   for m in msgs] if isinstance(msgs, list) else [{"role": "user", "content": _text(msgs, "prompt")}])
+        label = _text(gt, "reward_model.ground_truth", numbers=True).strip()
     elif fmt == "math":
         if row.get("problem") is None:
             raise ValueError(f"--format math rows need 'problem' and 'answer' or 'solution', got {sorted(row)}")
         label = row.get("answer")
         if label is None:
-            label = last_boxed(str(row.get("solution", "")))
+            label = last_boxed(_text(row.get("solution") or "", "solution"))
         if label is None:
             return None
-        prompt = [{"role": "user", "content": str(row["problem"])}]
-        label = str(label).strip()
+        prompt = [{"role": "user", "content": _text(row["problem"], "problem")}]
+        label = _text(label, "answer", numbers=True).strip()
     else:
         raise ValueError(f"unknown --format {fmt!r}; expected gsm8k, dapo or math")
     if not label:
@@ -88,8 +99,11 @@ def convert_row(row: dict, fmt: str) -> Optional[dict]:
 
 def load_rows(path: str) -> list[dict]:
     """Rows of a local .jsonl / .json / .parquet file through ``datasets`` (no network)."""
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     import datasets
 
+    datasets.disable_progress_bars()  # stderr keeps moerl's one line (no "Generating train split" bars)
+    datasets.logging.set_verbosity_error()
     kind = "parquet" if path.endswith(".parquet") else "json"
     ds = datasets.load_dataset(kind, data_files=os.path.abspath(path), split="train")
     return [ds[i] for i in range(len(ds))]
@@ -118,6 +132,7 @@ def _main(argv) -> int:
     ap.add_argument("src", help="input .jsonl / .json / .parquet")
     ap.add_argument("dst", help="output .jsonl of moerl rows")
     ap.add_argument("--limit", type=_positive_int, default=None, help="keep the first N converted rows")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     args = ap.parse_args(argv)
     if not os.path.isfile(args.src):
         raise DataError(f"input file not found: {args.src}", key="src", file=args.src, hint="give an existing file")
@@ -130,6 +145,9 @@ def _main(argv) -> int:
     if os.path.abspath(args.dst) == os.path.abspath(args.src):
         raise CLIError(f"output {args.dst} is the input file", key="dst", file=args.dst,
                        hint="write to another file; the input would be replaced")
+    if os.path.exists(args.dst) and not args.overwrite:
+        raise CLIError(f"output {args.dst} already exists", key="dst", file=args.dst,
+                       hint="give another output file, or add --overwrite to replace it")
     try:
         rows = load_rows(args.src)
     except Exception as e:  # noqa: BLE001 - datasets' parse errors (malformed json / parquet) name no line
