@@ -160,6 +160,9 @@ def load_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> Recip
     path = os.fspath(path)
     if os.path.isdir(path):
         raise ConfigError(f"{path} is a directory; give a recipe file such as configs/tiny_arith.yaml")
+    if os.path.exists(path) and not os.path.isfile(path):  # /dev/null, a FIFO, a socket
+        raise ConfigError(f"recipe {path} is not a regular file (an empty device or pipe holds no recipe)",
+                          key="recipe", file=path, hint="give a recipe file such as configs/tiny_arith.yaml")
     if not os.path.isfile(path):
         raise ConfigError(f"recipe file not found: {path}")
     with open(path, "rb") as f:

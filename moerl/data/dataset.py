@@ -157,6 +157,9 @@ def load_prompt_dataset(
     """
     path = os.fspath(path)
     key_hint = f" ({recipe_key})" if recipe_key else " (data.train_path / data.eval_path)"
+    if os.path.isdir(path):
+        raise DatasetError(f"prompt file {path}{key_hint} is a directory", key=recipe_key, file=path,
+                           hint="give a .jsonl or .parquet file of prompt rows")
     if not os.path.isfile(path):
         raise DatasetError(f"prompt file not found: {path}{key_hint}")
     if path.lower().endswith(".parquet"):

@@ -301,6 +301,9 @@ def prepare_task_data(
         for key, p in (("data.train_path", train_path), ("data.eval_path", eval_path)):
             if p is None:
                 raise ValueError(f"{key} must be set when data.task is 'jsonl'")
+            if os.path.isdir(p):
+                raise DatasetError(f"{key} {p} is a directory, not a prompt file", key=key, file=os.fspath(p),
+                                   hint=f"give {key} a .jsonl or .parquet file of prompt rows")
             if not os.path.isfile(p):
                 raise DatasetError(f"{key} file not found: {p}")
         return os.fspath(train_path), os.fspath(eval_path)  # type: ignore[arg-type]
