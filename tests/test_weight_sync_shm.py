@@ -202,3 +202,47 @@ def test_tensors_already_in_shared_memory_travel_uncopied(ckpts):
         assert [k for k, t in sd.items() if not torch.equal(engine.mapper.resolve(k, t)[0], t)] == []
     finally:
         engine.close()
+
+
+def test_buckets_are_pipelined_and_the_version_goes_last(ckpts):
+    """The sender keeps up to its buffer depth of buckets in flight (bucket 1 is posted while the
+    server still applies bucket 0), sends the weight_version bucket only after every other bucket
+    was answered, and the served parameters still equal the trainer's bitwise. Reference: the
+    server's own call log (start / end of each update call, wall clock), not the sender's."""
+    import threading
+    import time
+
+    sd = dict(load_safetensors_dir(ckpts[1]))
+    engine = ReferenceEngine(ckpts[0])
+    calls, log_lock = [], threading.Lock()
+    real = engine.update_weights_from_tensor
+
+    def logged(*args):
+        t0 = time.monotonic()
+        with log_lock:
+            first = not calls
+            calls.append(None)
+        if first:
+            time.sleep(1.0)  # bucket 0 is slow: bucket 1 must arrive while it is being applied
+        out = real(*args)
+        with log_lock:
+            calls[calls.index(None)] = (t0, time.monotonic(), args[3])
+        return out
+
+    engine.update_weights_from_tensor = logged
+    client = TestClient(create_app(engine))
+    try:
+        bufs = SharedBucketBuffers(depth=2)
+        n = sync_weights_from_tensor([str(client.base_url)], sd, "p1", bucket_bytes=30_000, http_client=client,
+                                     transport="shm", buffers=bufs)
+        assert n == len(calls) > 3
+        versioned = [c for c in calls if c[2] is not None]
+        others = [c for c in calls if c[2] is None]
+        assert [c[2] for c in versioned] == ["p1"]
+        assert versioned[0][0] >= max(c[1] for c in others)  # the version goes after every other bucket
+        first = min(calls)
+        assert any(c is not first and c[0] < first[1] for c in calls)  # a second bucket in flight meanwhile
+        assert [k for k, t in sd.items() if not torch.equal(engine.mapper.resolve(k, t)[0], t)] == []
+        assert client.get("/get_model_info").json()["weight_version"] == "p1"
+    finally:
+        engine.close()

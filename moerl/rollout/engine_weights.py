@@ -273,6 +273,7 @@ class WeightUpdater:
         self.weight_version = DEFAULT_WEIGHT_VERSION
         self._pending_cover: set = set()
         self._update_groups: dict[str, Any] = {}  # group_name -> process group (distributed weight sync)
+        self._shm_lock = threading.Lock()  # the shared-memory mappings kept (not the model lock: no wait on an apply)
 
     def update_weights_from_disk(self, model_path: str, load_format: Optional[str] = None,
                                  weight_version: Optional[str] = None) -> tuple[bool, str]:
@@ -319,6 +320,9 @@ class WeightUpdater:
         for the payloads of load_format null / "direct" / "flattened_bucket"). An element that is
         base64 safetensors bytes (moerl's earlier format) is read too. Tensors are HF-named, any
         dtype (cast to the parameter's). ``weight_version`` is set on success (SGLang semantics).
+        Concurrent calls (moerl's sender keeps up to its buffer depth of buckets in flight and sends
+        the one carrying weight_version after every other was answered) are decoded in parallel and
+        applied one at a time under the model lock, in whatever order they take it.
         Returns (success, message); nothing is written when the bucket is refused.
         """
         from moerl.rollout.tensor_serde import TENSOR_LOAD_FORMATS, deserialize, named_tensors_from_payload
@@ -344,7 +348,8 @@ class WeightUpdater:
         except Exception as e:  # malformed base64 / pickle / payload shape
             return False, f"could not decode serialized_named_tensors[0]: {e}"
         ok, msg = self._apply_bucket(named, weight_version, "update_weights_from_tensor")
-        self._keep_shared_mappings(named, ok and weight_version is not None)
+        with self._shm_lock:  # buckets of one sync may arrive concurrently (the sender pipelines them)
+            self._keep_shared_mappings(named, ok and weight_version is not None)
         return ok, msg
 
     def _keep_shared_mappings(self, named: list, sync_done: bool) -> None:

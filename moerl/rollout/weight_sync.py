@@ -368,13 +368,19 @@ def sync_weights_from_tensor(server_urls: Sequence[str], hf_state_dict: Mapping[
 
     Transport per server (:func:`tensor_transports`): ``shm`` servers get payloads of handles into
     ``buffers`` (default :data:`SHARED_BUCKET_BUFFERS`; one payload per server and TP rank, as each
-    carries one reference; bucket k+1 is copied while the servers apply bucket k; a tensor already
+    carries one reference; buffer k % depth is refilled once bucket k - depth was applied everywhere,
+    so with depth d up to d buckets are in flight: bucket k is posted as soon as it is copied, while
+    the servers still apply the earlier ones, and a server always has the next bucket queued; a tensor already
     in shared memory, e.g. after ``Tensor.share_memory_()``, is passed by its own handle without a
     copy and must stay unchanged until this call returns; the servers keep its mapping until the end
     of their next sync), ``bytes``
-    servers the tensors inline (moerl.rollout.tensor_serde.serialize_named_tensors). Every bucket
-    reaches every server before the next one is sent; the last bucket carries weight_version and
-    flush_cache=True. The servers apply what they get (SGLang semantics): ``hf_state_dict`` must
+    servers the tensors inline (moerl.rollout.tensor_serde.serialize_named_tensors). The buckets
+    before the last may be applied in any order (disjoint names); the last bucket carries
+    weight_version and flush_cache=True and is sent only after every server answered every other
+    bucket, so a server reports the new version only with all of it applied. After a refused bucket
+    the buckets already in flight (at most depth - 1) may still be applied, but no version is set.
+    /get_server_info (tp sizes) is asked while bucket 0 is copied.
+    The servers apply what they get (SGLang semantics): ``hf_state_dict`` must
     cover every weight the servers should change. Returns the number of buckets sent (0, nothing
     serialized, when ``server_urls`` is empty).
 
@@ -416,27 +422,34 @@ def sync_weights_from_tensor(server_urls: Sequence[str], hf_state_dict: Mapping[
                                   f"servers:\n" + "\n".join(errors))
 
     try:
-        tp_of = dict(zip(server_urls, server_tp_sizes(server_urls, timeout_s=timeout_s, http_client=client)))
-        with buffers.lock, ThreadPoolExecutor(max_workers=len(server_urls)) as pool:
-            in_flight: list = []
+        with buffers.lock, ThreadPoolExecutor(max_workers=len(server_urls) * max(2, buffers.depth)) as pool:
+            # the tp sizes are asked while bucket 0 is copied (one round trip off the critical path)
+            tp_future = pool.submit(server_tp_sizes, server_urls, timeout_s=timeout_s, http_client=client)
+            tp_of: Optional[dict] = None
+            sent: list = []  # sent[k]: the futures of bucket k (one per server)
             for k, bucket in enumerate(buckets):
                 last = k == len(buckets) - 1
-                if buffers.depth < 2:  # one buffer: it is free only once bucket k-1 was applied
-                    wait(in_flight)
-                    in_flight = []
+                if k >= buffers.depth:  # buffer k % depth held bucket k - depth: free once it was applied everywhere
+                    wait(sent[k - buffers.depth])
                 span = _bucket_span(bucket) if shm_urls else 0
                 shared = _fill_shared(buffers.buffer(k, span) if span else None, bucket) if shm_urls else None
-                wait(in_flight)  # bucket k-1 applied everywhere, so its buffer may be refilled next
-                in_flight = []
+                if tp_of is None:
+                    tp_of = dict(zip(server_urls, tp_future.result()))
+                if last:  # weight_version goes last: every earlier bucket applied everywhere first
+                    for f in sent:
+                        wait(f)
+                futures = []
                 for u in shm_urls:
                     payload = body([serialize_shared(shared) for _ in range(tp_of[u])], last)
-                    in_flight.append(_post_async(pool, client, u, "/update_weights_from_tensor", payload))
+                    futures.append(_post_async(pool, client, u, "/update_weights_from_tensor", payload))
                 if byte_urls:
                     blob, fmt = _bytes_payload(bucket)
                     for u in byte_urls:
-                        in_flight.append(_post_async(pool, client, u, "/update_weights_from_tensor",
-                                                     body([blob] * tp_of[u], last, fmt)))
-            wait(in_flight)
+                        futures.append(_post_async(pool, client, u, "/update_weights_from_tensor",
+                                                   body([blob] * tp_of[u], last, fmt)))
+                sent.append(futures)
+            for f in sent:
+                wait(f)
         verify_weight_version(server_urls, weight_version, http_client=client)
     finally:
         if http_client is None:
