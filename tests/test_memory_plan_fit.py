@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_hf_convert import FIELDS  # noqa: E402
 
-from moerl.config import load_config  # noqa: E402
+from moerl.config import ConfigError, load_config  # noqa: E402
 from moerl.parallel.hardware import GPUS, gpu_spec  # noqa: E402
 from moerl.parallel.memory_plan import (  # noqa: E402
     GIB,
@@ -30,7 +30,7 @@ from moerl.parallel.memory_plan import (  # noqa: E402
     rank_param_counts,
     total_params,
 )
-from moerl.parallel.plan_search import pipeline_split, search_layouts  # noqa: E402
+from moerl.parallel.plan_search import format_search, pipeline_split, search_layouts  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DS = REPO / "configs" / "deepseek_v3_671b.yaml"
@@ -195,15 +195,47 @@ def test_search_deepseek_256_h100():
     ([str(DS), "hardware.gpu=H1000"], "hardware.gpu 'H1000' is not a known GPU; known: A100-40GB"),
     ([str(REPO / "configs" / "tiny_arith.yaml")], "hardware.max_prompt_tokens is not set"),
     ([str(QWEN), "hardware.gpu=H100", "--search", "--world-size", "257"], "no layout of this recipe tiles 257"),
-    ([str(QWEN), "--search", "--world-size", "8"], "--search needs the GPU: set hardware.gpu"),
+    ([str(QWEN), "--search", "--world-size", "8"], "--search needs the GPU: hardware.gpu is not set"),
     ([str(QWEN), "hardware.gpu=H100", "--search"], "--search needs --world-size"),
     ([str(QWEN), "--world-size", "0"], "--world-size must be a positive"),
     ([str(QWEN), "parallel.world_size=null", "--world-size", "12"], "world_size (12) must be divisible"),
+    # --seq-length is checked against max_position_embeddings like the recipe's own lengths (40960 / 64)
+    ([str(QWEN), "--seq-length", "50000"], "--seq-length 50000 must be < model.hf_config.max_position_embeddings (40960)"),
+    ([str(QWEN), "--seq-length", "40960"], "--seq-length 40960 must be < model.hf_config.max_position_embeddings"),
+    ([str(REPO / "configs" / "tiny_arith.yaml"), "--seq-length", "1000"], "max_position_embeddings (64)"),
+    ([str(QWEN), "hardware.gpu=H100", "--search", "--world-size", "8", "--seq-length", "50000"], "--seq-length 50000"),
+    # precision.fp8 on a GPU of the table without that FP8 recipe's tensor cores
+    ([str(QWEN), "hardware.gpu=A100", "precision.fp8=e4m3"],
+     "precision.fp8=e4m3 (precision.fp8_recipe=delayed, needs compute capability 8.9+) cannot run on "
+     "hardware.gpu=A100, which has no FP8 tensor cores"),
+    ([str(QWEN), "hardware.gpu=L40S", "precision.fp8=e4m3", "precision.fp8_recipe=blockwise"],
+     "cannot run on hardware.gpu=L40S, which is compute capability 8.9"),
+    ([str(QWEN), "hardware.gpu=H100", "precision.fp8=e4m3", "precision.fp8_recipe=mxfp8"],
+     "cannot run on hardware.gpu=H100, which is compute capability 9.0"),
+    ([str(QWEN), "hardware.gpu=A100", "precision.fp8=hybrid", "--search", "--world-size", "32"],
+     "cannot run on hardware.gpu=A100"),
 ])
 def test_bad_values_exit_2_with_one_line(capsys, argv, needle):
+    """README convention (moerl.errors.run_entry): ``moerl plan: bad <kind> input: ...`` naming the key or flag,
+    then one ``fix:`` line; no traceback."""
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert needle in err and err.count("\n") == 1 and "Traceback" not in err, err
+    lines = err.splitlines()
+    assert needle in err and "Traceback" not in err, err
+    assert lines[0].startswith(("moerl plan: bad recipe input: ", "moerl plan: bad CLI input: ")), err
+    assert lines[-1].startswith("  fix: ") or "invalid recipe" in lines[0], err
+
+
+def test_debug_prints_the_traceback(capsys, monkeypatch):
+    """``moerl --debug plan`` (MOERL_DEBUG=1) adds the traceback of a plan's bad-input error, exit still 2."""
+    from moerl.cli import main as cli_main
+
+    monkeypatch.setenv("MOERL_DEBUG", "0")  # recorded, so the "1" that --debug sets is undone after the test
+    assert cli_main(["--debug", "plan", str(QWEN), "--seq-length", "50000"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "CLIError" in err
+    assert err.rstrip().splitlines()[-2].startswith("moerl plan: bad CLI input: --seq-length 50000"), err
+    assert "fix: give --seq-length below 40960" in err
 
 
 def test_fp8_gemms_at_the_fp8_peak():
@@ -223,7 +255,12 @@ def test_fp8_gemms_at_the_fp8_peak():
     rate = 32 * 1e12 * 0.35
     assert t["compute"] == pytest.approx((t["flops"] - fp8) / (989 * rate) + fp8 / (1979 * rate))
     a100 = load_config(QWEN, ["hardware.gpu=A100", "parallel.world_size=32", "precision.fp8=e4m3"])
-    assert estimate_step_time(plan_recipe(a100), a100)["fp8_flops"] == 0  # no FP8 tensor cores: all BF16
+    with pytest.raises(ConfigError, match=r"precision.fp8=e4m3 .* cannot run on hardware.gpu=A100") as err:
+        plan_recipe(a100)  # no FP8 tensor cores: refused, not planned as BF16
+    assert err.value.key == "precision.fp8" and "precision.fp8=null" in err.value.hint
+    out = format_plan(plan_recipe(cfg))
+    assert "FP8 GEMMs e4m3 (tensorwise)" in out.splitlines()[2]  # the layout line says FP8
+    assert "BF16 GEMMs" in format_plan(plan_recipe(load_config(QWEN, over[:2]))).splitlines()[2]
 
 
 def test_pipeline_bubble_equals_the_simulated_schedule():
@@ -246,3 +283,87 @@ def test_pipeline_bubble_equals_the_simulated_schedule():
         half = name == "dualpipev"
         sim = simulate(build_schedule(*key), Costs(F=0.5, B=1.0, W=0.5) if half else Costs(F=1.0, B=2.0, W=1.0))
         assert c.time["bubble"] / c.time["compute"] == pytest.approx(sim.makespan / max(sim.busy) - 1), key
+
+
+def test_vocab_size_and_its_source_are_printed():
+    """model.hf_config.vocab_size=null with no data.tokenizer_path plans moerl's byte tokenizer: 260 tokens
+    rounded up to a multiple of 64 = 320 rows. The output names it as a DEFAULT, on the answer line too."""
+    real = plan_recipe(load_config(QWEN, ["hardware.gpu=H100"]))
+    assert (real.vocab_size, real.vocab_source) == (151936, "model.hf_config.vocab_size")
+    assert "vocab 151936 from model.hf_config.vocab_size" in format_plan(real).splitlines()[1]
+    byte = plan_recipe(load_config(QWEN, ["hardware.gpu=H100", "model.hf_config.vocab_size=null"]))
+    assert byte.vocab_size == 320 and byte.vocab_source.startswith("DEFAULT: moerl's built-in byte tokenizer (260")
+    # 2 x 320 x 2048 instead of 2 x 151936 x 2048 parameters (untied embedding + output layer)
+    assert byte.memory.model_params["total"] == real.memory.model_params["total"] - 2 * (151936 - 320) * 2048
+    out = format_plan(byte)
+    assert "WARNING: vocab 320 from DEFAULT: moerl's built-in byte tokenizer" in out
+    assert "set model.hf_config.vocab_size to the real model's vocabulary" in out
+    assert out.splitlines()[-1] == ("answer: FITS on 8 x H100 (with the DEFAULT vocab 320, not the model's: set "
+                                    "model.hf_config.vocab_size)")
+    assert byte.to_dict()["vocab_source"] == byte.vocab_source
+    res = search_layouts(load_config(QWEN, ["hardware.gpu=H100", "model.hf_config.vocab_size=null"]), 8)
+    assert "WARNING: vocab 320 from DEFAULT" in format_search(res, 1)
+
+
+def test_world_size_alone_plans_the_recipe_layout_there(capsys):
+    """--world-size 32 without --search: the recipe's tp 4 / ep 8 at 32 GPUs, dp = 32 / 4 = 8, exactly the
+    plan of parallel.world_size=32 (README table: 44.98 GiB, FITS)."""
+    assert main([str(QWEN), "hardware.gpu=H100", "--world-size", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "world size: 32 from --world-size (the recipe's parallel.world_size is 8)" in out
+    assert "layout: world_size 32 = tp 4 x pp 1 x dp 8; ep 8, etp 1 (expert dp 4)" in out
+    same = plan_recipe(load_config(QWEN, ["hardware.gpu=H100", "parallel.world_size=32"]))
+    peak = same.memory.worst().total("full")
+    assert f"peak: {peak / GIB:.2f} GiB per GPU" in out and round(peak / GIB, 2) == 44.98
+    assert main([str(QWEN), "hardware.gpu=H100", "--world-size", "12"]) == 2
+    err = capsys.readouterr().err
+    assert "world_size (12) must be divisible" in err and "fix: plan a world size this layout tiles" in err
+    assert "launch" not in err  # not the torchrun advice
+
+
+def _printed_overrides(text: str) -> list[list[str]]:
+    return [line.split("overrides:", 1)[1].split() for line in text.splitlines() if line.lstrip().startswith("overrides:")]
+
+
+@pytest.mark.parametrize("recipe,gpu,world", [(QWEN, "H100", 32), (MATH, "H200", 8)])
+def test_printed_overrides_reproduce_each_layout(capsys, recipe, gpu, world):
+    """--search prints, under every layout, the overrides that reproduce it: each loads with the recipe
+    (load_config) and plans to the same layout and peak; DualPipe(V) rows carry train.pack=false."""
+    assert main([str(recipe), f"hardware.gpu={gpu}", "--search", "--world-size", str(world), "--top", "5"]) == 0
+    printed = _printed_overrides(capsys.readouterr().out)
+    res = search_layouts(load_config(recipe, [f"hardware.gpu={gpu}"]), world)
+    assert len(printed) == 5 and any("train.pipeline_schedule=dualpipev" in o for o in printed)
+    for c, over in zip(res.fitting[:5], printed):
+        assert over == c.overrides
+        assert ("train.pack=false" in over) == (c.layout["pipeline_schedule"] != "1f1b")
+        cfg = load_config(recipe, [f"hardware.gpu={gpu}", *over])
+        again = plan_recipe(cfg)
+        lay = c.layout
+        assert (cfg.parallel.tp_size, cfg.parallel.pp_size, cfg.parallel.ep_size, cfg.parallel.etp_size or
+                cfg.parallel.tp_size, cfg.parallel.recompute) == (lay["tp_size"], lay["pp_size"], lay["ep_size"],
+                                                                  lay["etp_size"], lay["recompute"])
+        assert again.memory.world_size == world and again.memory.pipeline_schedule == lay["pipeline_schedule"]
+        assert again.memory.worst().total(lay["recompute"]) == c.peak
+        assert main([str(recipe), f"hardware.gpu={gpu}", *over]) == 0  # the CLI accepts the printed string
+        assert "answer: FITS" in capsys.readouterr().out
+
+
+def test_search_headline_counts_the_colocated_engines():
+    """The colocated engines' KV cache does not depend on the layout: the headline says whether the layouts
+    that fit the trainer fit as a whole. rollout.max_new_tokens=32000 on 8 x H200 (math recipe, worked by
+    hand): 128 sequences per replica (32 x 8 / 2) of 1024 + 32000 tokens at 2 x 48 x 1 x 128 x 2 = 24576
+    B/token = 96.75 GiB of KV cache for a pool of 0.7 x 141 - 30.53 B x 2 / 4 = 84.48 GiB."""
+    ok = search_layouts(load_config(MATH, ["hardware.gpu=H200"]), 8)
+    assert ok.rollout_fits is True and ok.fitting_everything == ok.fitting
+    assert f"{len(ok.fitting)} fit (trainer, and the colocated rollout engines fit at every layout)" in format_search(ok)
+    long = search_layouts(load_config(MATH, ["hardware.gpu=H200", "rollout.max_new_tokens=32000"]), 8)
+    ro = long.fitting[0].plan.rollout
+    assert ro.kv_needed == 128 * 33024 * 24576 and ro.kv_per_token == 24576
+    assert round(ro.kv_needed / GIB, 2) == 96.75 and round(ro.kv_pool / GIB, 2) == 84.48 and ro.sequences_held == 111
+    assert long.rollout_fits is False and long.fitting and long.fitting_everything == []
+    head = format_search(long).splitlines()[1]
+    assert head.endswith(f"{len(long.fitting)} fit the trainer's memory but NONE fits as a whole: the colocated "
+                         "rollout engines' KV cache DOES NOT FIT at any layout (last line)")
+    d = long.to_dict(1)
+    assert d["rollout_fits"] is False and d["fitting_layouts_with_rollout"] == 0
+    assert d["fitting_layouts"] == len(long.fitting)

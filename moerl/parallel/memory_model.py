@@ -88,6 +88,8 @@ __all__ = [
     "plan_rollout",
     "plan_recipe",
     "plan_from_recipe",
+    "recipe_vocab",
+    "check_fp8_gpu",
 ]
 
 GIB = 1024**3
@@ -539,18 +541,70 @@ def plan_memory(
 # --------------------------------------------------------------------------------------------
 
 
-def _recipe_vocab_size(cfg) -> int:
+def recipe_vocab(cfg) -> tuple[int, str]:
+    """(embedding rows, where they come from) of the recipe's model: model.hf_config.vocab_size when set,
+    else the tokenizer's length (data.tokenizer_path, or moerl's built-in byte tokenizer when that is unset
+    too) rounded up as moerl's trainer does (``HFConfig.resolve_vocab_size``). The source is printed, since
+    a default vocabulary (the byte tokenizer's 260 tokens -> 320 rows) understates a real model's
+    embedding and logits."""
     hf = cfg.model.hf_config
     if hf.vocab_size is not None:
-        return hf.vocab_size
+        return hf.vocab_size, "model.hf_config.vocab_size"
     import tempfile
 
     from moerl.data.tokenizer import build_tokenizer, load_tokenizer
 
     if cfg.data.tokenizer_path:
-        return hf.resolve_vocab_size(len(load_tokenizer(cfg.data.tokenizer_path)))
+        n = len(load_tokenizer(cfg.data.tokenizer_path))
+        return hf.resolve_vocab_size(n), (f"the tokenizer at data.tokenizer_path {cfg.data.tokenizer_path} ({n} "
+                                          "tokens, rounded up; model.hf_config.vocab_size is null)")
     with tempfile.TemporaryDirectory() as tmp:
-        return hf.resolve_vocab_size(len(build_tokenizer(tmp)))
+        n = len(build_tokenizer(tmp))
+    return hf.resolve_vocab_size(n), (f"DEFAULT: moerl's built-in byte tokenizer ({n} tokens, rounded up), because "
+                                      "model.hf_config.vocab_size is null and data.tokenizer_path is unset; set "
+                                      "model.hf_config.vocab_size to the real model's vocabulary")
+
+
+def recipe_vocab_is_default(source: str) -> bool:
+    """Whether ``recipe_vocab``'s source is the built-in byte tokenizer (not the recipe's model)."""
+    return source.startswith("DEFAULT:")
+
+
+def _recipe_vocab_size(cfg) -> int:
+    return recipe_vocab(cfg)[0]
+
+
+#: lowest CUDA compute capability per precision.fp8_recipe (moerl.precision.te_fp8._GPU_NEED; mxfp8 Blackwell)
+FP8_MIN_CAPABILITY = {"delayed": (8, 9), "tensorwise": (8, 9), "blockwise": (9, 0), "mxfp8": (10, 0)}
+
+
+def check_fp8_gpu(cfg) -> None:
+    """precision.fp8 on hardware.gpu: refuse a GPU of the table that cannot run the recipe's FP8 GEMMs
+    (A100: no FP8 tensor cores; blockwise needs Hopper 9.0+, mxfp8 Blackwell 10.x), rather than plan BF16.
+    No check without hardware.gpu (a custom GPU) or without precision.fp8.
+
+    Raises:
+        moerl.config.ConfigError: naming precision.fp8 / precision.fp8_recipe and hardware.gpu.
+    """
+    prec = getattr(cfg, "precision", None)
+    if prec is None or not prec.fp8 or cfg.hardware.gpu is None:
+        return
+    from moerl.config.errors import ConfigError
+    from moerl.parallel.hardware import GPUS, gpu_spec
+
+    spec = gpu_spec(cfg.hardware.gpu)
+    need = FP8_MIN_CAPABILITY[prec.fp8_recipe]
+    if spec.fp8_tflops is None or spec.capability < need:
+        why = "has no FP8 tensor cores" if spec.fp8_tflops is None else \
+            f"is compute capability {spec.capability[0]}.{spec.capability[1]}"
+        able = [g.name for g in GPUS.values() if g.fp8_tflops is not None and g.capability >= need]
+        raise ConfigError(
+            f"precision.fp8={prec.fp8} (precision.fp8_recipe={prec.fp8_recipe}, needs compute capability "
+            f"{need[0]}.{need[1]}+) cannot run on hardware.gpu={spec.name}, which {why}",
+            key="precision.fp8",
+            hint=f"set precision.fp8=null to plan BF16 on {spec.name}, or pick hardware.gpu from {', '.join(able)}"
+            + ("" if prec.fp8_recipe in ("delayed", "tensorwise") else
+               ", or precision.fp8_recipe=tensorwise" if spec.fp8_tflops is not None else ""))
 
 
 @dataclass(frozen=True)
@@ -588,28 +642,39 @@ def recipe_workload(cfg, dp_size: int, seq_length: Optional[int] = None) -> Work
     Raises:
         moerl.config.ConfigError: no prompt length (names hardware.max_prompt_tokens and
             --seq-length), a sample that reaches model.hf_config.max_position_embeddings (SGLang
-            refuses it), a non-positive seq_length.
+            refuses it).
+        moerl.errors.CLIError: a non-positive seq_length, or one reaching max_position_embeddings.
     """
     from moerl.config.errors import ConfigError
 
     r, t, hf = cfg.rollout, cfg.train, cfg.model.hf_config
     if seq_length is not None:
+        from moerl.errors import CLIError
+
         if isinstance(seq_length, bool) or not isinstance(seq_length, int) or seq_length < 1:
-            raise ConfigError(f"--seq-length must be a positive number of tokens, got {seq_length!r}")
+            raise CLIError(f"--seq-length must be a positive number of tokens, got {seq_length!r}",
+                           key="--seq-length", hint="give the longest sample (prompt + response) in tokens, >= 1")
+        if seq_length >= hf.max_position_embeddings:
+            raise CLIError(
+                f"--seq-length {seq_length} must be < model.hf_config.max_position_embeddings "
+                f"({hf.max_position_embeddings}): SGLang refuses a sample that long",
+                key="--seq-length", hint=f"give --seq-length below {hf.max_position_embeddings}, or raise "
+                "model.hf_config.max_position_embeddings if the model supports longer contexts")
         sample, source = seq_length, f"--seq-length {seq_length}"
     else:
         prompt = cfg.hardware.max_prompt_tokens
         if prompt is None:
             raise ConfigError(
-                "hardware.max_prompt_tokens is not set: give the longest prompt in tokens "
-                "(hardware.max_prompt_tokens=N; samples are N + rollout.max_new_tokens long) or --seq-length")
+                "hardware.max_prompt_tokens is not set: the planner needs the longest prompt in tokens",
+                key="hardware.max_prompt_tokens",
+                hint="give hardware.max_prompt_tokens=N (samples are N + rollout.max_new_tokens long) or --seq-length")
         sample = prompt + r.max_new_tokens
         source = f"hardware.max_prompt_tokens {prompt} + rollout.max_new_tokens {r.max_new_tokens}"
         if sample >= hf.max_position_embeddings:
             raise ConfigError(
                 f"hardware.max_prompt_tokens + rollout.max_new_tokens ({prompt} + {r.max_new_tokens} = {sample}) must "
-                f"be < model.hf_config.max_position_embeddings ({hf.max_position_embeddings}): lower "
-                "hardware.max_prompt_tokens or rollout.max_new_tokens")
+                f"be < model.hf_config.max_position_embeddings ({hf.max_position_embeddings})",
+                key="hardware.max_prompt_tokens", hint="lower hardware.max_prompt_tokens or rollout.max_new_tokens")
     packed = t.pack and cfg.parallel.pp_size == 1
     if packed:
         seq, mbs = max(t.max_tokens_per_micro_batch, sample), 1
@@ -729,7 +794,8 @@ def plan_rollout(cfg, shape: ModelShape, world_size: int, sample_tokens: int, hw
     tp = r.server_tp_size
     if world_size % tp:
         raise ConfigError(f"world_size ({world_size}) must be a multiple of rollout.server_tp_size ({tp}) for "
-                          "colocated engines")
+                          "colocated engines", key="rollout.server_tp_size",
+                          hint="pick a rollout.server_tp_size dividing the world size, or another --world-size")
     replicas = world_size // tp
     seqs = math.ceil(r.rollout_batch_size * r.n_samples_per_prompt / replicas)
     wbytes = _DTYPE_BYTES[cfg.model.params_dtype]
@@ -750,6 +816,9 @@ class RecipePlan:
     hardware: Hardware
     rollout: Optional[RolloutPlan]
     placement: str
+    vocab_size: int = 0
+    vocab_source: str = ""  # recipe_vocab's source (printed; "DEFAULT: ..." for the byte tokenizer)
+    fp8: str = ""  # "" (BF16) or e.g. "e4m3 (tensorwise)": precision.fp8 (precision.fp8_recipe)
 
     def fits(self) -> Optional[bool]:
         """True when every pipeline rank (and colocated engines) fit; None without a GPU memory."""
@@ -762,7 +831,8 @@ class RecipePlan:
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dict of everything."""
         d = {"recipe": self.recipe, "memory": self.memory.to_dict(), "workload": asdict(self.workload),
-             "hardware": asdict(self.hardware), "placement": self.placement, "fits": self.fits()}
+             "hardware": asdict(self.hardware), "placement": self.placement, "fits": self.fits(),
+             "vocab_size": self.vocab_size, "vocab_source": self.vocab_source, "fp8": self.fp8 or None}
         if self.rollout is not None:
             d["rollout"] = {**asdict(self.rollout), "kv_pool": self.rollout.kv_pool, "fits": self.rollout.fits,
                             "sequences_held": self.rollout.sequences_held}
@@ -787,15 +857,29 @@ def plan_recipe(cfg, world_size: Optional[int] = None, seq_length: Optional[int]
 
     Raises:
         moerl.config.ConfigError: the layout does not tile world_size (the recipe's check_world_size
-            rules, batch divisibility included), no prompt length, too long a sample.
+            rules, batch divisibility included), no prompt length, too long a sample, precision.fp8 on a
+            hardware.gpu without the FP8 recipe's tensor cores (``check_fp8_gpu``).
+        moerl.errors.CLIError: a bad seq_length (--seq-length).
     """
     p = cfg.parallel
     if world_size is None:
         world_size = p.world_size or math.lcm(p.tp_size * p.pp_size, p.expert_tp_size * p.ep_size * p.pp_size)
-    dp = cfg.check_world_size(world_size, trainable=False)
+    from moerl.config.errors import ConfigError
+
+    try:
+        dp = cfg.check_world_size(world_size, trainable=False)
+    except ConfigError as e:  # the schema's tiling rules: give them the fix line run_entry prints
+        if e.hint:
+            raise
+        raise ConfigError(" ".join(line.strip() for line in str(e).splitlines() if line.strip()),
+                          key=e.key or "parallel.world_size",
+                          hint=f"plan a world size this layout tiles (--world-size N or parallel.world_size=N; "
+                          f"{world_size} given), or change the parallel.* sizes the message names") from e
     work = recipe_workload(cfg, dp, seq_length)
+    check_fp8_gpu(cfg)
     hw = hardware_from_recipe(cfg)
-    shape = ModelShape.from_recipe(cfg, _recipe_vocab_size(cfg))
+    vocab, vocab_source = recipe_vocab(cfg)
+    shape = ModelShape.from_recipe(cfg, vocab)
     memory = plan_memory(
         shape,
         world_size=world_size, tp_size=p.tp_size, pp_size=p.pp_size, ep_size=p.ep_size, etp_size=p.etp_size,
@@ -811,4 +895,6 @@ def plan_recipe(cfg, world_size: Optional[int] = None, seq_length: Optional[int]
     )
     colocated = cfg.rollout.placement == "colocated"
     rollout = plan_rollout(cfg, shape, world_size, work.sample_tokens, hw) if colocated else None
-    return RecipePlan(recipe, memory, work, hw, rollout, cfg.rollout.placement)
+    prec = getattr(cfg, "precision", None)
+    fp8 = f"{prec.fp8} ({prec.fp8_recipe})" if prec is not None and prec.fp8 else ""
+    return RecipePlan(recipe, memory, work, hw, rollout, cfg.rollout.placement, vocab, vocab_source, fp8)

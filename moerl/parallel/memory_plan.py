@@ -5,16 +5,17 @@ moerl.parallel.memory_model, the GPU table moerl.parallel.hardware, the layout s
 step-time model moerl.parallel.plan_search. This module re-exports the memory model's public names
 (``from moerl.parallel.memory_plan import plan_memory`` keeps working).
 
-Exit codes of ``main``: 0 answered (FITS or DOES NOT FIT), 2 bad input: one line on stderr naming
-the recipe key or flag (an invalid recipe value, a non-positive length or world size, an unknown
-hardware.gpu with the known names, a world size no layout tiles).
+Exit codes of ``main``: 0 answered (FITS or DOES NOT FIT), 2 bad input: ``moerl plan: bad <kind> input:
+...`` on stderr naming the recipe key or flag, and a ``fix:`` line (moerl.errors.run_entry; ``moerl --debug
+plan`` adds the traceback): an invalid recipe value, a non-positive length or world size, a --seq-length
+reaching model.hf_config.max_position_embeddings, an unknown hardware.gpu with the known names,
+precision.fp8 on a GPU without that FP8 recipe, a world size no layout tiles.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Optional
 
 from moerl.parallel.memory_model import (  # noqa: F401 - re-exported
@@ -79,14 +80,25 @@ def format_plan(plan, title: str = "") -> str:
             "flash attention" if mem.flash_attention else "S x S attention probs kept"]
     if mem.pp_size > 1:
         opts.append(f"schedule {mem.pipeline_schedule}")
+    if rp and rp.fp8:
+        opts.append(f"FP8 GEMMs {rp.fp8} (precision.fp8; TE's FP8 weight copies not counted)")
+    elif rp:
+        opts.append("BF16 GEMMs (precision.fp8 null)")
     extra = [x for x, on in (("reference policy weights", mem.reference_policy),
                              ("critic weights+grads+Adam", mem.critic)) if on]
+    from moerl.parallel.memory_model import recipe_vocab_is_default
+
+    default_vocab = bool(rp and recipe_vocab_is_default(rp.vocab_source))
     lines = [
         f"moerl plan{': ' + (title or (rp.recipe if rp else '')) if (title or rp) else ''}",
-        f"model: {_count(mp['total'])} parameters ({_count(mp['active'])} active per token; experts {_count(mp['expert'])})",
+        f"model: {_count(mp['total'])} parameters ({_count(mp['active'])} active per token; experts {_count(mp['expert'])})"
+        + (f"; vocab {rp.vocab_size} from {rp.vocab_source}" if rp and not default_vocab else ""),
         f"layout: world_size {mem.world_size} = tp {mem.tp_size} x pp {mem.pp_size} x dp {mem.dp_size}; "
         f"ep {mem.ep_size}, etp {mem.etp_size} (expert dp {mem.expert_dp_size}); " + ", ".join(opts),
     ]
+    if default_vocab:
+        lines.append(f"WARNING: vocab {rp.vocab_size} from {rp.vocab_source}; the embedding, output layer and "
+                     "logits below are that small")
     if rp:
         w = rp.workload
         lines.append(f"sequence: {w.sample_tokens} tokens ({w.source}); micro-batch "
@@ -137,15 +149,24 @@ def format_plan(plan, title: str = "") -> str:
                    "rollout.rollout_batch_size)"))
     if rp and rp.fits() is not None:
         lines.append(f"answer: {'FITS' if rp.fits() else 'DOES NOT FIT'} on {mem.world_size} x {rp.hardware.name}"
-                     + ("" if rp.fits() else "; try `moerl plan RECIPE --search --world-size N`"))
+                     + ("" if rp.fits() else "; try `moerl plan RECIPE --search --world-size N`")
+                     + (f" (with the DEFAULT vocab {rp.vocab_size}, not the model's: set model.hf_config.vocab_size)"
+                        if default_vocab else ""))
     return "\n".join(lines)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     """``moerl plan RECIPE.yaml [key=value ...] [--world-size N] [--seq-length S] [--search] [--json]``.
 
-    Returns 0, or 2 (one line on stderr naming the key) for a bad recipe, length, GPU name or a
-    world size no layout tiles."""
+    Returns 0, or 2 for bad input (moerl.errors.run_entry prints ``moerl plan: bad <kind> input: ...``
+    naming the key or flag, plus a ``fix:`` line): a bad recipe, length, GPU name, FP8 on a GPU without
+    it, or a world size no layout tiles."""
+    from moerl.errors import run_entry
+
+    return run_entry("moerl plan", lambda: _main(argv))
+
+
+def _main(argv: Optional[list[str]]) -> int:
     parser = argparse.ArgumentParser(
         prog="moerl plan",
         description="Does the recipe fit its GPUs? Per-GPU memory (weights, gradients, Adam state, activations, "
@@ -156,39 +177,59 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("recipe", help="path to a recipe YAML (see configs/)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, key=value")
     parser.add_argument("--world-size", type=int, default=None,
-                        help="number of GPUs (default: parallel.world_size, else the smallest the layout tiles)")
+                        help="number of GPUs (default: parallel.world_size, else the smallest the layout tiles); "
+                        "without --search, the recipe's layout at that many GPUs (dp derived)")
     parser.add_argument("--seq-length", type=int, default=None,
-                        help="longest sample, prompt + response tokens (default: hardware.max_prompt_tokens + "
-                        "rollout.max_new_tokens)")
+                        help="longest sample, prompt + response tokens, < model.hf_config.max_position_embeddings "
+                        "(default: hardware.max_prompt_tokens + rollout.max_new_tokens)")
     parser.add_argument("--no-flash-attention", action="store_true",
                         help="count the S x S attention probabilities (local attention, as on CPU)")
     parser.add_argument("--search", action="store_true",
-                        help="enumerate the layouts of --world-size GPUs, keep those that fit, rank by estimated step time")
+                        help="enumerate the layouts of --world-size GPUs, keep those that fit, rank by estimated step "
+                        "time; each comes with the overrides that reproduce it")
     parser.add_argument("--top", type=int, default=5, help="layouts --search prints (default 5)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_intermixed_args(argv)
     from moerl.config.loader import ConfigError, load_config
+    from moerl.errors import CLIError, input_kind
 
+    if args.world_size is not None and args.world_size < 1:
+        raise CLIError(f"--world-size must be a positive number of GPUs, got {args.world_size}", key="--world-size",
+                       hint="give --world-size N with N >= 1, or leave it out to use parallel.world_size")
+    if args.top < 1:
+        raise CLIError(f"--top must be >= 1, got {args.top}", key="--top", hint="give --top K with K >= 1")
     try:
-        if args.world_size is not None and args.world_size < 1:
-            raise ConfigError(f"--world-size must be a positive number of GPUs, got {args.world_size}")
-        if args.top < 1:
-            raise ConfigError(f"--top must be >= 1, got {args.top}")
         cfg = load_config(args.recipe, args.overrides)
         if args.search:
             from moerl.parallel.plan_search import format_search, search_layouts
 
             if args.world_size is None:
-                raise ConfigError("--search needs --world-size N (the GPUs to lay the recipe out on)")
+                raise CLIError("--search needs --world-size N (the GPUs to lay the recipe out on)", key="--world-size",
+                               hint="add --world-size N, e.g. --world-size 8")
             result = search_layouts(cfg, args.world_size, seq_length=args.seq_length,
                                     flash_attention=not args.no_flash_attention)
             print(json.dumps(result.to_dict(args.top), indent=2) if args.json else
                   format_search(result, args.top, title=args.recipe))
             return 0
+        note = ""
+        if args.world_size is not None and cfg.parallel.world_size not in (None, args.world_size):
+            # the recipe's layout at --world-size GPUs (dp derived), as with parallel.world_size=N
+            from moerl.config.schema import RecipeConfig
+
+            note = (f"world size: {args.world_size} from --world-size (the recipe's parallel.world_size is "
+                    f"{cfg.parallel.world_size}); the same as the override parallel.world_size={args.world_size}")
+            d = cfg.to_dict()
+            cfg = RecipeConfig.model_validate({**d, "parallel": {**d["parallel"], "world_size": args.world_size}})
         plan = plan_recipe(cfg, args.world_size, args.seq_length, flash_attention=not args.no_flash_attention,
                            recipe=args.recipe)
-    except (ConfigError, ValueError) as e:
-        print("moerl plan: " + " ".join(line.strip() for line in str(e).splitlines() if line.strip()), file=sys.stderr)
-        return 2
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    except ValueError as e:  # every moerl input error is a ValueError; name any other (pydantic's) as a recipe one
+        if input_kind(e) is not None:
+            raise
+        raise ConfigError(" ".join(line.strip() for line in str(e).splitlines() if line.strip()),
+                          hint="correct the recipe key named above") from e
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+    else:
+        text = format_plan(plan)
+        print(text if not note else text.replace("\nlayout:", f"\n{note}\nlayout:", 1))
     return 0

@@ -109,7 +109,7 @@ def estimate_step_time(plan: RecipePlan, cfg) -> dict[str, float]:
         ("tp_bytes", "ep_bytes", "pp_bytes", "dp_bytes").
 
     Raises:
-        ValueError: the GPU's peak BF16 throughput is unknown (hardware.gpu or
+        moerl.config.ConfigError: the GPU's peak BF16 throughput is unknown (hardware.gpu or
             hardware.peak_bf16_tflops not set).
     """
     from moerl.parallel.memory_model import ModelShape, _recipe_vocab_size
@@ -117,8 +117,10 @@ def estimate_step_time(plan: RecipePlan, cfg) -> dict[str, float]:
 
     mem, work, hw = plan.memory, plan.workload, plan.hardware
     if hw.bf16_tflops is None:
-        raise ValueError("hardware.gpu (or hardware.peak_bf16_tflops) must be set to estimate step times, e.g. "
-                         "hardware.gpu=H100")
+        from moerl.config.errors import ConfigError
+
+        raise ConfigError("hardware.gpu (or hardware.peak_bf16_tflops) must be set to estimate step times",
+                          key="hardware.gpu", hint="set hardware.gpu, e.g. hardware.gpu=H100")
     shape = ModelShape.from_recipe(cfg, _recipe_vocab_size(cfg))
     b = _DTYPE_BYTES[mem.params_dtype]
     h, S = shape.hidden_size, work.sample_tokens
@@ -187,13 +189,20 @@ def estimate_step_time(plan: RecipePlan, cfg) -> dict[str, float]:
 
 @dataclass
 class Candidate:
-    """One valid layout: its settings, its plan, peak bytes per GPU and estimated step time."""
+    """One valid layout: its settings, its plan, peak bytes per GPU and estimated step time.
+
+    ``fits``: the training side (the busiest pipeline rank) fits; the colocated rollout engines do not
+    depend on the layout (SearchResult.rollout_fits). ``overrides``: the ``key=value`` overrides that turn
+    the recipe into this layout (only the keys that differ from the recipe; ``train.pack=false`` for
+    DualPipe(V)), printed by ``format_search`` so that ``moerl plan RECIPE <overrides>`` reproduces it.
+    """
 
     layout: dict[str, Any]
     plan: RecipePlan
     peak: float
     fits: bool
     time: dict[str, float]
+    overrides: list[str] = field(default_factory=list)
 
     def label(self) -> str:
         """One-line description, e.g. ``tp 4 pp 16 ep 4 etp 4 dp 4 recompute full 1f1b (first 3, last 2 layers)``."""
@@ -221,15 +230,23 @@ class SearchResult:
     gpu: str = ""
     usable: float = 0.0
     current: Optional[Candidate] = None  # the recipe's own layout when it is valid at world_size
+    rollout_fits: Optional[bool] = None  # colocated engines' KV cache (same at every layout); None: not colocated
+
+    @property
+    def fitting_everything(self) -> list[Candidate]:
+        """The layouts whose training side fits and whose colocated rollout engines (if any) fit."""
+        return [] if self.rollout_fits is False else self.fitting
 
     def to_dict(self, top: int = 5) -> dict[str, Any]:
         """JSON-safe summary of the ``top`` fitting layouts (or the closest ones)."""
         rows = self.fitting[:top] or self.closest[:top]
         return {"world_size": self.world_size, "valid_layouts": self.valid, "rejected_layouts": self.rejected,
-                "fitting_layouts": len(self.fitting), "gpu": self.gpu, "usable_gib": self.usable / GIB,
-                "mfu": self.mfu,
+                "fitting_layouts": len(self.fitting), "rollout_fits": self.rollout_fits,
+                "fitting_layouts_with_rollout": len(self.fitting_everything), "gpu": self.gpu,
+                "usable_gib": self.usable / GIB, "mfu": self.mfu,
                 "layouts": [{"layout": c.layout, "dp_size": c.plan.memory.dp_size, "peak_gib": c.peak / GIB,
-                             "fits": c.fits, "step_time_s": c.time} for c in rows]}
+                             "fits": c.fits, "step_time_s": c.time, "overrides": " ".join(c.overrides)}
+                            for c in rows]}
 
 
 def search_layouts(cfg, world_size: int, seq_length: Optional[int] = None,
@@ -242,14 +259,19 @@ def search_layouts(cfg, world_size: int, seq_length: Optional[int] = None,
     """
     from moerl.config.errors import ConfigError
     from moerl.config.schema import RecipeConfig
+    from moerl.errors import CLIError
+    from moerl.parallel.memory_model import check_fp8_gpu
 
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"--world-size must be a positive number of GPUs, got {world_size!r}")
+        raise CLIError(f"--world-size must be a positive number of GPUs, got {world_size!r}", key="--world-size",
+                       hint="give --world-size N with N >= 1")
     hwc = cfg.hardware
     if hwc.gpu is None and (hwc.gpu_memory_gib is None or hwc.peak_bf16_tflops is None):
-        raise ConfigError("--search needs the GPU: set hardware.gpu (e.g. hardware.gpu=H100) or both "
-                          "hardware.gpu_memory_gib and hardware.peak_bf16_tflops")
+        raise ConfigError("--search needs the GPU: hardware.gpu is not set", key="hardware.gpu",
+                          hint="set hardware.gpu (e.g. hardware.gpu=H100) or both hardware.gpu_memory_gib and "
+                          "hardware.peak_bf16_tflops")
     recipe_workload(cfg, 1, seq_length)  # a bad --seq-length / hardware.max_prompt_tokens fails here, once
+    check_fp8_gpu(cfg)  # precision.fp8 on a GPU without FP8: refused once, not as every layout
     base = cfg.to_dict()
     hf = cfg.model.hf_config
     p0 = cfg.parallel
@@ -273,6 +295,7 @@ def search_layouts(cfg, world_size: int, seq_length: Optional[int] = None,
                                  "train": {**base["train"], "pipeline_schedule": sched}}
                             if sched != "1f1b":
                                 d["train"]["pack"] = False
+                            overrides = _overrides(base, d)
                             try:
                                 cand = RecipeConfig.model_validate(d)
                                 cand.check_world_size(world_size, trainable=False)
@@ -284,7 +307,9 @@ def search_layouts(cfg, world_size: int, seq_length: Optional[int] = None,
                             result.valid += 1
                             peak = plan.memory.worst().total(rec)
                             usable = plan.hardware.usable_bytes
-                            c = Candidate(layout, plan, peak, peak <= usable, estimate_step_time(plan, cand))
+                            c = Candidate(layout, plan, peak, peak <= usable, estimate_step_time(plan, cand), overrides)
+                            if plan.rollout is not None:
+                                result.rollout_fits = bool(plan.rollout.fits)
                             if c.fits:
                                 result.fitting.append(c)
                             else:
@@ -296,26 +321,62 @@ def search_layouts(cfg, world_size: int, seq_length: Optional[int] = None,
                                 result.current = c
                             result.mfu, result.gpu, result.usable = plan.hardware.mfu, plan.hardware.name, usable
     if result.valid == 0:
-        raise ConfigError(f"--world-size {world_size}: no layout of this recipe tiles {world_size} GPUs (tp <= "
-                          f"hardware.gpus_per_node {hwc.gpus_per_node}, pp dividing the layers, ep dividing "
-                          f"model.hf_config.num_experts {hf.num_experts}, batch sizes divisible by dp); e.g. "
-                          f"{first_error.splitlines()[-1].strip() if first_error else ''}")
+        raise CLIError(f"--world-size {world_size}: no layout of this recipe tiles {world_size} GPUs (tp <= "
+                       f"hardware.gpus_per_node {hwc.gpus_per_node}, pp dividing the layers, ep dividing "
+                       f"model.hf_config.num_experts {hf.num_experts}, batch sizes divisible by dp); e.g. "
+                       f"{first_error.splitlines()[-1].strip() if first_error else ''}", key="--world-size",
+                       hint="pick a --world-size that is a multiple of the GPUs per node and divides "
+                       "train.global_batch_size's data-parallel split")
     result.fitting.sort(key=lambda c: c.time["total"])
     result.closest.sort(key=lambda c: c.peak)
     return result
 
 
+def _override_value(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)
+
+
+def _overrides(base: dict[str, Any], cand: dict[str, Any]) -> list[str]:
+    """``section.key=value`` for every parallel.* / train.* key that ``cand`` changes in ``base``."""
+    out = []
+    for section in ("parallel", "train"):
+        for k, v in cand[section].items():
+            if base[section].get(k) != v:
+                out.append(f"{section}.{k}={_override_value(v)}")
+    return out
+
+
 def format_search(result: SearchResult, top: int = 5, title: str = "") -> str:
-    """The ``top`` fitting layouts, fastest first, with peak memory and the step-time parts."""
+    """The ``top`` fitting layouts, fastest first, with peak memory, the step-time parts and, per layout, the
+    overrides that reproduce it (``moerl plan RECIPE <overrides>``)."""
+    n = len(result.fitting)
+    if result.rollout_fits is None:
+        fit = f"{n} fit"
+    elif result.rollout_fits:
+        fit = f"{n} fit (trainer, and the colocated rollout engines fit at every layout)"
+    else:
+        fit = (f"{n} fit the trainer's memory but NONE fits as a whole: the colocated rollout engines' KV cache "
+               "DOES NOT FIT at any layout (last line)")
     lines = [f"moerl plan --search{': ' + title if title else ''}",
              f"{result.world_size} x {result.gpu} ({result.usable / GIB:.1f} GiB usable each): {result.valid} valid "
-             f"layouts ({result.rejected} refused by the recipe rules), {len(result.fitting)} fit",
+             f"layouts ({result.rejected} refused by the recipe rules), {fit}",
              f"step time = compute at MFU {result.mfu:g} (hardware.mfu) x (1 + pipeline bubble) + TP + EP + PP + DP "
              "communication, not overlapped (formulas: moerl/parallel/plan_search.py)"]
     every = result.fitting + result.closest
     if every and every[0].time.get("fp8_flops"):
         t = every[0].time
-        lines.append(f"precision.fp8: {t['fp8_flops'] / t['flops']:.0%} of the FLOPs at the GPU's FP8 peak")
+        lines.append(f"precision.fp8 {every[0].plan.fp8}: {t['fp8_flops'] / t['flops']:.0%} of the FLOPs at the "
+                     "GPU's FP8 peak")
+    if every:
+        from moerl.parallel.memory_model import recipe_vocab_is_default
+
+        p0 = every[0].plan
+        if recipe_vocab_is_default(p0.vocab_source):
+            lines.append(f"WARNING: vocab {p0.vocab_size} from {p0.vocab_source}")
     if result.current is not None:
         c = result.current
         lines.append(f"the recipe's layout ({c.label()}): peak {c.peak / GIB:.2f} GiB, "
@@ -331,6 +392,7 @@ def format_search(result: SearchResult, top: int = 5, title: str = "") -> str:
         lines.append(f"{i:>2} {c.label():<62} {c.peak / GIB:8.2f} {(result.usable - c.peak) / GIB:8.2f} "
                      f"{t['total']:7.1f} | {t['compute']:7.1f} "
                      f"{t['bubble']:6.1f} {t['tp']:6.1f} {t['ep']:6.1f} {t['pp']:6.1f} {t['dp']:6.1f}")
+        lines.append(f"   overrides: {' '.join(c.overrides) or '(the recipe as it is)'}")
     r = rows[0].plan if rows else None
     if r is not None and r.rollout is not None:
         ro = r.rollout
