@@ -36,3 +36,10 @@ def test_hf_mcore_hf_round_trip(tmp_path):
         assert torch.equal(back[k], ref[k]), k
     r = run("hf-to-mcore", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt"))
     assert r.returncode != 0 and "already exists" in r.stderr
+    # mcore-to-hf refuses an existing --out too (it used to replace it, deleting the user's files)
+    (tmp_path / "back" / "notes.txt").write_text("mine\n")
+    before = sorted(p.name for p in (tmp_path / "back").iterdir())
+    r = run("mcore-to-hf", "--ckpt", str(tmp_path / "ckpt"), "--config", str(tmp_path / "hf"), "--out", str(tmp_path / "back"))
+    assert r.returncode == 2 and "--out" in r.stderr and "already exists" in r.stderr, r.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "back").iterdir()) == before
+    assert (tmp_path / "back" / "notes.txt").read_text() == "mine\n"
