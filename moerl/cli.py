@@ -123,6 +123,10 @@ COMMANDS = {
         lambda argv: __import__("moerl.parallel.memory_plan", fromlist=["main"]).main(argv),
         "does a recipe fit its GPUs (per-GPU memory per pipeline stage, FITS / DOES NOT FIT); --search: which layout does",
     ),
+    "report": (
+        lambda argv: __import__("moerl.observe.run_report", fromlist=["main"]).main(argv),
+        "PNG plots (reward, step time, log-prob mismatch, staleness, MFU, expert load) and summary.md of a run dir",
+    ),
 }
 
 
