@@ -1,4 +1,9 @@
-"""Qwen3-MoE weights: Hugging Face (on-disk / SGLang naming) <-> Megatron-Core GPTModel.
+"""Model weights: Hugging Face (on-disk / SGLang naming) <-> Megatron-Core GPTModel, for every registered
+model family (moerl.models.families; each family's ``conversion_rules`` gives the table, looked up by
+``hf_config.model_type``: an unsupported model_type raises moerl.errors.ModelError listing the supported
+ones). The names below are Qwen3-MoE's; Mixtral's differ in the MoE block (on disk
+``model.layers.{l}.block_sparse_moe.gate.weight`` and ``...block_sparse_moe.experts.{e}.w1`` / ``w3`` /
+``w2.weight`` = gate / up / down) and have no q/k norms.
 
 HF side (what ``save_pretrained`` writes and SGLang loads)::
 
@@ -76,16 +81,18 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from moerl.models.qwen3_moe import hf_head_dim, hf_moe_layer_pattern, hf_num_experts
+from moerl.models.families import ParamRule, check_divisible, get_family
+from moerl.models.families.common import HF_EXPERT_BIAS, MC_EXPERT_BIAS, PACKERS, TE_NAMES, unfuse_experts
 from moerl.parallel.layout import pipeline_layer_range
 
 __all__ = [
     "HEADS",
     "ParamRule",
+    "check_head_and_spec",
     "ShardLayout",
     "LAYER_SPECS",
     "TE_NAMES",
@@ -117,122 +124,13 @@ def _check_head(head: str) -> None:
         raise ValueError(f"head must be one of {HEADS}, got {head!r}")
 
 
-@dataclass(frozen=True)
-class ParamRule:
-    """One Megatron parameter and the HF tensors it is made of.
-
-    Attributes:
-        mcore_key: Megatron state-dict key (unsharded, global layer/expert numbering).
-        hf_keys: HF keys (on-disk naming) in the order the packer takes them.
-        kind: "copy" | "qkv" | "gate_up" (selects the packer pair).
-        tp_dim: dim split across TP ranks (0 column-parallel, 1 row-parallel, None replicated).
-        layer: global decoder layer index (None outside the decoder).
-        expert: global expert index (None for non-expert parameters).
-        tied_copy: True for ``output_layer.weight`` on the last pipeline stage of a model with
-            tied embeddings and pp > 1 (a copy of the embedding, skipped when exporting).
-    """
-
-    mcore_key: str
-    hf_keys: tuple[str, ...]
-    kind: str
-    tp_dim: Optional[int] = None
-    layer: Optional[int] = None
-    expert: Optional[int] = None
-    tied_copy: bool = False  # the last stage's copy of a tied embedding (pp > 1); not exported
-
-
-def _attn_dims(hf_config) -> tuple[int, int, int]:
-    nh, nkv = hf_config.num_attention_heads, hf_config.num_key_value_heads
-    if nh % nkv != 0:
-        raise ValueError(f"num_attention_heads={nh} must be a multiple of num_key_value_heads={nkv}")
-    return nh, nkv, hf_head_dim(hf_config)
-
-
-def _pack_qkv(tensors: list[torch.Tensor], hf_config) -> torch.Tensor:
-    """[q (nh*d, H), k (nkv*d, H), v (nkv*d, H)] -> Megatron linear_qkv ((nh + 2 nkv) d, H),
-    packed per query group: [q heads of group g; k_g; v_g] for g = 0..nkv-1."""
-    q, k, v = tensors
-    nh, nkv, d = _attn_dims(hf_config)
-    hidden = q.shape[-1]
-    per = nh // nkv
-    _expect_shape("q_proj", q, (nh * d, hidden))
-    _expect_shape("k_proj", k, (nkv * d, hidden))
-    _expect_shape("v_proj", v, (nkv * d, hidden))
-    packed = torch.cat(
-        [q.reshape(nkv, per * d, hidden), k.reshape(nkv, d, hidden), v.reshape(nkv, d, hidden)], dim=1
-    )
-    return packed.reshape(nkv * (per + 2) * d, hidden)
-
-
-def _unpack_qkv(packed: torch.Tensor, hf_config) -> list[torch.Tensor]:
-    """Inverse of ``_pack_qkv``: Megatron linear_qkv -> [q, k, v] (HF q_proj/k_proj/v_proj)."""
-    nh, nkv, d = _attn_dims(hf_config)
-    per = nh // nkv
-    hidden = packed.shape[-1]
-    _expect_shape("linear_qkv", packed, ((nh + 2 * nkv) * d, hidden))
-    grouped = packed.reshape(nkv, (per + 2) * d, hidden)
-    q, k, v = torch.split(grouped, [per * d, d, d], dim=1)
-    return [
-        q.reshape(nh * d, hidden).contiguous(),
-        k.reshape(nkv * d, hidden).contiguous(),
-        v.reshape(nkv * d, hidden).contiguous(),
-    ]
-
-
-def _pack_gate_up(tensors: list[torch.Tensor], hf_config) -> torch.Tensor:
-    """[gate (I, H), up (I, H)] -> Megatron SwiGLU linear_fc1 [gate; up] (2I, H)."""
-    gate, up = tensors
-    if gate.shape != up.shape:
-        raise ValueError(f"gate_proj {tuple(gate.shape)} and up_proj {tuple(up.shape)} differ in shape")
-    return torch.cat([gate, up], dim=0)
-
-
-def _unpack_gate_up(fc1: torch.Tensor, hf_config) -> list[torch.Tensor]:
-    """Inverse of ``_pack_gate_up``: linear_fc1 (2I, H) -> [gate (I, H), up (I, H)]."""
-    if fc1.shape[0] % 2 != 0:
-        raise ValueError(f"linear_fc1 has an odd number of rows {fc1.shape[0]}; expected [gate; up]")
-    gate, up = torch.chunk(fc1, 2, dim=0)
-    return [gate.contiguous(), up.contiguous()]
-
-
-def _copy_in(tensors: list[torch.Tensor], hf_config) -> torch.Tensor:
-    return tensors[0]
-
-
-def _copy_out(tensor: torch.Tensor, hf_config) -> list[torch.Tensor]:
-    return [tensor]
-
-
-# kind -> (HF tensors -> Megatron tensor, Megatron tensor -> HF tensors)
-_PACKERS: dict[str, tuple[Callable, Callable]] = {
-    "copy": (_copy_in, _copy_out),
-    "qkv": (_pack_qkv, _unpack_qkv),
-    "gate_up": (_pack_gate_up, _unpack_gate_up),
-}
-
-
-def _expect_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} from the HF config")
+# kind -> (HF tensors -> Megatron tensor, Megatron tensor -> HF tensors): the same dict as
+# moerl.models.families.common.PACKERS (families add kinds with common.register_packer)
+_PACKERS = PACKERS
 
 
 #: Megatron parameter names of the layer specs moerl builds (moerl.models.qwen3_moe.build_gpt_model)
 LAYER_SPECS = ("local", "transformer_engine")
-
-#: The Transformer Engine spec's names that differ from the local spec's, per decoder layer (Megatron-Core
-#: 0.16 gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec: linear_qkv is
-#: TELayerNormColumnParallelLinear, whose TE LayerNormLinear holds the fused norm as ``layer_norm_weight``
-#: (no ``layer_norm_bias`` with RMSNorm) and ``input_layernorm`` is not in the spec; dense layers' fc1 is
-#: TELayerNormColumnParallelLinear too, with ``pre_mlp_layernorm=IdentityOp``; MoE layers keep a TENorm
-#: ``pre_mlp_layernorm``; experts with moe_grouped_gemm are TEGroupedMLP, whose TE GroupedLinear fc1 / fc2
-#: register ``weight{i}`` per local expert i). tests/test_hf_convert_te.py parses those sources for each.
-TE_NAMES = {
-    "input_layernorm": "self_attention.linear_qkv.layer_norm_weight",
-    "dense_pre_mlp_layernorm": "mlp.linear_fc1.layer_norm_weight",
-    "expert_fc1": "mlp.experts.linear_fc1.weight{e}",
-    "expert_fc2": "mlp.experts.linear_fc2.weight{e}",
-}
-
 
 def _check_layer_spec(layer_spec: str) -> str:
     if layer_spec not in LAYER_SPECS:
@@ -294,93 +192,33 @@ def rename_layer_spec(state_dict: Mapping[str, torch.Tensor], dst: str) -> dict[
     return out
 
 
+def check_head_and_spec(head: str, layer_spec: str) -> str:
+    """Validate a conversion's ``head`` ("lm" | "value") and ``layer_spec`` ("local" |
+    "transformer_engine"); returns ``layer_spec``. Raises ValueError naming the allowed values."""
+    _check_head(head)
+    return _check_layer_spec(layer_spec)
+
+
 def conversion_rules(hf_config, expert_bias: bool = False, head: str = "lm",
                      layer_spec: str = "local") -> list[ParamRule]:
-    """All parameter rules for an unsharded Qwen3-MoE model (tp = ep = pp = 1), in model order.
+    """All parameter rules for an unsharded model of ``hf_config``'s family (tp = ep = pp = 1), in model order:
+    ``get_family(hf_config).conversion_rules`` (e.g. moerl.models.families.qwen3_moe.conversion_rules).
 
-    ``layer_spec``: "local" (Megatron-Core's local layer spec, the names in the module docstring) or
-    "transformer_engine" (the TE spec, :data:`TE_NAMES`): the input RMSNorm is fused into QKV
-    (``self_attention.linear_qkv.layer_norm_weight``), a dense layer's pre-MLP RMSNorm into fc1
-    (``mlp.linear_fc1.layer_norm_weight``), and experts are TEGroupedMLP's
-    (``mlp.experts.linear_fc1.weight{e}`` / ``linear_fc2.weight{e}``); MoE layers keep
-    ``pre_mlp_layernorm.weight``. The HF names and their order are the same for both.
+    ``layer_spec``: "local" | "transformer_engine" (Megatron names of that spec, :data:`TE_NAMES`);
+    ``head``: "lm" | "value" (a value model's ``score`` head); ``expert_bias``: the routers' aux-loss-free
+    bias ``mlp.router.expert_bias`` <-> HF ``...gate.e_score_correction_bias``.
 
-    ``head="value"``: the output layer is a value model's scalar head (``output_layer.weight`` [1, H],
-    ``output_layer.bias`` [1] <-> ``score.weight``, ``score.bias``; replicated, never tied) instead of
-    the LM head.
-
-    ``expert_bias`` adds, per MoE layer, Megatron's aux-loss-free routing bias
-    ``mlp.router.expert_bias`` [E] (arXiv 2408.15664; a persistent buffer when
-    moe_router_enable_expert_bias) <-> HF ``mlp.gate.e_score_correction_bias`` [E] (the name
-    DeepSeek-V3's HF checkpoints use for the same bias); replicated over TP, one per layer.
+    Raises:
+        moerl.errors.ModelError: an unsupported model_type (lists the supported ones).
+        ValueError: an unknown head or layer_spec.
     """
-    _check_head(head)
-    te = _check_layer_spec(layer_spec) == "transformer_engine"
-    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-    pattern = hf_moe_layer_pattern(hf_config)
-    num_experts = hf_num_experts(hf_config)
-    rules = [ParamRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "copy", tp_dim=0)]
-    for l, is_moe in enumerate(pattern):
-        hf = f"model.layers.{l}."
-        mc = f"decoder.layers.{l}."
-        rules += [
-            ParamRule(mc + (TE_NAMES["input_layernorm"] if te else "input_layernorm.weight"),
-                      (hf + "input_layernorm.weight",), "copy", layer=l),
-            ParamRule(
-                mc + "self_attention.linear_qkv.weight",
-                tuple(hf + f"self_attn.{p}_proj.weight" for p in "qkv"),
-                "qkv",
-                tp_dim=0,
-                layer=l,
-            ),
-            ParamRule(mc + "self_attention.q_layernorm.weight", (hf + "self_attn.q_norm.weight",), "copy", layer=l),
-            ParamRule(mc + "self_attention.k_layernorm.weight", (hf + "self_attn.k_norm.weight",), "copy", layer=l),
-            ParamRule(mc + "self_attention.linear_proj.weight", (hf + "self_attn.o_proj.weight",), "copy", tp_dim=1, layer=l),
-            ParamRule(mc + (TE_NAMES["dense_pre_mlp_layernorm"] if te and not is_moe else "pre_mlp_layernorm.weight"),
-                      (hf + "post_attention_layernorm.weight",), "copy", layer=l),
-        ]
-        if is_moe:
-            rules.append(ParamRule(mc + "mlp.router.weight", (hf + "mlp.gate.weight",), "copy", layer=l))
-            if expert_bias:
-                rules.append(ParamRule(mc + _MC_BIAS, (hf + _HF_BIAS,), "copy", layer=l))
-            for e in range(num_experts):
-                he = hf + f"mlp.experts.{e}."
-                me = mc + f"mlp.experts.local_experts.{e}."
-                fc1, fc2 = (mc + TE_NAMES["expert_fc1"].format(e=e), mc + TE_NAMES["expert_fc2"].format(e=e)) if te \
-                    else (me + "linear_fc1.weight", me + "linear_fc2.weight")
-                rules += [
-                    ParamRule(
-                        fc1,
-                        (he + "gate_proj.weight", he + "up_proj.weight"),
-                        "gate_up",
-                        tp_dim=0,
-                        layer=l,
-                        expert=e,
-                    ),
-                    ParamRule(fc2, (he + "down_proj.weight",), "copy", tp_dim=1, layer=l, expert=e),
-                ]
-        else:
-            rules += [
-                ParamRule(
-                    mc + "mlp.linear_fc1.weight",
-                    (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
-                    "gate_up",
-                    tp_dim=0,
-                    layer=l,
-                ),
-                ParamRule(mc + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), "copy", tp_dim=1, layer=l),
-            ]
-    rules.append(ParamRule("decoder.final_layernorm.weight", ("model.norm.weight",), "copy"))
-    if head == "value":
-        rules += [ParamRule("output_layer.weight", ("score.weight",), "copy"),
-                  ParamRule("output_layer.bias", ("score.bias",), "copy")]
-    elif not tied:
-        rules.append(ParamRule("output_layer.weight", ("lm_head.weight",), "copy", tp_dim=0))
-    return rules
+    check_head_and_spec(head, layer_spec)
+    return get_family(hf_config).conversion_rules(hf_config, expert_bias=expert_bias, head=head,
+                                                   layer_spec=layer_spec)
 
 
-_MC_BIAS = "mlp.router.expert_bias"
-_HF_BIAS = "mlp.gate.e_score_correction_bias"
+_MC_BIAS = MC_EXPERT_BIAS
+_HF_BIAS = "gate." + HF_EXPERT_BIAS  # Qwen3 / DeepSeek mlp.gate..., Mixtral block_sparse_moe.gate...
 
 
 def _has_bias(keys: Iterable[str], suffix: str) -> bool:
@@ -388,54 +226,38 @@ def _has_bias(keys: Iterable[str], suffix: str) -> bool:
     return any(k.endswith(suffix) for k in keys)
 
 
-_FUSED_GATE_UP = ".mlp.experts.gate_up_proj"
-_FUSED_DOWN = ".mlp.experts.down_proj"
-
-
 def fused_experts_to_per_expert(hf_state_dict: Mapping[str, torch.Tensor], hf_config) -> dict[str, torch.Tensor]:
-    """Rewrite transformers 5's fused in-memory expert tensors into on-disk per-expert keys.
+    """Rewrite transformers' in-memory state dict (``model.state_dict()``) into on-disk per-expert keys.
 
-    ``model.layers.{l}.mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows first, then up) ->
-    ``...experts.{e}.gate_proj.weight`` [I, H] and ``...experts.{e}.up_proj.weight`` [I, H];
-    ``model.layers.{l}.mlp.experts.down_proj`` [E, H, I] -> ``...experts.{e}.down_proj.weight``.
-    Other keys pass through. The results are views of the inputs (no copy).
+    transformers 5 fuses the experts in memory: ``model.layers.{l}.mlp.experts.gate_up_proj`` [E, 2I, H]
+    (gate rows first, then up) -> ``...experts.{e}.gate_proj.weight`` [I, H] and ``...experts.{e}.up_proj.weight``
+    [I, H]; ``model.layers.{l}.mlp.experts.down_proj`` [E, H, I] -> ``...experts.{e}.down_proj.weight``
+    (common.unfuse_experts); then the family's on-disk names are applied (``ModelFamily.hf_disk_names``:
+    Qwen3-MoE none; Mixtral ``mlp.`` -> ``block_sparse_moe.``, gate / up / down -> ``w1`` / ``w3`` / ``w2``).
+    Keys already in on-disk form pass through. The results are views of the inputs (no copy).
 
     Raises:
+        moerl.errors.ModelError: an unsupported model_type.
         ValueError: a fused tensor's expert dimension differs from the config's num_experts.
     """
-    num_experts = hf_num_experts(hf_config)
-    out: dict[str, torch.Tensor] = {}
-    for key, value in hf_state_dict.items():
-        if key.endswith(_FUSED_GATE_UP):
-            prefix = key[: -len("gate_up_proj")]
-            if value.dim() != 3 or value.shape[0] != num_experts or value.shape[1] % 2:
-                raise ValueError(f"{key} has shape {tuple(value.shape)}, expected [{num_experts}, 2I, H]")
-            gate, up = torch.chunk(value, 2, dim=1)
-            for e in range(num_experts):
-                out[f"{prefix}{e}.gate_proj.weight"] = gate[e]
-                out[f"{prefix}{e}.up_proj.weight"] = up[e]
-        elif key.endswith(_FUSED_DOWN):
-            prefix = key[: -len("down_proj")]
-            if value.dim() != 3 or value.shape[0] != num_experts:
-                raise ValueError(f"{key} has shape {tuple(value.shape)}, expected [{num_experts}, H, I]")
-            for e in range(num_experts):
-                out[f"{prefix}{e}.down_proj.weight"] = value[e]
-        else:
-            out[key] = value
-    return out
+    family = get_family(hf_config)
+    out = unfuse_experts(hf_state_dict, family.num_experts(hf_config))
+    if not family.hf_disk_names.to_disk:
+        return out
+    return {family.hf_disk_names.disk(k): v for k, v in out.items()}
 
 
 def hf_to_megatron(
     hf_state_dict: Mapping[str, torch.Tensor], hf_config, layout: Optional["ShardLayout"] = None, *,
     head: str = "lm", layer_spec: str = "local",
 ) -> dict[str, torch.Tensor]:
-    """Convert a Qwen3-MoE HF state dict to a Megatron GPTModel state dict (whole, or one rank's shard).
+    """Convert an HF state dict (any registered family) to a Megatron GPTModel state dict (whole, or one rank's shard).
 
     Args:
         hf_state_dict: HF tensors, on-disk per-expert keys or transformers 5 fused in-memory keys
             (``model.state_dict()``); a tied model's ``lm_head.weight`` may be present and must
             equal the embedding.
-        hf_config: the model's Qwen3MoeConfig.
+        hf_config: the model's transformers config (a registered family, e.g. Qwen3MoeConfig).
         layout: this rank's ShardLayout (``ShardLayout.from_parallel_state()`` inside a job);
             None (or tp = ep = pp = 1) gives the unsharded state dict.
         head: "lm" | "value" (``score.weight`` / ``score.bias`` instead of ``lm_head.weight``; see
@@ -472,7 +294,7 @@ def hf_to_megatron(
     unexpected = sorted(set(sd) - known)
     if missing or unexpected:
         raise ValueError(
-            f"HF state dict does not match the Qwen3-MoE config: missing {missing[:20]}"
+            f"HF state dict does not match the {get_family(hf_config).name} config: missing {missing[:20]}"
             f"{' ...' if len(missing) > 20 else ''} ({len(missing)}), unexpected {unexpected[:20]}"
             f"{' ...' if len(unexpected) > 20 else ''} ({len(unexpected)})"
         )
@@ -509,7 +331,7 @@ def megatron_to_hf(
     Args:
         mcore_state_dict: ``model.state_dict()`` of the GPTModel (``module.`` wrapper prefixes and
             ``_extra_state`` entries are ignored).
-        hf_config: the model's Qwen3MoeConfig.
+        hf_config: the model's transformers config (a registered family, e.g. Qwen3MoeConfig).
         head: "lm" | "value" (see :func:`conversion_rules`).
         layer_spec: the names of ``mcore_state_dict``: "local" | "transformer_engine" | None (read
             from the keys, :func:`detect_layer_spec`).
@@ -534,7 +356,7 @@ def megatron_to_hf(
     unexpected = sorted(set(sd) - needed)
     if missing or unexpected:
         raise ValueError(
-            f"Megatron state dict does not match the Qwen3-MoE config: missing {missing[:20]} "
+            f"Megatron state dict does not match the {get_family(hf_config).name} config: missing {missing[:20]} "
             f"({len(missing)}), unexpected {unexpected[:20]} ({len(unexpected)}); this function takes an "
             "unsharded (tp=ep=pp=1) state dict: use gather_megatron_to_hf (in a job) or "
             "merge_megatron_shards (offline) for sharded ones"
@@ -679,19 +501,8 @@ class ShardLayout:
 
 
 def _check_divisible(hf_config, layout: ShardLayout) -> None:
-    nh, nkv, _ = _attn_dims(hf_config)
-    checks = [
-        ("num_key_value_heads", nkv, "tp_size", layout.tp_size),
-        ("num_attention_heads", nh, "tp_size", layout.tp_size),
-        ("vocab_size", hf_config.vocab_size, "tp_size", layout.tp_size),
-        ("num_experts", hf_num_experts(hf_config), "ep_size", layout.ep_size),
-        ("moe_intermediate_size", hf_config.moe_intermediate_size, "etp_size", layout.etp_size),
-    ]
-    if not all(hf_moe_layer_pattern(hf_config)):
-        checks.append(("intermediate_size", hf_config.intermediate_size, "tp_size", layout.tp_size))
-    for name, value, size_name, size in checks:
-        if value % size:
-            raise ValueError(f"{name}={value} is not divisible by {size_name}={size}; cannot shard the model")
+    check_divisible(get_family(hf_config).shard_checks(hf_config),
+                    {"tp_size": layout.tp_size, "ep_size": layout.ep_size, "etp_size": layout.etp_size})
 
 
 def shard_rules(hf_config, layout: ShardLayout, expert_bias: bool = False,
@@ -714,7 +525,7 @@ def shard_rules(hf_config, layout: ShardLayout, expert_bias: bool = False,
         hf_config.num_hidden_layers, layout.pp_size, layout.pp_rank,
         layout.num_layers_in_first_pipeline_stage, layout.num_layers_in_last_pipeline_stage,
     )
-    per_rank = hf_num_experts(hf_config) // layout.ep_size
+    per_rank = get_family(hf_config).num_experts(hf_config) // layout.ep_size
     experts = range(layout.ep_rank * per_rank, (layout.ep_rank + 1) * per_rank)
     out: list[tuple[str, ParamRule, int, int]] = []
     for rule in conversion_rules(hf_config, expert_bias=expert_bias, head=head, layer_spec=layer_spec):
@@ -782,7 +593,7 @@ def merge_megatron_shards(shards: Mapping[ShardLayout, Mapping[str, torch.Tensor
     Args:
         shards: ShardLayout -> that rank's ``model.state_dict()`` (wrapper prefixes and
             ``_extra_state`` entries are ignored). Every tensor of the model must be covered.
-        hf_config: the model's Qwen3MoeConfig.
+        hf_config: the model's transformers config (a registered family, e.g. Qwen3MoeConfig).
         head: "lm" | "value" (see :func:`conversion_rules`).
 
     Returns:
@@ -835,7 +646,7 @@ def gather_megatron_to_hf(
     Args:
         mcore_state_dict: this rank's ``model.state_dict()`` (local keys; wrapper prefixes and
             ``_extra_state`` entries are ignored).
-        hf_config: the model's Qwen3MoeConfig.
+        hf_config: the model's transformers config (a registered family, e.g. Qwen3MoeConfig).
         layout: this rank's ShardLayout; default ``ShardLayout.from_parallel_state()`` (even
             pipeline split).
         dst: None (every rank gets the result) or the global rank that does.
