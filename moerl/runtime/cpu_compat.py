@@ -21,6 +21,8 @@ patch name                              item   error it removes
                                                torch.cuda.synchronize() CUDA error
 ``tied_embedding_cuda``                 new    GPTModel with tied embeddings and pp > 1 ->
                                                ``weight.data.cuda()`` CUDA error
+``mla_te_placeholders``                 new    multi-latent attention without Transformer Engine ->
+                                               TypeError "isinstance() arg 2 must be a type"
 ======================================  =====  ==============================================
 
 Item 4 also covers ``ep_size > 1`` with the alltoall dispatcher: the split sizes must become
@@ -225,6 +227,24 @@ def patch_te_general_gemm(p: _Patch) -> None:
 def patch_missing_te_general_gemm() -> None:
     """Apply patch 3 alone (safe on GPU too: it only defines the name when TE is absent)."""
     _apply("te_general_gemm", patch_te_general_gemm)
+
+
+def patch_mla_te_placeholders(p: _Patch) -> None:
+    """New (megatron-core 0.16.1, DeepSeek-V3's MLA): ``megatron.core.extensions.transformer_engine``
+    imports without Transformer Engine and hands out mock placeholders for ``TELinear`` etc., so
+    ``multi_latent_attention`` sets ``HAVE_TE = True`` and ``MultiLatentAttention.__init__`` calls
+    ``isinstance(self.linear_proj, TELinear)`` with a mock -> ``TypeError: isinstance() arg 2 must be
+    a type, a tuple of types, or a union`` (also on a GPU without TE).
+
+    Fix: when ``transformer_engine`` is not importable, ``multi_latent_attention.HAVE_TE = False`` (the
+    value upstream's own ``except ImportError`` branch sets); its TE-only FP8 branch is then skipped.
+    """
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        from megatron.core.transformer import multi_latent_attention
+
+        p.set(multi_latent_attention, "HAVE_TE", False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -515,6 +535,7 @@ _PATCHES: dict[str, Callable[[_Patch], None]] = {
     "torch_norm_sequence_parallel": patch_torch_norm_sequence_parallel,
     "optimizer_cuda_checks": patch_optimizer_cuda_checks,
     "tied_embedding_cuda": patch_tied_embedding_cuda,
+    "mla_te_placeholders": patch_mla_te_placeholders,
 }
 
 PATCH_NAMES: tuple[str, ...] = tuple(_PATCHES)

@@ -1,0 +1,272 @@
+"""DeepSeek-V3 family (moerl.models.families.deepseek_v3): Megatron-Core (MLA, shared experts, sigmoid router
+with the expert bias, group-limited routing, scaled gates, dense first layer) against transformers'
+DeepseekV3ForCausalLM forward on the same weights, and exact HF <-> Megatron round trips (whole and sharded).
+
+Reference: transformers 5's own DeepseekV3 forward (its router: sigmoid + e_score_correction_bias, group
+scores = sum of the top-2 biased scores, gates renormalised and scaled by routed_scaling_factor; its
+experts: a per-expert loop over the fused gate_up / down tensors). Megatron's router code is different
+(moe_utils.group_limited_topk / topk_routing_with_score_function) and so is its expert dispatch (alltoall
+dispatcher, SequentialMLP), so agreement is not by construction.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moerl.checkpoint.hf_convert import (
+    ShardLayout,
+    fused_experts_to_per_expert,
+    hf_to_megatron,
+    load_megatron_state_dict,
+    megatron_to_hf,
+    merge_megatron_shards,
+)
+from moerl.models.families import deepseek_v3 as ds
+from moerl.models.families import get_family
+from moerl.models.gpt import build_gpt_model, causal_attention_mask
+
+ATOL = 1e-4  # fp32; the measured floor is printed by the test (-s)
+
+FIELDS = dict(
+    num_hidden_layers=3,
+    hidden_size=48,
+    num_attention_heads=4,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=20,  # non-square expert widths (20 x 48)
+    intermediate_size=56,
+    n_shared_experts=1,
+    q_lora_rank=24,
+    kv_lora_rank=16,
+    qk_nope_head_dim=12,
+    qk_rope_head_dim=8,
+    v_head_dim=10,
+    n_group=2,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    first_k_dense_replace=1,
+    rope_theta=5000.0,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+    vocab_size=96,
+)
+
+
+def random_hf_model(seed=0, **changes):
+    """A tiny fp32 transformers DeepseekV3ForCausalLM with non-trivial weights everywhere (transformers
+    initialises the router and the expert bias to zeros and norms to ones, which would hide mapping
+    mistakes); the expert bias is large enough to change which experts are chosen."""
+    from transformers import DeepseekV3ForCausalLM
+
+    config = ds.make_hf_config({**FIELDS, **changes})
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(config).float().eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.08 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.2 * torch.randn(b.shape, generator=g))
+    return model
+
+
+def hf_state(model) -> dict:
+    """transformers' in-memory state dict incl. the expert-bias buffers (persistent)."""
+    return dict(model.state_dict())
+
+
+def on_disk(model) -> dict:
+    sd = fused_experts_to_per_expert(hf_state(model), model.config)
+    if model.config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    return sd
+
+
+CASES = [
+    pytest.param({}, id="mla-groups-sigmoid-bias"),
+    pytest.param(dict(tie_word_embeddings=True, q_lora_rank=None, n_group=1, topk_group=1,
+                      rope_parameters={"rope_type": "yarn", "rope_theta": 5000.0, "factor": 4.0,
+                                       "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+                                       "mscale": 1.0, "mscale_all_dim": 1.0}, rope_theta=None),
+                 id="tied-no-qlora-yarn"),
+]
+
+
+@pytest.mark.parametrize("changes", CASES)
+def test_logits_match_transformers_and_round_trip_is_exact(dist, changes):
+    changes = {k: v for k, v in changes.items() if v is not None}
+    fields_rope = "rope_parameters" in changes
+    ref = random_hf_model(**({k: v for k, v in changes.items()} if not fields_rope else changes))
+    cfg = ref.config
+    assert get_family(cfg) is ds.FAMILY
+    model = build_gpt_model(cfg).eval()
+    tc = model.config
+    assert (tc.moe_router_score_function, tc.moe_router_enable_expert_bias, tc.moe_router_topk_scaling_factor) == \
+        ("sigmoid", True, 2.5)
+    assert tc.moe_layer_freq == [0, 1, 1] and tc.moe_shared_expert_intermediate_size == 20
+
+    load_megatron_state_dict(model, hf_to_megatron(hf_state(ref), cfg))
+    b, s = 3, 13
+    tokens = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(7))
+    pos = torch.arange(s).unsqueeze(0).expand(b, s)
+    with torch.no_grad():
+        ours = model(tokens, pos, causal_attention_mask(s))
+        theirs = ref(input_ids=tokens).logits
+    diff = (ours - theirs).abs().max().item()
+    print(f"\n[{changes and 'variant' or 'base'}] max |logit| {theirs.abs().max().item():.3f}, max abs diff {diff:.2e}")
+    assert theirs.abs().max() > 1.0
+    assert diff <= ATOL
+    if not changes:  # the expert bias decides routing here: without it Megatron's logits move well off
+        sd = model.state_dict()
+        biases = [k for k in sd if k.endswith("mlp.router.expert_bias")]
+        assert len(biases) == 2
+        with torch.no_grad():
+            saved = [sd[k].clone() for k in biases]
+            for k in biases:
+                sd[k].zero_()
+            assert (model(tokens, pos, causal_attention_mask(s)) - theirs).abs().max() > 100 * ATOL
+            for k, v in zip(biases, saved):
+                sd[k].copy_(v)
+
+    exported = megatron_to_hf(model.state_dict(), cfg)
+    expected = on_disk(ref)
+    assert set(exported) == set(expected)
+    for k, v in expected.items():
+        assert torch.equal(exported[k], v), k
+
+
+LAYOUTS = [
+    dict(tp_size=2), dict(ep_size=2), dict(pp_size=2), dict(tp_size=2, ep_size=2, etp_size=1), dict(pp_size=3, ep_size=4),
+]
+
+
+@pytest.mark.parametrize("sizes", LAYOUTS, ids=lambda d: "-".join(f"{k[:-5]}{v}" for k, v in d.items()))
+def test_sharded_round_trip_is_exact(sizes):
+    """Cut the HF model into every rank's Megatron shard (TP / EP / PP rules) and merge the shards back:
+    bit-identical HF tensors; a TP shard holds half the heads of q_b / kv_b and half of the MLA down
+    projections' rows; the router, its bias and the latent norms are replicated."""
+    tp, ep, pp = sizes.get("tp_size", 1), sizes.get("ep_size", 1), sizes.get("pp_size", 1)
+    ref = random_hf_model(seed=3, num_hidden_layers=4 if pp == 2 else 3)
+    cfg = ref.config
+    expected = on_disk(ref)
+    tp, ep, pp = sizes.get("tp_size", 1), sizes.get("ep_size", 1), sizes.get("pp_size", 1)
+    etp = sizes.get("etp_size", tp)
+    shards = {}
+    for t in range(tp):
+        for e in range(ep):
+            for p in range(pp):
+                layout = ShardLayout(tp_size=tp, tp_rank=t, ep_size=ep, ep_rank=e, pp_size=pp, pp_rank=p,
+                                     etp_size=etp, etp_rank=t if etp == tp else 0)
+                shards[layout] = hf_to_megatron(expected, cfg, layout)
+    if tp == 2:
+        one = shards[next(iter(shards))]
+        nh = cfg.num_attention_heads
+        assert one["decoder.layers.0.self_attention.linear_q_up_proj.weight"].shape == \
+            (nh // 2 * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim), cfg.q_lora_rank)
+        assert one["decoder.layers.0.self_attention.linear_kv_down_proj.weight"].shape == \
+            ((cfg.kv_lora_rank + cfg.qk_rope_head_dim) // 2, cfg.hidden_size)
+        assert one["decoder.layers.1.mlp.router.expert_bias"].shape == (cfg.n_routed_experts,)
+    if ep == 4:
+        assert any("local_experts.1." in k for sd in shards.values() for k in sd)  # E / ep = 2 per rank
+        assert not any("local_experts.2." in k for sd in shards.values() for k in sd)
+    merged = merge_megatron_shards(shards, cfg)
+    assert set(merged) == set(expected)
+    for k, v in expected.items():
+        assert torch.equal(merged[k], v), k
+
+
+def test_expert_bias_update_follows_the_loads_transformers_routes(dist):
+    """Aux-loss-free balancing on the family's model: after a forward, Megatron's bias update (what
+    finalize_model_grads runs) moves each MoE layer's bias by rate * sign(mean load - load), where the loads
+    are counted from transformers' own router (DeepseekV3TopkRouter's top-k indices on the same tokens)."""
+    from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias, reset_model_temporary_tensors
+
+    rate = 0.01
+    ref = random_hf_model(seed=5)
+    cfg = ref.config
+    model = build_gpt_model(cfg, moe_router_bias_update_rate=rate).eval()
+    load_megatron_state_dict(model, hf_to_megatron(hf_state(ref), cfg))
+    counts = {}
+
+    def hook(layer):
+        def fn(module, args, out):
+            counts[layer] = torch.bincount(out[2].reshape(-1), minlength=cfg.n_routed_experts).double()
+        return fn
+
+    handles = [ref.model.layers[l].mlp.gate.register_forward_hook(hook(l)) for l in (1, 2)]
+    tokens = torch.randint(0, cfg.vocab_size, (4, 12), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        ref(input_ids=tokens)
+    model(tokens, torch.arange(12).expand(4, 12), causal_attention_mask(12))  # counts loads only with grad on
+    for h in handles:
+        h.remove()
+    routers = [model.decoder.layers[l].mlp.router for l in (1, 2)]
+    before = [r.expert_bias.clone() for r in routers]
+    _update_router_expert_bias(routers, model.config)
+    reset_model_temporary_tensors(model.config, routers)
+    for l, r, b in zip((1, 2), routers, before):
+        c = counts[l]
+        assert c.sum() == 4 * 12 * cfg.num_experts_per_tok and c.max() > c.mean()  # skewed at this init
+        assert torch.allclose(r.expert_bias, b + rate * torch.sign(c.mean() - c).float(), atol=1e-7)
+    exported = megatron_to_hf(model.state_dict(), cfg)  # the updated bias is what the servers receive
+    assert torch.equal(exported["model.layers.1.mlp.gate.e_score_correction_bias"], routers[0].expert_bias)
+
+
+@pytest.mark.parametrize("changes, needle", [
+    (dict(n_group=2, topk_group=1, num_experts_per_tok=3), "num_experts_per_tok // topk_group"),
+    (dict(norm_topk_prob=False), "norm_topk_prob"),
+    (dict(rope_interleave=False), "rope_interleave"),
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}, rope_theta=None), "rope_type"),
+])
+def test_unmapped_features_are_refused_naming_the_key(changes, needle):
+    fields = {k: v for k, v in {**FIELDS, **changes}.items() if v is not None}
+    with pytest.raises(ValueError, match=needle) as ei:
+        ds.transformer_config_from_hf(ds.make_hf_config(fields), tp_size=1, pp_size=1, ep_size=1)
+    assert "model.hf_config" in str(ei.value)
+
+
+def test_recipe_router_keys_must_agree_with_the_hf_config():
+    cfg = ds.make_hf_config(FIELDS)
+    with pytest.raises(ValueError) as ei:
+        ds.transformer_config_from_hf(cfg, tp_size=1, pp_size=1, ep_size=1, moe_router_score_function="softmax",
+                                      moe_router_enable_expert_bias=False, moe_router_num_groups=None)
+    msg = str(ei.value)
+    assert "set moe.score_function: 'sigmoid'" in msg and "set moe.expert_bias: True" in msg
+    assert "set moe.num_groups: 2" in msg
+    tc = ds.transformer_config_from_hf(cfg, tp_size=1, pp_size=1, ep_size=1, moe_router_score_function="sigmoid",
+                                       moe_router_enable_expert_bias=True, moe_router_num_groups=2,
+                                       moe_router_group_topk=1, moe_router_topk_scaling_factor=2.5)
+    assert (tc.moe_router_num_groups, tc.moe_router_group_topk, tc.q_lora_rank) == (2, 1, 24)
+    with pytest.raises(ValueError, match="model.layer_spec=local"):
+        ds.transformer_config_from_hf(cfg, tp_size=1, pp_size=1, ep_size=1, layer_spec="transformer_engine")
+
+
+def test_make_hf_config_names_bad_fields():
+    with pytest.raises(ValueError, match="missing required field"):
+        ds.make_hf_config({k: v for k, v in FIELDS.items() if k != "kv_lora_rank"})
+    with pytest.raises(ValueError, match="unknown DeepSeek-V3 config field"):
+        ds.make_hf_config({**FIELDS, "num_kv_heads": 2})
+    with pytest.raises(ValueError, match="n_routed_experts=8 is not divisible by n_group=3"):
+        ds.make_hf_config({**FIELDS, "n_group": 3})
+    assert ds.make_hf_config({**FIELDS, "num_local_experts": 8}).n_routed_experts == 8
+
+
+def test_mla_without_transformer_engine_needs_the_cpu_patch(dist):
+    """The CPU patch mla_te_placeholders removes 'isinstance() arg 2 must be a type' (Megatron's TE extension
+    hands out mocks when TE is absent, and multi_latent_attention believes TE is there)."""
+    from moerl.runtime.cpu_compat import without_patch
+
+    cfg = ds.make_hf_config(FIELDS)
+    with without_patch("mla_te_placeholders"):
+        with pytest.raises(TypeError, match="isinstance"):
+            build_gpt_model(cfg)
+    assert build_gpt_model(cfg) is not None
