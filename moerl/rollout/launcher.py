@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
-import ctypes
 import errno
 import os
 import queue
@@ -60,22 +59,9 @@ from moerl.rollout.client import RolloutClient
 from moerl.rollout.common import DEFAULT_PAUSE_MODE, check_pause_mode, version_dirname
 from moerl.rollout.errors import (HealthTimeoutError, PortInUseError, RolloutError, RolloutRequestError,
                                   RolloutServerDiedError, RolloutStartupError, ServerExitedError, WeightSyncError)
+from moerl.runtime.procs import child_env, pdeathsig_preexec
 
-_PR_SET_PDEATHSIG = 1
 ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
-
-
-def _pdeathsig_preexec(parent_pid: int) -> Callable[[], None]:
-    """preexec_fn for Popen: SIGKILL this child when its parent dies (Linux prctl); no-op elsewhere."""
-
-    def fn() -> None:
-        if sys.platform.startswith("linux"):
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-            if os.getppid() != parent_pid:  # parent died before prctl took effect
-                os._exit(1)
-
-    return fn
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -472,7 +458,7 @@ class RolloutCluster:
                                  f"use; change rollout.router_port or stop the process holding it")
 
     def _env(self, index: Optional[int] = None) -> dict:
-        env = dict(os.environ)
+        env = child_env()  # servers and router are not ranks of a torchrun job (moerl.runtime.procs)
         t = str(self.threads_per_server)
         env.update({"OMP_NUM_THREADS": t, "MKL_NUM_THREADS": t, "OMP_WAIT_POLICY": "PASSIVE",
                     "TORCHDYNAMO_DISABLE": "1", "PYTHONUNBUFFERED": "1",
@@ -491,7 +477,7 @@ class RolloutCluster:
         log_file.write(f"# {' '.join(argv)}\n".encode())
         proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=log_file,
                                 stderr=subprocess.STDOUT, env=self._env(index), start_new_session=True,
-                                preexec_fn=_pdeathsig_preexec(os.getpid()), close_fds=True)
+                                preexec_fn=pdeathsig_preexec(os.getpid()), close_fds=True)
         return _Child(name, index, url, log_path, proc, log_file)
 
     def _server_argv(self, i: int, port: int) -> list[str]:

@@ -711,9 +711,12 @@ class DistributedWeightUpdater:
 
         def join() -> None:
             try:
-                store, _, _ = next(tdist.rendezvous(f"tcp://{self.master_address}:{self.master_port}", 0,
-                                                    self.world_size, timeout=timeout))
-                store.set_timeout(timeout)
+                # rank 0 HOSTS the store: not tdist.rendezvous("tcp://..."), which under torchrun
+                # (TORCHELASTIC_USE_AGENT_STORE=True in every worker's environment) only connects as a
+                # client to a store it assumes the elastic agent runs, so nobody listened and the first
+                # sync hung with more than one trainer rank
+                store = tdist.TCPStore(self.master_address, self.master_port, self.world_size, True,
+                                       timeout=timeout, multi_tenant=True)
                 dev = "cuda" if self.backend == "nccl" else "cpu"
                 store = PrefixStore(f"{dev}/", PrefixStore(f"{self.group_name}/", PrefixStore(self.group_name, store)))
                 if self.backend == "gloo":

@@ -1,0 +1,75 @@
+"""Child processes that die with their parent, and a child environment free of torchrun's variables
+(leaf module: standard library only).
+
+* :func:`die_with_parent` / :func:`pdeathsig_preexec`: Linux ``prctl(PR_SET_PDEATHSIG, sig)``
+  (prctl(2)) through ctypes, so a rollout server, the router, a reward worker or a torchrun worker is
+  signalled when the process (strictly: the thread) that started it dies, even by SIGKILL, when no
+  Python cleanup runs. No-op on other systems.
+* :func:`child_env`: ``os.environ`` without the variables torchrun sets for its workers (RANK,
+  WORLD_SIZE, MASTER_ADDR, TORCHELASTIC_*, ...). A process that rank 0 starts is not a rank of the
+  training job; inheriting ``TORCHELASTIC_USE_AGENT_STORE=True`` makes ``torch.distributed.rendezvous
+  ("tcp://...")`` in that process (SGLang's ``init_custom_process_group``, the reference server's
+  weight-update group) connect as a client to a store it assumes the elastic agent hosts, instead of
+  creating it, which hung ``rollout.weight_sync=distributed`` under torchrun.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+from typing import Callable, Mapping, Optional
+
+__all__ = ["TORCHRUN_ENV_KEYS", "child_env", "die_with_parent", "pdeathsig_preexec"]
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+# What torch.distributed.run (torch/distributed/elastic/agent/server/local_elastic_agent.py) puts into
+# each worker's environment, plus the TORCHELASTIC_* / TORCH_NCCL_* prefixes handled in child_env.
+TORCHRUN_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                     "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_TORCHRUN_ENV_PREFIXES = ("TORCHELASTIC_",)
+# loaded once here: a Popen preexec_fn runs between fork and exec, where dlopen may deadlock
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def child_env(base: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """A copy of ``base`` (default ``os.environ``) without torchrun's per-worker variables
+    (:data:`TORCHRUN_ENV_KEYS` and every ``TORCHELASTIC_*``), for processes a rank starts that are not
+    ranks of its job (rollout servers, router, reward workers)."""
+    env = dict(os.environ if base is None else base)
+    for key in list(env):
+        if key in TORCHRUN_ENV_KEYS or key.startswith(_TORCHRUN_ENV_PREFIXES):
+            del env[key]
+    return env
+
+
+def die_with_parent(sig: int = signal.SIGTERM, expected_parent: Optional[int] = None) -> bool:
+    """Ask the kernel to send ``sig`` to THIS process when its parent (the thread that forked it)
+    dies: ``prctl(PR_SET_PDEATHSIG, sig)`` (Linux). If ``expected_parent`` is given and the parent is
+    already another process (it died before the call, the child was re-parented), exit at once with
+    status 1. Returns True when the death signal is set, False on other systems.
+
+    Raises:
+        OSError: prctl refused (errno named).
+    """
+    if _LIBC is None:
+        return False
+    if _LIBC.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)}")
+    if expected_parent is not None and os.getppid() != expected_parent:
+        os._exit(1)
+    return True
+
+
+def pdeathsig_preexec(parent_pid: int, sig: int = signal.SIGKILL) -> Callable[[], None]:
+    """``preexec_fn`` for ``subprocess.Popen``: the child gets ``sig`` when ``parent_pid`` (the caller,
+    ``os.getpid()``) dies, and exits at once if it already has. Set the death signal from the thread
+    that lives as long as the child should (the kernel tracks the forking thread)."""
+
+    def fn() -> None:
+        die_with_parent(sig, expected_parent=parent_pid)
+
+    return fn
