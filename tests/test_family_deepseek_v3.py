@@ -270,3 +270,23 @@ def test_mla_without_transformer_engine_needs_the_cpu_patch(dist):
         with pytest.raises(TypeError, match="isinstance"):
             build_gpt_model(cfg)
     assert build_gpt_model(cfg) is not None
+
+
+def test_rl_accepts_the_deepseek_router_and_refuses_others():
+    """moerl train's refusal of sigmoid / bias / group / scaling routers is lifted for DeepSeek-V3 (the reference
+    rollout server runs transformers' DeepseekV3TopkRouter), as long as the recipe keys equal the HF config."""
+    from types import SimpleNamespace
+
+    from moerl.moe.config import check_rollout_routing_matches
+
+    facts = ds.router_facts(ds.make_hf_config(FIELDS))
+    keys = dict(score_function="sigmoid", expert_bias=True, num_groups=2, group_topk=1, capacity_factor=None,
+                topk_scaling_factor=2.5)
+    check_rollout_routing_matches(SimpleNamespace(**keys), facts, "DeepSeek-V3")
+    with pytest.raises(ValueError) as ei:
+        check_rollout_routing_matches(SimpleNamespace(**{**keys, "expert_bias": False, "topk_scaling_factor": None}),
+                                      facts, "DeepSeek-V3")
+    assert "moe.expert_bias=false (rollout: e_score_correction_bias)" in str(ei.value)
+    assert "moe.topk_scaling_factor=None (rollout: 2.5)" in str(ei.value)
+    with pytest.raises(ValueError, match="moe.score_function=sigmoid"):  # Qwen3-MoE (no facts) still refuses it
+        check_rollout_routing_matches(SimpleNamespace(**keys))

@@ -183,42 +183,57 @@ def validate_moe(
             raise ValueError(f"moe.{name} is a fraction of ln(num_experts) in [0, 1], got {v}")
 
 
-def check_rollout_routing_matches(moe) -> None:
+def check_rollout_routing_matches(moe, router: Any = None, family: str = "Qwen3-MoE") -> None:
     """Refuse router settings the rollout engines cannot reproduce (checked by ``moerl train``).
 
-    moerl's policy is a Hugging Face Qwen3-MoE, and both rollout engines run that architecture's
-    router: softmax scores, top-k, gates renormalised when ``norm_topk_prob``, no bias, no expert
-    groups, no token dropping (transformers ``Qwen3MoeTopKRouter``; SGLang's Qwen3MoeForCausalLM).
-    A Megatron router configured differently would train a policy other than the one that samples,
-    so every ratio pi_theta / pi_old would carry a systematic error (REFERENCE.md sec. 1-2). These
-    keys stay valid for ``moerl plan`` (DeepSeek-V3-style shapes); they need an architecture whose
-    HF/SGLang model implements them (e.g. DeepSeek-V3's e_score_correction_bias and group routing).
+    The rollout engines run the policy's Hugging Face architecture (the reference server: transformers'
+    forward; SGLang: its model class), whose router is fixed by the model family
+    (``moerl.models.families.ModelFamily.router`` -> ``RouterFacts``). A Megatron router configured
+    differently would train a policy other than the one that samples, so every ratio pi_theta / pi_old
+    would carry a systematic error (REFERENCE.md sec. 1-2). So the recipe's ``moe.*`` router keys must
+    equal the family's router: Qwen3-MoE (``router=None``, the default): softmax top-k, no bias, no groups,
+    scale 1; DeepSeek-V3: sigmoid scores with ``e_score_correction_bias`` (moe.expert_bias=true),
+    group-limited routing (moe.num_groups / moe.group_topk = n_group / topk_group when n_group > 1) and
+    moe.topk_scaling_factor = routed_scaling_factor. No family drops tokens (moe.capacity_factor null).
+    The keys stay valid for ``moerl plan`` whatever their values.
 
     Args:
         moe: the recipe's ``moe`` section.
+        router: the family's ``RouterFacts`` (None = Qwen3-MoE's: softmax, no bias / groups / scaling).
+        family: the family's display name for the message.
 
     Raises:
         ValueError: naming each offending ``moe.*`` key and the value the rollout engines use.
     """
     g = lambda name, default=None: getattr(moe, name, default)  # noqa: E731
+    want_score = getattr(router, "score_function", "softmax")
+    want_bias = bool(getattr(router, "expert_bias", False))
+    want_groups = (getattr(router, "num_groups", None), getattr(router, "group_topk", None))
+    want_scale = float(getattr(router, "scaling_factor", None) or 1.0)
     bad = []
-    if g("score_function", "softmax") != "softmax":
-        bad.append(f"moe.score_function={g('score_function')} (rollout: softmax)")
-    if g("expert_bias", False):
-        bad.append("moe.expert_bias=true (rollout: no e_score_correction_bias)")
-    if g("num_groups") is not None or g("group_topk") is not None:
-        bad.append(f"moe.num_groups={g('num_groups')}/moe.group_topk={g('group_topk')} (rollout: no groups)")
+    if g("score_function", "softmax") != want_score:
+        bad.append(f"moe.score_function={g('score_function')} (rollout: {want_score})")
+    if bool(g("expert_bias", False)) != want_bias:
+        bad.append(f"moe.expert_bias={str(bool(g('expert_bias', False))).lower()} (rollout: "
+                   f"{'e_score_correction_bias' if want_bias else 'no e_score_correction_bias'})")
+    if (g("num_groups"), g("group_topk")) != want_groups:
+        bad.append(f"moe.num_groups={g('num_groups')}/moe.group_topk={g('group_topk')} (rollout: "
+                   + (f"{want_groups[0]}/{want_groups[1]})" if want_groups[0] is not None else "no groups)"))
     if g("capacity_factor") is not None:
         bad.append(f"moe.capacity_factor={g('capacity_factor')} (rollout: no token dropping)")
     tsf = g("topk_scaling_factor")
-    if tsf is not None and float(tsf) != 1.0:
-        bad.append(f"moe.topk_scaling_factor={tsf} (rollout: 1)")
+    if float(tsf if tsf is not None else 1.0) != want_scale:
+        bad.append(f"moe.topk_scaling_factor={tsf} (rollout: {want_scale:g})")
     if bad:
+        if router is None:
+            fix = "Set them back to the defaults in configs/tiny_arith.yaml (they remain valid for `moerl plan`)."
+            what = "the Qwen3-MoE router (softmax top-k, no bias, groups or dropping)"
+        else:
+            fix = f"Set them to the {family} model's router values above (they remain valid for `moerl plan`)."
+            what = f"the {family} router of model.hf_config"
         raise ValueError(
-            "moerl train: the rollout engines run the Qwen3-MoE router (softmax top-k, no bias, groups or "
-            "dropping), so these router settings would make the trained policy differ from the sampling "
-            "policy: " + "; ".join(bad) + ". Set them back to the defaults in configs/tiny_arith.yaml "
-            "(they remain valid for `moerl plan`)."
+            f"moerl train: the rollout engines run {what}, so these router settings would make the trained "
+            "policy differ from the sampling policy: " + "; ".join(bad) + ". " + fix
         )
 
 
