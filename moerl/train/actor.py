@@ -55,6 +55,7 @@ micro-batches and DP ranks).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -79,7 +80,7 @@ from moerl.moe.balancing import install_balancing_losses, set_step_normalisers
 from moerl.pipeline.megatron_stages import stage_model_args
 from moerl.train.batching import MicroBatch, PackedMicroBatch, model_labels, to_label_layout
 from moerl.train.losses import MAX_METRIC_SUFFIX, combine_micro_batch_metrics
-from moerl.train.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
+from moerl.train.vocab_parallel import skip_output_layer, vocab_parallel_entropy, vocab_parallel_log_probs
 
 __all__ = ["LossFn", "MegatronActor", "RECOMPUTE_MODES", "actor_parallel_kwargs", "params_torch_dtype",
            "recompute_config"]
@@ -216,10 +217,18 @@ class MegatronActor:
         split_backward: how DualPipe(V)'s split backward computes weight gradients: "store" (the layer-level
             split of moerl.pipeline.wgrad_store), "retrace" or "torch" (graph re-traversal); see
             ``moerl.pipeline.interpreter.PipelineInterpreter``.  Unused with pipeline_schedule="1f1b".
+        fused_logprob: log-probs and entropies straight from the final hidden states and the
+            output-layer weight (``train.fused_logprob``; moerl.kernels.fused_logprob: no [tokens, vocab]
+            logits, the output layer is skipped by moerl.train.vocab_parallel.skip_output_layer) for the
+            old-log-prob, reference and update passes, padded or packed, any TP. True: on (the native
+            csrc op when it builds, else its chunked torch reference, with a warning); None: on when
+            the native op is available on this device; False: logits as before. 1F1B only (DualPipe(V)
+            chunks keep the logits path).
 
     Raises:
         ValueError: an unknown pipeline_schedule or a layout it does not support; params_dtype
-            float16 or another unsupported dtype (``params_torch_dtype``).
+            float16 or another unsupported dtype (``params_torch_dtype``); fused_logprob=True with
+            pipeline_schedule dualpipe / dualpipev.
         RuntimeError: pipeline_overlap without CUDA.
 
     Requires moerl.runtime.distributed.init_distributed() to have run (the layout comes from
@@ -247,6 +256,7 @@ class MegatronActor:
         pipeline_overlap: bool = False,
         params_dtype="float32",
         split_backward: str = "store",
+        fused_logprob: Optional[bool] = False,
     ):
         self.hf_config = hf_config
         self.params_dtype = params_torch_dtype(params_dtype)
@@ -293,6 +303,7 @@ class MegatronActor:
         if self.dual and self.tf_config.bf16:
             self.model.bfloat16()  # as Float16Module does for 1F1B: the torch norms are built in fp32
         self.device = next(self.model.parameters()).device
+        self.fused_logprob = self._resolve_fused_logprob(fused_logprob)
         # moerl's balancing losses (moerl.moe.balancing): per real sequence, independent of dp_size
         self._routers = install_balancing_losses(self.model)
         self.moe_load_balancing_type = moe_load_balancing_type
@@ -383,6 +394,22 @@ class MegatronActor:
                                                    split_backward=self.split_backward)
         if name == "dualpipe":  # the two copies of a stage were initialised on different ranks: make them equal
             self.load_hf_state_dict(self.export_hf_state_dict())
+
+    def _resolve_fused_logprob(self, fused_logprob: Optional[bool]) -> bool:
+        """train.fused_logprob (True | None = auto | False) -> whether this actor uses the fused op."""
+        if fused_logprob is False:
+            return False
+        if self.dual:
+            if fused_logprob:
+                raise ValueError(f"train.fused_logprob=true is not supported with train.pipeline_schedule="
+                                 f"{self.pipeline_schedule} (its stage chunks keep the logits path): set "
+                                 "train.fused_logprob=false or train.pipeline_schedule=1f1b")
+            return False
+        if fused_logprob is None:
+            from moerl.kernels._build import load_native
+
+            return load_native("cuda" if self.device.type == "cuda" else "cpu")
+        return True
 
     def set_lr(self, lr: float) -> None:
         """(Re)build the Megatron Adam optimizer at learning rate ``lr`` with fresh moments (used
@@ -477,10 +504,21 @@ class MegatronActor:
         return [_to_device(mb, self.device) for mb in padded]
 
     # ----------------------------------------------------------------- compute
-    def _token_log_probs(self, logits: torch.Tensor, labels: torch.Tensor, temperature: float):
+    def _token_log_probs(self, logits: torch.Tensor, labels: torch.Tensor, temperature: float,
+                         output_weight: Optional[torch.Tensor] = None):
         """(log_probs, entropy) [B,S] float32 of the labels under softmax(logits / T); the entropy is
-        differentiable when ``self.entropy_grad`` (an entropy bonus in the loss) and grad is enabled."""
+        differentiable when ``self.entropy_grad`` (an entropy bonus in the loss) and grad is enabled.
+
+        With ``output_weight`` (train.fused_logprob) ``logits`` are the final hidden states [B, S, H]
+        and the output weight (or its vocab shard) [V/tp, H]: moerl.kernels.fused_linear_log_probs,
+        its statistics reduced over the TP group."""
         grad = self.entropy_grad and torch.is_grad_enabled()
+        if output_weight is not None:
+            from moerl.kernels.fused_logprob import fused_linear_log_probs
+
+            group = parallel_state.get_tensor_model_parallel_group() if self.tp_size > 1 else None
+            log_probs, entropy = fused_linear_log_probs(logits, output_weight, labels, temperature, tp_group=group)
+            return log_probs, (entropy if grad else entropy.detach())
         logits = logits.float()  # BF16 DualPipe chunks hand BF16 logits (Float16Module already fp32: no-op)
         if self.tp_size > 1 and self.dual:
             # the interpreter's split backward traverses the loss twice: Megatron's vocab-parallel
@@ -523,12 +561,15 @@ class MegatronActor:
             else:
                 if replay is not None:
                     replay.before_forward(mb)
-                output = model(*args, **kwargs)
+                # train.fused_logprob: the model hands back hidden states, the loss forms the log-probs
+                with skip_output_layer(self.model) if self.fused_logprob else contextlib.nullcontext() as skipped:
+                    output = model(*args, **kwargs)
                 if replay is not None:
                     replay.after_forward(mb)
+            weight = skipped.weight if self.fused_logprob and not return_schedule_plan else None
 
             def loss_func(logits):  # runs on the last stage only
-                log_probs, entropy = self._token_log_probs(logits, model_labels(mb), temperature)
+                log_probs, entropy = self._token_log_probs(logits, model_labels(mb), temperature, weight)
                 log_probs, entropy = to_label_layout(mb, log_probs), to_label_layout(mb, entropy)
                 tag = {} if index is None else {"_mb": index[id(mb)]}
                 if loss_fn is None:

@@ -13,12 +13,14 @@ Both must be called on every rank of the TP group with the same labels (collecti
 
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["vocab_parallel_log_probs", "vocab_parallel_entropy"]
+__all__ = ["vocab_parallel_log_probs", "vocab_parallel_entropy", "OutputLayerSkipped", "skip_output_layer"]
 
 
 def _check(logits: torch.Tensor, temperature: float) -> float:
@@ -81,3 +83,56 @@ def vocab_parallel_entropy(logits: torch.Tensor, temperature: float, *, grad: bo
         else:
             dist.all_reduce(sums, group=group)
         return m + torch.log(sums[0]) - sums[1] / sums[0]
+
+
+class OutputLayerSkipped:
+    """What :func:`skip_output_layer` hands the loss: ``weight``, the output-layer weight (or its
+    vocabulary shard [V/tp, H], or the tied embedding) the last forward would have used."""
+
+    def __init__(self) -> None:
+        self.weight: Optional[torch.Tensor] = None
+
+
+@contextlib.contextmanager
+def skip_output_layer(model) -> Iterator[OutputLayerSkipped]:
+    """Make a Megatron GPTModel return its final hidden states instead of logits (for the fused
+    linear log-prob, moerl.kernels.fused_logprob): inside the block the model's ``output_layer``
+    (ColumnParallelLinear) hands back its input [S, B, H] prepared as it would prepare it for its
+    GEMM, so GPTModel's own ``[s b h] => [b s h]`` transpose yields hidden states [B, S, H] where
+    logits [B, S, V/tp] were. The input preparation keeps the layer's communication: with sequence
+    parallelism the sequence all-gather (reduce-scatter in backward), else with tp > 1 Megatron's
+    ``copy_to_tensor_model_parallel_region`` (the all-reduce of the hidden gradient in backward:
+    each rank's fused op gives the gradient of its own vocabulary shard). The weight the layer would
+    have used (the tied embedding weight when it is passed in) is recorded in the yielded object.
+
+    A model without an output layer (a pipeline stage before the last) is left unchanged.
+    """
+    from megatron.core.tensor_parallel import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
+    )
+
+    box = OutputLayerSkipped()
+    layer = getattr(model, "output_layer", None) if getattr(model, "post_process", False) else None
+    if layer is None:
+        yield box
+        return
+
+    def passthrough(input_, weight=None, runtime_gather_output=None):
+        box.weight = layer.weight if weight is None else weight
+        group = getattr(layer, "tp_group", None)
+        if group is None:
+            from megatron.core import parallel_state
+
+            group = parallel_state.get_tensor_model_parallel_group()
+        if layer.sequence_parallel:
+            return gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=group), None
+        if group is not None and dist.get_world_size(group) > 1:
+            return copy_to_tensor_model_parallel_region(input_, group=group), None
+        return input_, None
+
+    layer.forward = passthrough
+    try:
+        yield box
+    finally:
+        del layer.forward

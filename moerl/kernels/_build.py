@@ -1,0 +1,180 @@
+"""Build-on-first-use loader of moerl's native kernels (csrc/) and the report of which
+implementation each op uses.
+
+The C++ sources under ``csrc/cpu`` (and, on a CUDA machine, ``csrc/cuda``) are compiled with
+``torch.utils.cpp_extension.load`` (ninja + the host C++ compiler) the first time an op needs them,
+into ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/moerl/torch_extensions`` (rebuilt when a source
+changes), and register their ops under ``torch.ops.moerl``. ``pip install`` never compiles anything,
+so it works on a machine without a compiler; there the ops run their pure-torch references and
+:func:`kernel_report` (``moerl doctor``) says so and why.
+
+Environment: ``MOERL_KERNELS=auto`` (default: native when it builds, else the torch reference, with
+one warning), ``native`` (a build failure raises), ``torch`` (never build; the references).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+__all__ = ["CSRC", "KERNELS_ENV", "NativeBuildError", "kernel_mode", "load_native", "native_available",
+           "kernel_report", "cpu_sources", "cuda_sources"]
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+KERNELS_ENV = "MOERL_KERNELS"
+_MODES = ("auto", "native", "torch")
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # device kind -> True | error message
+
+
+class NativeBuildError(RuntimeError):
+    """The native kernels could not be built or loaded (the message names the missing tool / the
+    compiler error and how to fix it)."""
+
+
+def kernel_mode() -> str:
+    """``$MOERL_KERNELS`` (auto | native | torch).
+
+    Raises:
+        ValueError: another value (names the variable and the choices).
+    """
+    mode = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
+    if mode not in _MODES:
+        raise ValueError(f"environment variable {KERNELS_ENV}={mode!r} is not one of {', '.join(_MODES)}; "
+                         f"unset it (auto) or set {KERNELS_ENV}=torch to use the pure-torch references")
+    return mode
+
+
+def cpu_sources() -> list[Path]:
+    """The C++ sources of the CPU extension (csrc/cpu/*.cpp)."""
+    return sorted((CSRC / "cpu").glob("*.cpp"))
+
+
+def cuda_sources() -> list[Path]:
+    """The CUDA sources (csrc/cuda/*.cu) and their torch binding (csrc/cuda/*.cpp)."""
+    return sorted((CSRC / "cuda").glob("*.cu")) + sorted((CSRC / "cuda").glob("*.cpp"))
+
+
+def _build_dir(name: str) -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.home() / ".cache" / "moerl" / "torch_extensions")
+    tag = f"py{torch.__version__.split('+')[0].replace('.', '_')}_{name}"
+    path = Path(root) / tag
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _missing_tools(cuda: bool) -> Optional[str]:
+    from torch.utils import cpp_extension
+
+    if not cpu_sources():
+        return f"no C++ sources under {CSRC / 'cpu'} (an installed copy without csrc/)"
+    if not cpp_extension.is_ninja_available():
+        return "ninja not found (pip install ninja, or apt-get install ninja-build)"
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None and shutil.which("g++") is None:
+        return f"no C++ compiler ({cxx} / g++) on PATH (apt-get install g++)"
+    if cuda and cpp_extension.CUDA_HOME is None:
+        return "CUDA available but nvcc / CUDA_HOME not found (install the CUDA toolkit or set CUDA_HOME)"
+    return None
+
+
+def _build(kind: str, verbose: bool) -> None:
+    from torch.utils import cpp_extension
+
+    cuda = kind == "cuda"
+    missing = _missing_tools(cuda)
+    if missing:
+        raise NativeBuildError(missing)
+    name = "moerl_kernels_cuda" if cuda else "moerl_kernels_cpu"
+    sources = [str(p) for p in (cuda_sources() if cuda else cpu_sources())]
+    flags = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
+    try:
+        cpp_extension.load(
+            name=name, sources=sources, extra_cflags=flags, extra_cuda_cflags=["-O3"] if cuda else None,
+            build_directory=str(_build_dir(name)), is_python_module=False, verbose=verbose, with_cuda=cuda)
+    except Exception as e:  # noqa: BLE001 - a compiler error surfaces as RuntimeError/subprocess errors
+        text = str(e).strip().splitlines()
+        raise NativeBuildError(f"building {name} from {CSRC} failed: {text[-1] if text else type(e).__name__} "
+                               f"(rerun with MOERL_KERNELS_VERBOSE=1 for the compiler output, or set "
+                               f"{KERNELS_ENV}=torch to use the pure-torch references)") from e
+
+
+def load_native(device: str = "cpu", *, required: bool = False) -> bool:
+    """Build (first call, then cached on disk) and load the native kernels for ``device``
+    ("cpu" or "cuda"); True when ``torch.ops.moerl`` has them.
+
+    Args:
+        device: "cpu" or "cuda".
+        required: raise instead of returning False (tests: no silent fallback).
+
+    Raises:
+        NativeBuildError: (``required`` or ``MOERL_KERNELS=native``) the build failed or a tool is
+            missing; the message names it.
+        ValueError: a bad ``MOERL_KERNELS`` value or device.
+    """
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    mode = kernel_mode()
+    required = required or mode == "native"
+    if mode == "torch" and not required:
+        return False
+    with _lock:
+        if device not in _state:
+            try:
+                if device == "cuda" and not torch.cuda.is_available():
+                    raise NativeBuildError("no CUDA device")
+                if device == "cuda" and "cpu" not in _state:  # the CPU library defines the op schemas
+                    _build("cpu", verbose=os.environ.get("MOERL_KERNELS_VERBOSE") == "1")
+                    _state["cpu"] = True
+                _build(device, verbose=os.environ.get("MOERL_KERNELS_VERBOSE") == "1")
+                _state[device] = True
+            except NativeBuildError as e:
+                _state[device] = str(e)
+                if not required:
+                    warnings.warn(f"moerl native kernels ({device}) unavailable, using the pure-torch references: {e}",
+                                  RuntimeWarning, stacklevel=2)
+        ok = _state[device] is True
+    if required and not ok:
+        raise NativeBuildError(str(_state[device]))
+    return ok
+
+
+def native_available(device: str = "cpu") -> bool:
+    """True when the native kernels for ``device`` are (or can be) loaded; builds on first call."""
+    return load_native(device)
+
+
+def kernel_report(build: bool = True) -> list[tuple[str, str, str]]:
+    """(op, implementation, why) for each op moerl has a native kernel for, on this machine.
+
+    ``build=False`` reports without compiling (an unbuilt extension is "not built yet").
+    """
+    try:
+        mode = kernel_mode()
+    except ValueError as e:
+        return [(op, "error", str(e)) for op in ("fused_logprob", "fp8_quantize")]
+    rows = []
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        if mode == "torch":
+            impl, why = "torch reference", f"{KERNELS_ENV}=torch"
+        elif build:
+            try:
+                ok = load_native(device)
+            except Exception as e:  # noqa: BLE001 - MOERL_KERNELS=native: report rather than raise
+                ok, _state[device] = False, str(e)
+            impl = f"native {device} (csrc/{device})" if ok else "torch reference"
+            why = (f"built with {'nvcc' if device == 'cuda' else 'the host C++ compiler'}, cached under "
+                   f"{_build_dir('moerl_kernels_' + device).parent}" if ok else str(_state[device]))
+        else:
+            impl, why = "unknown", "not built yet (run moerl doctor to build)"
+        for op in ("fused_logprob", "fp8_quantize"):
+            rows.append((f"{op} [{device}]", impl, why))
+    return rows
