@@ -107,6 +107,12 @@ def fx(tmp_path_factory):
     llama = {k: v for k, v in SHAPE.items() if k not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
                                                          "norm_topk_prob")}
     p["llama"] = _save_hf(LlamaConfig(**llama), d / "llama")
+    from transformers import GPT2Config, MixtralConfig
+
+    p["gpt2"] = _save_hf(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=32), d / "gpt2")
+    p["mixtral_window"] = _save_hf(MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                                 num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
+                                                 max_position_embeddings=64, sliding_window=16), d / "mixtral_window")
     (d / "no_config").mkdir()
     (d / "no_config" / "model.safetensors").write_bytes(b"")
     p["no_config"] = str(d / "no_config")
@@ -337,7 +343,12 @@ CASES = [
     ("convert-hf-missing", "convert_checkpoint", ["hf-to-mcore", "--hf", "/nonexistent/hf", "--out", "{dir}/c1"],
      ["--hf", "/nonexistent/hf"]),
     ("convert-hf-llama", "convert_checkpoint", ["hf-to-mcore", "--hf", "{llama}", "--out", "{dir}/c2"],
-     ["--hf", "'llama'"]),
+     ["--hf", "'llama'", "qwen3_moe (Qwen3-MoE)", "mixtral (Mixtral)"]),
+    ("convert-config-gpt2", "convert_checkpoint", ["mcore-to-hf", "--ckpt", "{dir}", "--config", "{gpt2}", "--out",
+                                                   "{dir}/c7"], ["--config", "'gpt2'", "qwen3_moe (Qwen3-MoE)",
+                                                                 "mixtral (Mixtral)"]),
+    ("convert-mixtral-sliding-window", "convert_checkpoint", ["hf-to-mcore", "--hf", "{mixtral_window}", "--out",
+                                                              "{dir}/c8"], ["--hf", "sliding_window=16"]),
     ("convert-hf-wrong-shapes", "convert_checkpoint", ["hf-to-mcore", "--hf", "{qwen_bad_tensors}", "--out",
                                                        "{dir}/c3"], ["--hf", "wrong shapes"]),
     ("convert-bad-index", "convert_checkpoint", ["hf-to-mcore", "--hf", "{bad_index}", "--out", "{dir}/c6"],

@@ -5,7 +5,8 @@
 
 ``mcore-to-hf`` needs the model's HF config.json (e.g. a run's ``hf_export/`` or ``hf_warm_start/``);
 tokenizer files found next to that config are copied too. Model weights only (no optimizer state),
-single process (tp = pp = ep = 1), Qwen3-MoE architectures; conversion rules are those of
+single process (tp = pp = ep = 1). Architectures: the model families of moerl.models.families (``model_type``
+qwen3_moe, mixtral, ...); another model_type exits 2 listing them. Conversion rules are the family's, through
 moerl.checkpoint.hf_convert (exact in both directions).
 """
 
@@ -20,13 +21,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def _build(hf_config):
-    from moerl.models.qwen3_moe import build_gpt_model
+    from moerl.models.gpt import build_gpt_model
 
     return build_gpt_model(hf_config)
 
 
 def hf_to_mcore(hf_dir: str, out: str) -> Path:
-    """Load an HF Qwen3-MoE checkpoint into a Megatron GPTModel and save it as torch_dist."""
+    """Load an HF checkpoint (a registered model family) into a Megatron GPTModel and save it as torch_dist."""
     from transformers import AutoConfig
 
     from moerl.checkpoint.dist_ckpt import save_dist_checkpoint
@@ -62,16 +63,15 @@ def mcore_to_hf(ckpt: str, config_dir: str, out: str) -> Path:
 def check_args(args: argparse.Namespace) -> None:
     """Every input of a conversion, before torch.distributed starts or a model is built.
 
-    hf-to-mcore: ``--hf`` a Qwen3-MoE HF directory whose safetensors match its config.json (names and
-    shapes), ``--out`` not existing. mcore-to-hf: ``--ckpt`` a torch_dist checkpoint written for the model
-    of ``--config`` (its recorded tensor shapes), ``--config`` a Qwen3-MoE config directory, ``--out`` not
-    an existing non-empty directory (both subcommands: nothing is overwritten).
+    hf-to-mcore: ``--hf`` an HF directory of a registered model family (moerl.models.families) whose
+    config the family maps and whose safetensors match its config.json (names and shapes), ``--out`` not
+    existing. mcore-to-hf: ``--ckpt`` a torch_dist checkpoint written for the model of ``--config`` (its
+    recorded tensor shapes), ``--config`` a config directory of a registered family, ``--out`` not an
+    existing non-empty directory (both subcommands: nothing is overwritten).
 
     Raises:
         moerl.errors.ModelError / CheckpointError / CLIError: naming the flag, the path and the fix.
     """
-    from transformers import AutoConfig
-
     from moerl.checkpoint.input_checks import check_checkpoint_shapes, check_hf_model_dir, check_hf_tensors
     from moerl.errors import CLIError, check_writable_path
 
@@ -84,10 +84,29 @@ def check_args(args: argparse.Namespace) -> None:
                        hint="choose a new (or empty) directory (nothing is overwritten)")
     if args.cmd == "hf-to-mcore":
         check_hf_model_dir(args.hf, "--hf", weights=True)
-        check_hf_tensors(args.hf, AutoConfig.from_pretrained(args.hf), "--hf")
+        hf_config = _family_config(args.hf, "--hf")
+        check_hf_tensors(args.hf, hf_config, "--hf")
     else:
         check_hf_model_dir(args.config, "--config")
-        check_checkpoint_shapes(args.ckpt, AutoConfig.from_pretrained(args.config), key="--ckpt")
+        check_checkpoint_shapes(args.ckpt, _family_config(args.config, "--config"), key="--ckpt")
+
+
+def _family_config(path: str, key: str):
+    """The HF config at ``path`` after its model family's checks (moerl.models.families: supported
+    model_type, features the family maps). Raises moerl.errors.ModelError naming ``key``."""
+    from transformers import AutoConfig
+
+    from moerl.errors import ModelError
+    from moerl.models.families import get_family
+
+    hf_config = AutoConfig.from_pretrained(path)
+    family = get_family(hf_config, key=key, file=str(Path(path) / "config.json"))
+    try:
+        family.check_hf_config(hf_config)
+    except ValueError as e:
+        raise ModelError(f"{key}={path}: {e}", key=key, file=str(Path(path) / "config.json"),
+                         hint=f"moerl's {family.name} builder does not map this; convert a checkpoint without it") from None
+    return hf_config
 
 
 def main(argv=None) -> int:

@@ -1,7 +1,8 @@
 """Start-up checks of checkpoint inputs, run before any model is built or file written.
 
 * :func:`check_hf_model_dir`: an HF model directory (``model.init_from``, ``moerl serve --model-path``,
-  ``convert_checkpoint.py --hf/--config``) exists, has a readable config.json of a Qwen3-MoE model.
+  ``convert_checkpoint.py --hf/--config``) exists, has a readable config.json of a registered model family
+  (moerl.models.families; the error lists them).
 * :func:`check_hf_tensors`: its safetensors hold exactly the tensors, with the shapes, that the config
   implies. Reference for the names and shapes: transformers' own model class for the config, built on
   the meta device (no memory), mapped to on-disk per-expert names by
@@ -21,18 +22,20 @@ from typing import Any, Optional
 
 from moerl.errors import CheckpointError, ModelError
 
-SUPPORTED_MODEL_TYPES = ("qwen3_moe",)
+#: ``model_types`` default of :func:`check_hf_model_dir`: the model families moerl.models.families registers
+REGISTERED = "registered"
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 _SAFETENSORS_SINGLE = "model.safetensors"
 
 
-def check_hf_model_dir(path: Any, key: str, model_types: Optional[tuple] = SUPPORTED_MODEL_TYPES,
+def check_hf_model_dir(path: Any, key: str, model_types: Optional[tuple] | str = REGISTERED,
                        weights: bool = False) -> dict:
     """The parsed config.json of the HF model directory ``path`` given by ``key``.
 
     Args:
-        model_types: accepted config.json ``model_type`` values (None: any; the reference rollout server
-            serves any transformers causal LM, moerl trains Qwen3-MoE).
+        model_types: accepted config.json ``model_type`` values: ``REGISTERED`` (default) the model families
+            of moerl.models.families (qwen3_moe, mixtral, ...); None any (the reference rollout server serves
+            any transformers causal LM); or a tuple.
         weights: also require safetensors weights (model.safetensors or its index).
 
     Raises:
@@ -56,11 +59,17 @@ def check_hf_model_dir(path: Any, key: str, model_types: Optional[tuple] = SUPPO
         raise ModelError(f"{key}: {cfg_path} is not a JSON object", key=key, file=str(cfg_path),
                          hint="restore the checkpoint's config.json")
     model_type = cfg.get("model_type")
+    if model_types == REGISTERED:
+        from moerl.models.families import supported_model_types, supported_summary
+
+        model_types, summary = supported_model_types(), supported_summary()
+    else:
+        summary = ", ".join(model_types or ())
     if model_types is not None and model_type not in model_types:
         raise ModelError(
             f"{key}={path} is a {model_type!r} model (config.json model_type; architectures "
-            f"{cfg.get('architectures')}); moerl builds {', '.join(SUPPORTED_MODEL_TYPES)} (Qwen3-MoE) models",
-            key=key, file=str(cfg_path), hint=f"point {key} at a Qwen3-MoE checkpoint")
+            f"{cfg.get('architectures')}); moerl builds these model families: {summary}",
+            key=key, file=str(cfg_path), hint=f"point {key} at a checkpoint of a supported family")
     if weights and not any((p / n).is_file() for n in (_SAFETENSORS_SINGLE, _SAFETENSORS_INDEX)):
         raise ModelError(f"{key}: {path} has no {_SAFETENSORS_SINGLE} or {_SAFETENSORS_INDEX}", key=key,
                          file=str(path), hint="save the model with save_pretrained(safe_serialization=True)")
@@ -101,8 +110,9 @@ def hf_tensor_shapes(path: Any, key: str) -> dict[str, tuple[int, ...]]:
 
 
 def expected_hf_shapes(hf_config) -> dict[str, tuple[int, ...]]:
-    """On-disk HF tensor name -> shape of a Qwen3-MoE model with ``hf_config``, from transformers'
-    model class built on the meta device (a tied model's ``lm_head.weight`` left out)."""
+    """On-disk HF tensor name -> shape of the model of ``hf_config`` (a registered family), from transformers'
+    model class built on the meta device, mapped to the family's on-disk names (a tied model's
+    ``lm_head.weight`` left out)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -135,7 +145,7 @@ def check_hf_tensors(path: Any, hf_config, key: str) -> None:
         raise ModelError(f"{key}={path}: {e}", key=key, file=str(path),
                          hint="the tensors contradict the config: restore the checkpoint") from None
     want = expected_hf_shapes(hf_config)
-    optional = {k for k in have if k.endswith("mlp.gate.e_score_correction_bias") or k == "lm_head.weight"}
+    optional = {k for k in have if k.endswith("gate.e_score_correction_bias") or k == "lm_head.weight"}
     missing = sorted(set(want) - set(have))
     unexpected = sorted(set(have) - set(want) - optional)
     wrong = [f"{k} {list(have[k])} (config implies {list(want[k])})" for k in sorted(set(want) & set(have))
@@ -200,13 +210,15 @@ def check_checkpoint_shapes(path: Any, hf_config, key: str = "resume") -> None:
     Raises:
         CheckpointError: listing each differing field with the checkpoint's and the config's value.
     """
-    from moerl.models.qwen3_moe import hf_head_dim, hf_num_experts
+    from moerl.models.families import get_family
+    from moerl.models.families.common import hf_head_dim
 
+    family = get_family(hf_config, key=key)
     hd, nh, nkv = hf_head_dim(hf_config), hf_config.num_attention_heads, hf_config.num_key_value_heads
     want = {"vocab_size": hf_config.vocab_size, "hidden_size": hf_config.hidden_size,
             "num_hidden_layers": hf_config.num_hidden_layers, "head_dim": hd, "qkv_rows": (nh + 2 * nkv) * hd,
-            "attention_width": nh * hd, "num_experts": hf_num_experts(hf_config),
-            "moe_intermediate_size": hf_config.moe_intermediate_size,
+            "attention_width": nh * hd, "num_experts": family.num_experts(hf_config),
+            "moe_intermediate_size": family.expert_ffn_size(hf_config),
             "tie_word_embeddings": bool(getattr(hf_config, "tie_word_embeddings", False))}
     names = {"qkv_rows": "(num_attention_heads + 2 * num_key_value_heads) * head_dim",
              "attention_width": "num_attention_heads * head_dim"}
@@ -219,5 +231,5 @@ def check_checkpoint_shapes(path: Any, hf_config, key: str = "resume") -> None:
                                    "(resume=none, another output_dir)")
 
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "check_checkpoint_shapes", "check_hf_model_dir", "check_hf_tensors",
+__all__ = ["REGISTERED", "check_checkpoint_shapes", "check_hf_model_dir", "check_hf_tensors",
            "checkpoint_model_shapes", "expected_hf_shapes", "hf_tensor_shapes"]

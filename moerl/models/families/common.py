@@ -18,8 +18,9 @@ Moved here unchanged from moerl/models/qwen3_moe.py and moerl/checkpoint/hf_conv
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,7 @@ __all__ = [
     "gpt_block_spec",
     "gpt_model_kwargs",
     "gpt_transformer_config",
+    "hf_config_from_fields",
     "hf_head_dim",
     "hf_num_experts",
     "hf_rope_theta",
@@ -92,6 +94,83 @@ def hf_rope_theta(hf_config) -> float:
     if theta is None:
         raise ValueError("hf_config has no rope_theta (neither rope_parameters['rope_theta'] nor rope_theta)")
     return float(theta)
+
+
+def hf_config_from_fields(cls, fields: Mapping[str, Any], *, family: str, required: Sequence[str],
+                          aliases: Mapping[str, str], extra_fields: Iterable[str], experts_field: str,
+                          int_fields: Sequence[str] = ()):
+    """A transformers config ``cls(**fields)`` after the checks every family's ``make_hf_config`` makes.
+
+    Args:
+        cls: the transformers config class (a dataclass in transformers 5: its fields are the known names).
+        fields: the recipe fields.
+        family: display name for messages ("Qwen3-MoE").
+        required: fields that must be given (after aliases).
+        aliases: other spellings -> the class's field (e.g. {"num_local_experts": "num_experts"}).
+        extra_fields: further accepted names (head_dim, rope_theta, dtype, model_type, ...).
+        experts_field: the field holding the routed expert count (num_experts_per_tok must not exceed it).
+        int_fields: more fields that must be ints >= 1 when given (besides ``required``).
+
+    Rules: ``rope_theta`` becomes ``rope_parameters={"rope_type": "default", "rope_theta": ...}``;
+    ``model_type`` is dropped; num_attention_heads % num_key_value_heads == 0; head_dim defaults to
+    hidden_size // num_attention_heads.
+
+    Raises:
+        TypeError: ``fields`` is not a mapping.
+        ValueError: a required field is missing, a field is unknown, two spellings of one field
+            disagree, or the sizes are inconsistent (message names the field).
+    """
+    if not isinstance(fields, Mapping):
+        raise TypeError(f"make_hf_config expects a mapping of config fields, got {type(fields).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)} | set(aliases) | set(extra_fields)
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(
+            f"unknown {family} config field(s) {unknown}; known fields: {sorted(known)}"
+        )
+    kw = dict(fields)
+    for alias, name in aliases.items():
+        if alias in kw:
+            value = kw.pop(alias)
+            if name in kw and kw[name] != value:
+                raise ValueError(f"{alias}={value} disagrees with {name}={kw[name]}; give one of them")
+            kw[name] = value
+    missing = [k for k in tuple(required) if k not in kw]
+    if missing:
+        raise ValueError(f"{family} config is missing required field(s) {missing}")
+
+    rope_theta = kw.pop("rope_theta", None)
+    rope_parameters = kw.get("rope_parameters")
+    if rope_theta is not None:
+        if rope_parameters is not None and float(rope_parameters.get("rope_theta", rope_theta)) != float(rope_theta):
+            raise ValueError(
+                f"rope_theta={rope_theta} disagrees with rope_parameters={rope_parameters}; give one"
+            )
+        kw["rope_parameters"] = {"rope_type": "default", **(rope_parameters or {}), "rope_theta": float(rope_theta)}
+    kw.pop("model_type", None)
+
+    for name in tuple(required) + tuple(int_fields):
+        if name in kw and kw[name] is not None:
+            v = kw[name]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if kw["num_attention_heads"] % kw["num_key_value_heads"] != 0:
+        raise ValueError(
+            f"num_attention_heads={kw['num_attention_heads']} must be a multiple of "
+            f"num_key_value_heads={kw['num_key_value_heads']}"
+        )
+    if kw["num_experts_per_tok"] > kw[experts_field]:
+        raise ValueError(
+            f"num_experts_per_tok={kw['num_experts_per_tok']} exceeds {experts_field}={kw[experts_field]}"
+        )
+    if "head_dim" not in kw:
+        if kw["hidden_size"] % kw["num_attention_heads"] != 0:
+            raise ValueError(
+                "head_dim is not given and hidden_size is not a multiple of num_attention_heads; "
+                "set head_dim"
+            )
+        kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
+    return cls(**kw)
 
 
 # --------------------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ iff ``norm_topk_prob``.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Mapping, Optional
 
 import torch
@@ -34,6 +33,7 @@ from moerl.models.families.common import (
     gpt_block_spec,
     gpt_model_kwargs,
     gpt_transformer_config,
+    hf_config_from_fields,
     hf_head_dim,
     hf_num_experts,
 )
@@ -90,58 +90,9 @@ def make_hf_config(fields: Mapping[str, Any]):
         ValueError: a required field is missing, a field is unknown, two spellings of one field
             disagree, or the sizes are inconsistent (message names the field).
     """
-    if not isinstance(fields, Mapping):
-        raise TypeError(f"make_hf_config expects a mapping of config fields, got {type(fields).__name__}")
-    cls = _qwen3_moe_config_cls()
-    known = {f.name for f in dataclasses.fields(cls)} | set(_ALIASES) | _EXTRA_FIELDS
-    unknown = sorted(set(fields) - known)
-    if unknown:
-        raise ValueError(
-            f"unknown Qwen3-MoE config field(s) {unknown}; known fields: {sorted(known)}"
-        )
-    kw = dict(fields)
-    for alias, name in _ALIASES.items():
-        if alias in kw:
-            value = kw.pop(alias)
-            if name in kw and kw[name] != value:
-                raise ValueError(f"{alias}={value} disagrees with {name}={kw[name]}; give one of them")
-            kw[name] = value
-    missing = [k for k in _REQUIRED_FIELDS if k not in kw]
-    if missing:
-        raise ValueError(f"Qwen3-MoE config is missing required field(s) {missing}")
-
-    rope_theta = kw.pop("rope_theta", None)
-    rope_parameters = kw.get("rope_parameters")
-    if rope_theta is not None:
-        if rope_parameters is not None and float(rope_parameters.get("rope_theta", rope_theta)) != float(rope_theta):
-            raise ValueError(
-                f"rope_theta={rope_theta} disagrees with rope_parameters={rope_parameters}; give one"
-            )
-        kw["rope_parameters"] = {"rope_type": "default", **(rope_parameters or {}), "rope_theta": float(rope_theta)}
-    kw.pop("model_type", None)
-
-    for name in _REQUIRED_FIELDS + ("head_dim", "intermediate_size", "max_position_embeddings"):
-        if name in kw and kw[name] is not None:
-            v = kw[name]
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    if kw["num_attention_heads"] % kw["num_key_value_heads"] != 0:
-        raise ValueError(
-            f"num_attention_heads={kw['num_attention_heads']} must be a multiple of "
-            f"num_key_value_heads={kw['num_key_value_heads']}"
-        )
-    if kw["num_experts_per_tok"] > kw["num_experts"]:
-        raise ValueError(
-            f"num_experts_per_tok={kw['num_experts_per_tok']} exceeds num_experts={kw['num_experts']}"
-        )
-    if "head_dim" not in kw:
-        if kw["hidden_size"] % kw["num_attention_heads"] != 0:
-            raise ValueError(
-                "head_dim is not given and hidden_size is not a multiple of num_attention_heads; "
-                "set head_dim"
-            )
-        kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
-    return cls(**kw)
+    return hf_config_from_fields(_qwen3_moe_config_cls(), fields, family="Qwen3-MoE", required=_REQUIRED_FIELDS,
+                                 aliases=_ALIASES, extra_fields=_EXTRA_FIELDS, experts_field="num_experts",
+                                 int_fields=("head_dim", "intermediate_size", "max_position_embeddings"))
 
 
 def hf_moe_layer_pattern(hf_config) -> list[int]:
