@@ -572,6 +572,24 @@ class LogConfig(_Section):
     samples: bool = False
 
 
+class ProfileConfig(_Section):
+    """torch.profiler Chrome traces of chosen RL steps (moerl.observe.profiling.StepProfiler): one
+    ``<output_dir>/profile/trace_rank<r>.json`` per listed rank, the step phases (rollout, log_prob,
+    update, weight_sync, ...) as named ranges; on CUDA the phases are NVTX ranges too (nsys)."""
+
+    steps: Optional[list[int]] = None  # [first, last] RL steps, inclusive (e.g. [2, 2]); null = no profiling
+    ranks: list[int] = [0]  # global trainer ranks that write a trace
+
+    @model_validator(mode="after")
+    def _cross_fields(self) -> "ProfileConfig":
+        if self.steps is not None and (len(self.steps) != 2 or min(self.steps) < 0 or self.steps[0] > self.steps[1]):
+            raise ValueError(f"profile.steps {self.steps} must be [first, last] with 0 <= first <= last (RL steps, "
+                             "inclusive), e.g. [2, 3]; or null for no profiling")
+        if not self.ranks or min(self.ranks) < 0 or len(set(self.ranks)) != len(self.ranks):
+            raise ValueError(f"profile.ranks {self.ranks} must list distinct global ranks >= 0, e.g. [0]")
+        return self
+
+
 class MoEConfig(_Section):
     """MoE routing, balancing, dispatcher and telemetry keys (REFERENCE.md sec. 2), mapped onto
     Megatron-Core by moerl.moe.config.moe_transformer_overrides. The balancing type and coefficient
@@ -605,8 +623,9 @@ class MoEConfig(_Section):
 
 
 class HardwareConfig(_Section):
-    """What ``moerl plan`` sizes the recipe for (``moerl train`` ignores this section): the GPU, the
-    network, the MFU assumption of its step-time estimate and the longest prompt.
+    """What ``moerl plan`` sizes the recipe for: the GPU, the network, the MFU assumption of its
+    step-time estimate and the longest prompt. ``moerl train`` reads only the peak (``peak_bf16_tflops``,
+    else ``gpu``'s row, else the CUDA device name) for the MFU it logs (moerl.observe.flops.peak_tflops).
 
     ``gpu`` names a row of moerl.parallel.hardware.GPUS (memory, peak dense BF16/FP8 TFLOP/s, NVLink
     bandwidth, each from the vendor datasheet); ``gpu_memory_gib`` / ``peak_bf16_tflops`` /
@@ -669,8 +688,9 @@ class RecipeConfig(_Section):
     sft: SFTConfig = SFTConfig()
     eval: EvalConfig = EvalConfig()
     log: LogConfig = LogConfig()
-    hardware: HardwareConfig = HardwareConfig()  # moerl plan only
+    hardware: HardwareConfig = HardwareConfig()  # moerl plan; moerl train: the peak of its MFU
     precision: PrecisionConfig = PrecisionConfig()  # FP8 training (moerl.precision.te_fp8)
+    profile: ProfileConfig = ProfileConfig()  # torch.profiler traces of chosen steps (moerl.observe.profiling)
     # "none" = start fresh; "auto" = continue from the newest complete checkpoint in
     # <output_dir>/checkpoints (fresh start when there is none); or a checkpoint directory path
     resume: str = Field("none", min_length=1)
@@ -698,6 +718,14 @@ class RecipeConfig(_Section):
 
         validate_routing_replay(self.moe.routing_replay, pp_size=self.parallel.pp_size,
                                 recompute=self.parallel.recompute)
+        return self
+
+    @model_validator(mode="after")
+    def _profile_rules(self) -> "RecipeConfig":
+        steps = self.profile.steps
+        if steps is not None and steps[1] > self.train.num_steps:
+            raise ValueError(f"profile.steps {steps} ends after the last RL step (train.num_steps={self.train.num_steps}): "
+                             f"choose steps within 1..{self.train.num_steps}")
         return self
 
     @model_validator(mode="after")
@@ -911,7 +939,8 @@ class RecipeConfig(_Section):
         * parallel.world_size, when set, equals world_size;
         * every optimizer step splits into whole micro-batches on each DP rank:
           train/sft global_batch_size % (micro_batch_size * dp_size) == 0;
-        * the recipe builds a trainable model (no model.planner_extras).
+        * the recipe builds a trainable model (no model.planner_extras);
+        * profile.ranks lie in 0..world_size-1.
 
         The world-size-independent rules (experts divisible by ep_size, layers by pp_size, heads /
         vocabulary / FFN widths by tp_size, sequence parallelism with tp_size > 1 and MoE) are
@@ -941,6 +970,10 @@ class RecipeConfig(_Section):
                 raise ConfigError(
                     f"train.pipeline_schedule=dualpipe needs an even number of micro-batches per step (got {m} = "
                     "train.global_batch_size / (train.micro_batch_size * dp_size)): change train.micro_batch_size")
+        bad = [r for r in self.profile.ranks if r >= world_size]
+        if bad:
+            raise ConfigError(f"profile.ranks {self.profile.ranks}: ranks {bad} do not exist in a job of {world_size} "
+                              f"processes; list ranks in 0..{world_size - 1}")
         if trainable and self.model.planner_extras is not None:
             raise ConfigError(
                 "model.planner_extras (shared experts / multi-head latent attention) is only understood by "
