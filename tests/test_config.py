@@ -91,6 +91,7 @@ EXPECTED_TINY = {
                  "gpus_per_node": 8, "inter_node_gbs": 50.0, "mfu": 0.35, "reserved_fraction": 0.1,
                  "max_prompt_tokens": None},
     "precision": {"fp8": None, "fp8_recipe": "delayed", "fp8_bf16_first_layers": 0, "fp8_bf16_last_layers": 0},
+    "profile": {"steps": None, "ranks": [0]},
     "resume": "none",
 }
 

@@ -444,7 +444,8 @@ def test_reasoning_gym_recipe_short_run(tmp_path):
     r = moerl_train(CHAIN_SUM, *port_args(tmp_path), "sft.max_steps=20", "sft.eval_every=10", "sft.eval_prompts=20",
                     "train.num_steps=2", "eval.num_prompts=20", "data.num_eval=20", "data.reasoning_gym.size=200",
                     "rollout.rollout_batch_size=4", "train.global_batch_size=32", "train.micro_batch_size=16",
-                    "algorithm.filter_uniform_groups=false", "log.samples=true", timeout=900)
+                    "algorithm.filter_uniform_groups=false", "log.samples=true",
+                    "profile.steps=[2,2]", "hardware.peak_bf16_tflops=2.0", timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "EVAL after warm start" in r.stdout and "EVAL after RL" in r.stdout
     rows = [json.loads(x) for x in (tmp_path / "run" / "data" / "train.jsonl").read_text().splitlines()]
@@ -452,6 +453,25 @@ def test_reasoning_gym_recipe_short_run(tmp_path):
     assert json.loads(rows[0]["metadata"])["source_dataset"] == "basic_arithmetic"
     trained = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert len(trained) == 2 * 4 * 8 and all(0.0 <= t["reward"] <= 1.0 for t in trained)
+    # issue #17: MFU (against the recipe's made-up 2 TFLOP/s peak) and tokens/s/device in the step line and
+    # TensorBoard; generated tokens equal the trained samples' response lengths (samples.jsonl)
+    perf = re.findall(r"perf step [\d.]+s mfu ([\d.e+-]+) tflops/dev ([\d.e+-]+) tok/s/dev rollout ([\d.e+-]+) "
+                      r"train ([\d.e+-]+) mem peak .*update [\d.]+ .*GiB", r.stdout)
+    assert len(perf) == 2 and all(float(x) > 0 for p in perf for x in p), r.stdout[-3000:]
+    run = tmp_path / "run"
+    tb = {k: _tb_scalars(run, k) for k in ("perf/mfu", "perf/tflops_per_device", "perf/generated_tokens",
+                                           "time/rollout", "perf/tokens_per_s_per_device_rollout",
+                                           "perf/tokens_per_s_per_device_train", "memory/update_peak_gib")}
+    for step in (1, 2):
+        assert tb["perf/generated_tokens"][step] == sum(len(t["loss_mask"]) for t in trained if t["step"] == step)
+        assert tb["perf/mfu"][step] == pytest.approx(tb["perf/tflops_per_device"][step] / 2.0, rel=1e-5)
+        assert tb["perf/tokens_per_s_per_device_rollout"][step] == pytest.approx(
+            tb["perf/generated_tokens"][step] / tb["time/rollout"][step] / 2, rel=1e-5)  # 2 servers
+        assert tb["perf/tokens_per_s_per_device_train"][step] > 0 and tb["memory/update_peak_gib"][step] > 0.1
+    # the profiled step (2) left a Chrome trace of rank 0 with the phase names
+    trace = json.loads((run / "profile" / "trace_rank0.json").read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert {"step 2", "rollout", "log_prob", "update", "weight_sync"} <= names and "step 1" not in names
 
 
 def _demo_gain(recipe: str, tmp_path, overrides=(), minutes: float = 15) -> dict:

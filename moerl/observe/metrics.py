@@ -11,7 +11,7 @@ import numbers
 import os
 from typing import Any, Iterable, Mapping, Optional
 
-__all__ = ["MetricsLogger", "format_line"]
+__all__ = ["MetricsLogger", "format_line", "perf_metrics", "perf_line"]
 
 
 def _to_float(key: str, value: Any) -> float:
@@ -56,6 +56,57 @@ def format_line(step: int, metrics: Mapping[str, Any], keys: Iterable[str]) -> s
         v = _to_float(k, metrics[k])
         parts.append(f"{k} {v:.4g}")
     return " | ".join(parts)
+
+
+def perf_metrics(m: Mapping[str, Any], *, step_s: float, trainer_devices: int, rollout_devices: int,
+                 peak_tflops: Optional[float], rollout_overlaps: bool = False) -> dict[str, float]:
+    """Throughput and MFU of one RL step from its work counters and phase times.
+
+    Reads ``m``: perf/logprob_flops and perf/update_flops (model FLOPs of all trainer ranks together,
+    moerl.observe.flops), perf/trained_tokens, perf/generated_tokens, time/log_prob, time/update,
+    time/rollout (seconds). Returns (keys absent when their inputs are):
+
+    * perf/tflops_per_device: (log-prob + update FLOPs) / (log_prob + update seconds) / trainer_devices / 1e12;
+    * perf/mfu: that / ``peak_tflops`` (dense BF16 peak per device; absent when None, e.g. on CPU);
+    * perf/tokens_per_s_per_device_train: trained tokens (prompt + response of every updated sequence)
+      / update seconds / trainer_devices;
+    * perf/tokens_per_s_per_device_rollout: generated tokens / rollout seconds / rollout_devices, the
+      rollout seconds being the rollout phase, or the whole step (``step_s``) when ``rollout_overlaps``
+      (train.mode one_step_off / async: generation runs during the step);
+    * perf/step_s: ``step_s``.
+    """
+    out = {"perf/step_s": float(step_s)}
+    flops = float(m.get("perf/logprob_flops", 0.0)) + float(m.get("perf/update_flops", 0.0))
+    busy = float(m.get("time/log_prob", 0.0)) + float(m.get("time/update", 0.0))
+    if flops > 0 and busy > 0:
+        out["perf/tflops_per_device"] = flops / busy / trainer_devices / 1e12
+        if peak_tflops:
+            out["perf/mfu"] = out["perf/tflops_per_device"] / peak_tflops
+    if m.get("perf/trained_tokens") and m.get("time/update"):
+        out["perf/tokens_per_s_per_device_train"] = (float(m["perf/trained_tokens"]) / float(m["time/update"])
+                                                     / trainer_devices)
+    ro_s = step_s if rollout_overlaps else float(m.get("time/rollout", 0.0))
+    if m.get("perf/generated_tokens") and ro_s > 0:
+        out["perf/tokens_per_s_per_device_rollout"] = float(m["perf/generated_tokens"]) / ro_s / rollout_devices
+    return out
+
+
+def perf_line(m: Mapping[str, Any]) -> str:
+    """The step line's performance part: `` | perf step 1.23s mfu 0.412 tflops/dev 407 tok/s/dev rollout
+    1.1e+03 train 2.3e+04 | mem update 3.21 GiB (peak log_prob 2.10 ...) | ranks busy 0.91-0.97s slowest 3``
+    (``n/a`` for MFU without a known peak; the memory and ranks parts only when logged)."""
+    g = lambda k, fmt="{:.3g}": fmt.format(float(m[k])) if k in m else "n/a"  # noqa: E731
+    line = (f" | perf step {g('perf/step_s', '{:.2f}s')} mfu {g('perf/mfu')} tflops/dev {g('perf/tflops_per_device')} "
+            f"tok/s/dev rollout {g('perf/tokens_per_s_per_device_rollout')} "
+            f"train {g('perf/tokens_per_s_per_device_train')}")
+    mem = [(k[len("memory/"):-len("_peak_gib")], float(v)) for k, v in m.items()
+           if k.startswith("memory/") and k.endswith("_peak_gib")]
+    if mem:
+        line += " mem peak " + " ".join(f"{k} {v:.2f}" for k, v in mem) + " GiB"
+    if "straggler/busy_s_max" in m:
+        line += (f" | ranks busy {float(m['straggler/busy_s_min']):.2f}-{float(m['straggler/busy_s_max']):.2f}s "
+                 f"slowest {int(m['straggler/slowest_rank'])}")
+    return line
 
 
 class MetricsLogger:

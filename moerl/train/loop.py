@@ -27,9 +27,9 @@ from moerl.algorithms.off_policy import rollout_mismatch_metrics
 from moerl.checkpoint.hf_io import save_hf_checkpoint
 from moerl.checkpoint.run_state import Checkpointer, TrainState, load_checkpoint, resolve_resume
 from moerl.moe.routing_replay import RoutingReplay, gather_recorded_routing
-from moerl.observe.metrics import MetricsLogger
+from moerl.observe.metrics import MetricsLogger, perf_line
+from moerl.observe.profiling import StepMonitor
 from moerl.observe.report import step0_check, step0_logprob_tolerance, step_line
-from moerl.observe.timers import Timers
 from moerl.rollout.client import RolloutClient
 from moerl.rollout.manager import RolloutManager
 from moerl.runtime import world
@@ -74,7 +74,7 @@ def _train(ctx, t_start: float) -> dict:
     if main:
         save_hf_checkpoint(*rollout_weights(ro, init_sd, ctx.hf_config), v0, tokenizer=ctx.tokenizer)
     resume_path = broadcast_from_main(resolve_resume(cfg, ctx.run_dir) if main else None)
-    timers = Timers()
+    timers = StepMonitor(cfg, ctx.run_dir)  # + profiler/NVTX ranges, memory, FLOPs/MFU (moerl.observe.profiling)
     state = TrainState(phase="sft" if cfg.sft.enabled else "rl", sft_done=not cfg.sft.enabled, summary={"seed": cfg.seed})
     if resume_path is not None:
         state = load_checkpoint(ctx, actor, Path(resume_path))
@@ -129,7 +129,7 @@ def _train(ctx, t_start: float) -> dict:
         if cfg.moe.routing_replay != "none":  # R2/R3 in the RL passes only (not SFT)
             actor.routing_replay = RoutingReplay(actor.model, cfg.moe.routing_replay)
         with manager if manager is not None else contextlib.nullcontext():
-            for step in range(first, cfg.train.num_steps + 1):
+            for step in timers.steps(first, cfg.train.num_steps):  # step clock, profile.steps
                 metrics = rl_step(ctx, step, actor, ref, manager, sync, timers, critic)
                 state.rl_step, state.weight_version = step, sync.version
                 if telemetry is not None:  # collective: every rank
@@ -143,11 +143,11 @@ def _train(ctx, t_start: float) -> dict:
                 if (cfg.eval.every_steps and step % cfg.eval.every_steps == 0) or step == cfg.train.num_steps:
                     with timers("eval"):
                         metrics["eval/accuracy"] = evaluate(ctx, client, eval_rows)
-                metrics.update({f"time/{k}": v for k, v in timers.pop().items()})
+                metrics.update(timers.end(step, metrics))  # time/, memory/, perf/, straggler/ (collective)
                 if logger is not None:
                     logger.log(step, metrics)
                 eta = (time.time() - t_rl) / (step - first + 1) * (cfg.train.num_steps - step)
-                log(step_line(step, cfg.train.num_steps, metrics, eta))
+                log(step_line(step, cfg.train.num_steps, metrics, eta) + perf_line(metrics))
             acc_rl = evaluate(ctx, client, eval_rows)
             state.rl_step = max(state.rl_step, cfg.train.num_steps)
             ckpt(state.rl_step, force=True)
@@ -194,6 +194,7 @@ def rl_step(ctx, step: int, actor, ref, manager, sync, timers, critic=None) -> d
     sync.placement.before_train()  # colocated: the servers release their memory before training
     with timers("log_prob"):  # proximal (old) log-probs, before any update, on each update's own micro-batches
         for part in parts:
+            timers.count("logprob", ctx.hf_config, part, passes=1 + (ref is not None))  # model FLOPs (MFU)
             attach_log_probs(ctx, actor, part, ro.temperature, "old_log_probs")
             if cfg.moe.routing_replay == "r2":  # replay the old-log-prob pass's routing in the updates
                 gather_recorded_routing(actor.routing_replay, part)
@@ -225,6 +226,7 @@ def rl_step(ctx, step: int, actor, ref, manager, sync, timers, critic=None) -> d
                                   global_num_seqs=len(part), seq_token_sum_constant=float(ro.max_new_tokens),
                                   max_staleness=cfg.train.max_staleness if cfg.train.mode != "sync" else 0)
             out = actor.train_step(mbs, loss_fn, temperature=ro.temperature)
+            timers.count("update", ctx.hf_config, part)
             # the step-0 check reads the FIRST update's ratio (later ones follow an optimizer step)
             first = m.get("train/logratio_abs_sum", out.get("logratio_abs_sum"))
             m.update({f"train/{k}": v for k, v in out.items()}, **{"train/logratio_abs_sum": first})
