@@ -28,6 +28,13 @@ def _deepseek_v3():
                             intermediate_size=10, vocab_size=20, tie_word_embeddings=False)
 
 
+def _mixtral():
+    from transformers import MixtralConfig
+
+    return MixtralConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=8, num_local_experts=4, num_experts_per_tok=2, intermediate_size=12, vocab_size=32)
+
+
 def test_qwen3_moe_hand_count():
     # two sequences packed: lengths 5 and 3 -> 8 tokens, causal pairs 5*6/2 + 3*4/2 = 15 + 6 = 21
     # attention MACs per token and layer: q 16*32=512, k 16*16=256, v 256, o 32*16=512 -> 1536
@@ -72,7 +79,7 @@ def _counted(model, ids: torch.Tensor) -> dict:
     return {str(k): v for k, v in fc.get_flop_counts()["Global"].items()}
 
 
-@pytest.mark.parametrize("make", [_qwen3_moe, _deepseek_v3], ids=["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("make", [_qwen3_moe, _deepseek_v3, _mixtral], ids=["qwen3_moe", "deepseek_v3", "mixtral"])
 def test_matches_torch_flop_counter(make):
     """FlopCounterMode counts the matmuls a CPU forward of the transformers model really runs. Eager
     attention and eager experts (a loop over experts on their routed tokens only): the counter has no

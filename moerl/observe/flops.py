@@ -29,7 +29,8 @@ Per token and layer (h = hidden_size, n_h heads, d head dim, n_kv key/value head
 
 The layer pattern follows each family's HF modeling code: Qwen3-MoE/Qwen2-MoE (``mlp_only_layers``,
 ``decoder_sparse_step``), DeepSeek-V3 (``first_k_dense_replace``, ``moe_layer_freq``), Mixtral (every
-layer MoE with experts of ``intermediate_size``: a config without ``moe_intermediate_size``). Fields are read with ``getattr`` so a transformers config, moerl's
+layer MoE with experts of ``intermediate_size``: a config without ``moe_intermediate_size``).
+Fields are read with ``getattr`` so a transformers config, moerl's
 ``model.hf_config`` section or any object with these attributes works.
 """
 
@@ -111,7 +112,8 @@ def model_shape(hf_config: Any) -> ModelShape:
     elif _get(hf_config, "moe_intermediate_size") is None:  # Mixtral: every layer MoE, experts of intermediate_size
         moe, shared, moe_f = [True] * n_layers, 0, dense_f
     else:  # Qwen3-MoE / Qwen2-MoE
-        skip, step = set(_get(hf_config, "mlp_only_layers", default=[])), _get(hf_config, "decoder_sparse_step", default=1)
+        skip = set(_get(hf_config, "mlp_only_layers", default=[]))
+        step = _get(hf_config, "decoder_sparse_step", default=1)
         moe = [i not in skip and n_exp > 0 and (i + 1) % step == 0 for i in range(n_layers)]
         shared = _get(hf_config, "shared_expert_intermediate_size", default=0)
         moe_f = _get(hf_config, "moe_intermediate_size", default=0)
