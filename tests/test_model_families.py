@@ -188,3 +188,35 @@ def test_convert_tool_round_trips_a_tiny_mixtral(tmp_path, capsys):
     back = load_hf_state_dict(tmp_path / "back")
     assert set(back) == set(on_disk) and all(torch.equal(back[k], on_disk[k]) for k in on_disk)
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_planner_shape_of_mixtral_counts_transformers_parameters(tied):
+    """moerl's memory planner sizes a Mixtral from its family's shape: total parameters equal transformers'
+    model (no q/k norms, expert width intermediate_size), active = all but the unrouted experts."""
+    from moerl.parallel.memory_model import ModelShape, total_params
+
+    ref = random_mixtral(tie_word_embeddings=tied)
+    counts = total_params(ModelShape.from_hf_config(ref.config))
+    assert counts["total"] == sum(p.numel() for p in ref.parameters())
+    per_expert = 3 * 64 * 48
+    assert counts["active"] == counts["total"] - 2 * (4 - 2) * per_expert  # 2 layers, 4 experts, top-2
+
+
+def test_reference_server_weight_mapper_loads_mixtral_disk_names(tmp_path):
+    """The reference rollout server's weight updates (moerl.rollout.engine_weights.WeightMapper) take Mixtral's
+    on-disk names (block_sparse_moe ... w1/w3/w2, what the trainer's gather sends): model B given model A's
+    saved tensors computes A's logits exactly; a partial update names the missing on-disk tensors."""
+    from moerl.rollout.engine_weights import WeightMapper
+
+    a, b = random_mixtral(seed=1), random_mixtral(seed=2)
+    on_disk = saved_state_dict(a, tmp_path / "a")
+    tokens, _ = batch(a.config.vocab_size)
+    assert not torch.equal(hf_logits(a, tokens), hf_logits(b, tokens))
+    mapper = WeightMapper(b)
+    partial = {k: v for k, v in on_disk.items() if k != "model.layers.1.block_sparse_moe.experts.2.w3.weight"}
+    covered = mapper.apply(list(partial.items()))
+    assert mapper.missing(covered) == ["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    covered |= mapper.apply(list(on_disk.items()))
+    assert mapper.missing(covered) == []
+    assert torch.equal(hf_logits(a, tokens), hf_logits(b, tokens))

@@ -132,28 +132,26 @@ class ModelShape:
     tie_word_embeddings: bool
     shared_expert_intermediate_size: int = 0
     mla: Optional[MLAShape] = None
+    qk_layernorm: bool = True  # RMSNorm on q and k per head (Qwen3-MoE); Mixtral has none
 
     @classmethod
-    def from_hf_config(cls, hf_config, shared_expert_intermediate_size: int = 0, mla: Optional[MLAShape] = None):
-        """From a transformers Qwen3MoeConfig (or any object with the same fields)."""
-        from moerl.models.qwen3_moe import hf_head_dim, hf_moe_layer_pattern, hf_num_experts
+    def from_hf_config(cls, hf_config, shared_expert_intermediate_size: Optional[int] = None,
+                       mla: Optional[MLAShape] = None):
+        """From a transformers config of a registered model family (moerl.models.families: the family's
+        ``planner_shape``, e.g. Mixtral's expert width ``intermediate_size``, DeepSeek-V3's MLA and shared
+        experts). ``shared_expert_intermediate_size`` / ``mla``, when given, replace the family's values.
 
-        return cls(
-            num_layers=hf_config.num_hidden_layers,
-            hidden_size=hf_config.hidden_size,
-            num_attention_heads=hf_config.num_attention_heads,
-            num_key_value_heads=hf_config.num_key_value_heads,
-            head_dim=hf_head_dim(hf_config),
-            vocab_size=hf_config.vocab_size,
-            num_experts=hf_num_experts(hf_config),
-            num_experts_per_tok=hf_config.num_experts_per_tok,
-            moe_intermediate_size=hf_config.moe_intermediate_size,
-            intermediate_size=getattr(hf_config, "intermediate_size", None) or hf_config.moe_intermediate_size,
-            moe_layers=tuple(bool(x) for x in hf_moe_layer_pattern(hf_config)),
-            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            shared_expert_intermediate_size=shared_expert_intermediate_size,
-            mla=mla,
-        )
+        Raises:
+            moerl.errors.ModelError: an unsupported model_type (lists the supported ones).
+        """
+        from moerl.models.families import get_family
+
+        fields = dict(get_family(hf_config).planner_shape(hf_config))
+        if shared_expert_intermediate_size is not None:
+            fields["shared_expert_intermediate_size"] = shared_expert_intermediate_size
+        if mla is not None:
+            fields["mla"] = mla
+        return cls(**fields)
 
     @classmethod
     def from_recipe(cls, cfg, vocab_size: int):
@@ -193,7 +191,7 @@ def _attention_params(s: ModelShape, tp: int) -> int:
     if s.mla is None:
         nh, nkv, d = s.num_attention_heads, s.num_key_value_heads, s.head_dim
         # linear_qkv and linear_proj split over TP; input norm and q/k norms replicated
-        return (nh + 2 * nkv) * d * h // tp + nh * d * h // tp + h + 2 * d
+        return (nh + 2 * nkv) * d * h // tp + nh * d * h // tp + h + (2 * d if s.qk_layernorm else 0)
     m, nh = s.mla, s.num_attention_heads
     qk = m.qk_nope_head_dim + m.qk_rope_head_dim
     # Megatron MLA: down-projections and their norms replicated, up-projections / proj split over TP

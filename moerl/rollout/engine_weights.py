@@ -65,13 +65,30 @@ class WeightMapper:
     Per-expert names ``<prefix>.experts.{e}.gate_proj.weight`` [I, H] / ``up_proj`` [I, H] /
     ``down_proj`` [H, I] copy into ``<prefix>.experts.gate_up_proj[e, :I]`` / ``[e, I:]`` (gate rows
     first, transformers 5 layout [E, 2I, H]) / ``<prefix>.experts.down_proj[e]`` ([E, H, I]).
-    Coverage is tracked in pieces: one per plain parameter, one per (expert, gate|up|down) slice.
+    Coverage is tracked in pieces: one per plain parameter, one per (expert, gate|up|down) slice. The
+    routers' ``e_score_correction_bias`` buffers (DeepSeek-V3) count as parameters.
+
+    Names of a registered model family (moerl.models.families, by ``model.config.model_type``) are first
+    mapped to transformers' in-memory names by the family's ``hf_disk_names`` (Mixtral:
+    ``block_sparse_moe.gate`` -> ``mlp.gate``, ``block_sparse_moe.experts.{e}.w1 / w3 / w2`` ->
+    ``mlp.experts.{e}.gate_proj / up_proj / down_proj``), and :meth:`missing` reports on-disk names; any
+    other model's names are taken as they are.
     """
 
     def __init__(self, model: torch.nn.Module):
+        from moerl.models.families import NameMap, get_family, supported_model_types
+
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        self.names = get_family(model_type).hf_disk_names if model_type in supported_model_types() else NameMap()
         self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
         by_id = {id(p): n for n, p in self.params.items()}
         self.alias = {n: by_id[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
+        # routers' expert bias (DeepSeek-V3 ``mlp.gate.e_score_correction_bias``): a buffer in transformers,
+        # a weight on disk and at every sync (aux-loss-free balancing moves it during training)
+        for name, b in model.named_buffers():
+            if name.endswith(".e_score_correction_bias"):
+                self.params[name] = b
+                self.alias[name] = name
         self.all_pieces: set[tuple] = set()
         self.piece_to_hf: dict[tuple, str] = {}
         for name, p in self.params.items():
@@ -106,6 +123,7 @@ class WeightMapper:
         Raises:
             ValueError: unknown name or shape mismatch (message names both).
         """
+        hf_name = self.names.canonical(hf_name)
         if hf_name in self.alias:
             name = self.alias[hf_name]
             p = self.params[name]
@@ -136,7 +154,7 @@ class WeightMapper:
 
     def missing(self, covered: set) -> list[str]:
         """HF names of the pieces not in ``covered`` (sorted)."""
-        return sorted(self.piece_to_hf[p] for p in self.all_pieces - covered)
+        return sorted(self.names.disk(self.piece_to_hf[p]) for p in self.all_pieces - covered)
 
     def apply(self, named_tensors: list[tuple[str, torch.Tensor]]) -> set:
         """Validate every tensor first, then copy all of them in place; returns the pieces covered.

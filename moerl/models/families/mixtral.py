@@ -231,6 +231,7 @@ def planner_shape(hf_config) -> dict:
         intermediate_size=hf_config.intermediate_size,
         moe_layers=(True,) * hf_config.num_hidden_layers,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        qk_layernorm=False,
     )
 
 
