@@ -47,7 +47,8 @@ def _train(argv: list[str]) -> int:
         cfg.check_world_size(int(world))
         from moerl.moe.config import check_rollout_routing_matches
 
-        check_rollout_routing_matches(cfg.moe)  # the trained router must be the one that samples
+        if cfg.model.hf_config.model_type == "qwen3_moe":  # other families: against their HF router (train.setup)
+            check_rollout_routing_matches(cfg.moe)  # the trained router must be the one that samples
         from moerl.rollout.sglang_launcher import check_rollout_environment
 
         check_rollout_environment(cfg.rollout)  # sglang installed / CUDA for NCCL, before any work
@@ -122,6 +123,10 @@ COMMANDS = {
     "plan": (
         lambda argv: __import__("moerl.parallel.memory_plan", fromlist=["main"]).main(argv),
         "does a recipe fit its GPUs (per-GPU memory per pipeline stage, FITS / DOES NOT FIT); --search: which layout does",
+    ),
+    "doctor": (
+        lambda argv: __import__("moerl.kernels.doctor", fromlist=["main"]).main(argv),
+        "which implementation (native csrc/ kernel or torch reference) each op uses here, and why",
     ),
     "report": (
         lambda argv: __import__("moerl.observe.run_report", fromlist=["main"]).main(argv),

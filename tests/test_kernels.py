@@ -232,3 +232,44 @@ def test_nvcc_compiles_every_cu_file(tmp_path):
         out = p.communicate(timeout=120)[0].decode()
         assert p.returncode == 0, f"nvcc failed on {src.name}:\n{out}"
         assert (tmp_path / (src.stem + ".o")).stat().st_size > 0
+
+
+def test_fp8_weight_sync_uses_the_kernel_bitwise():
+    """quantize_state_dict (FP8 weight sync / checkpoints) goes through moerl.kernels.fp8_quant: the
+    same bytes and scales as the reference quantize_weight; unquantised tensors pass through."""
+    from moerl.precision.fp8_checkpoint import quantize_state_dict
+
+    g = torch.Generator().manual_seed(4)
+    sd = {"model.layers.0.mlp.down_proj.weight": torch.randn(200, 300, generator=g).to(torch.bfloat16),
+          "model.norm.weight": torch.randn(300, generator=g)}
+    out = quantize_state_dict(sd)
+    q, s = fp8_ref.quantize_weight(sd["model.layers.0.mlp.down_proj.weight"])
+    assert torch.equal(out["model.layers.0.mlp.down_proj.weight"].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(out["model.layers.0.mlp.down_proj.weight_scale_inv"], s)
+    assert out["model.norm.weight"] is sd["model.norm.weight"]
+
+
+def test_doctor_reports_each_op(capsys, monkeypatch):
+    """``moerl doctor`` names the implementation of each op: native here (exit 0); the torch
+    reference with the reason when MOERL_KERNELS=torch or when no compiler is found (exit 1)."""
+    from moerl.cli import main
+    from moerl.kernels import _build
+
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "fused_logprob [cpu]" in out and "fp8_quantize [cpu]" in out and out.count("native cpu") == 2
+    monkeypatch.setenv("MOERL_KERNELS", "torch")
+    assert main(["doctor"]) == 1
+    assert capsys.readouterr().out.count("torch reference") == 2
+    monkeypatch.setenv("MOERL_KERNELS", "auto")
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    monkeypatch.setattr(_build.shutil, "which", lambda name: None)
+    monkeypatch.setattr(_build, "_state", {})
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
+        assert main(["doctor"]) == 1
+    assert "no C++ compiler (no-such-compiler / g++) on PATH" in capsys.readouterr().out
+    with pytest.raises(_build.NativeBuildError, match="no C\\+\\+ compiler"):
+        load_native("cpu", required=True)
+    monkeypatch.setenv("MOERL_KERNELS", "fast")
+    assert main(["doctor"]) == 2  # a bad value is a bad input, named
+    assert "MOERL_KERNELS" in capsys.readouterr().err

@@ -32,13 +32,26 @@ class _Section(BaseModel):
     model_config = _STRICT
 
 
+# model.hf_config keys of DeepSeek-V3 (model_type: deepseek_v3) that Qwen3-MoE does not have
+_DEEPSEEK_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                  "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace",
+                  "num_nextn_predict_layers")
+
+
 class HFModelConfig(_Section):
-    """The Hugging Face ``config.json`` fields of the policy (Qwen3-MoE naming).
+    """The Hugging Face ``config.json`` fields of the policy (Qwen3-MoE naming; ``model_type`` picks the
+    model family, moerl.models.families).
 
     ``vocab_size = None`` means "the tokenizer size rounded up to a multiple of 64"; resolve it with
     :meth:`resolve_vocab_size` once the tokenizer is known.
+
+    ``model_type: deepseek_v3`` (moerl.models.families.deepseek_v3) builds the HF config from the keys the
+    recipe sets (``num_experts`` = n_routed_experts) plus the DeepSeek-V3 keys below (multi-latent
+    attention, shared experts, group-limited routing, routed_scaling_factor, first_k_dense_replace,
+    num_nextn_predict_layers); they are refused for qwen3_moe.
     """
 
+    model_type: str = "qwen3_moe"  # HF config.json model_type: qwen3_moe | deepseek_v3 (moerl.models.families)
     num_hidden_layers: int = Field(3, ge=1)
     hidden_size: int = Field(128, ge=1)
     num_attention_heads: int = Field(4, ge=1)
@@ -55,10 +68,53 @@ class HFModelConfig(_Section):
     tie_word_embeddings: bool = True
     vocab_size: Optional[int] = Field(None, ge=1)
     mlp_only_layers: list[int] = []  # layers with a dense MLP (width intermediate_size) instead of MoE
+    # DeepSeek-V3 only (model_type: deepseek_v3; null = not set)
+    q_lora_rank: Optional[int] = Field(None, ge=1)  # query LoRA rank (null = one query projection)
+    kv_lora_rank: Optional[int] = Field(None, ge=1)  # compressed KV latent width
+    qk_nope_head_dim: Optional[int] = Field(None, ge=1)
+    qk_rope_head_dim: Optional[int] = Field(None, ge=1)
+    v_head_dim: Optional[int] = Field(None, ge=1)
+    n_shared_experts: Optional[int] = Field(None, ge=0)  # shared experts of width moe_intermediate_size
+    n_group: Optional[int] = Field(None, ge=1)  # expert groups of group-limited routing
+    topk_group: Optional[int] = Field(None, ge=1)  # groups chosen per token
+    routed_scaling_factor: Optional[float] = Field(None, gt=0)  # scale of the routed experts' gates
+    first_k_dense_replace: Optional[int] = Field(None, ge=0)  # the first k layers have a dense MLP
+    num_nextn_predict_layers: Optional[int] = Field(None, ge=0)  # MTP layers (not trained by moerl yet: 0)
+
+    def model_dump(self, **kw) -> dict:
+        """pydantic's dump, without the (unset) DeepSeek-V3 keys for a qwen3_moe model: callers hand the dict
+        to the Qwen3-MoE config builder, which knows only its own fields."""
+        out = super().model_dump(**kw)
+        if self.model_type == "qwen3_moe":
+            for k in _DEEPSEEK_KEYS:
+                out.pop(k, None)
+        return out
+
+    def family_fields(self) -> dict:
+        """The fields the model family's ``make_hf_config`` takes: every Qwen3-MoE field for qwen3_moe; for
+        another family the keys the recipe set (defaults of the Qwen3-MoE keys would not fit it) plus
+        ``model_type`` and ``vocab_size``."""
+        if self.model_type == "qwen3_moe":
+            return self.model_dump()
+        out = self.model_dump(exclude_unset=True, exclude_none=True)
+        out["model_type"] = self.model_type
+        out.setdefault("max_position_embeddings", self.max_position_embeddings)
+        out["vocab_size"] = self.vocab_size
+        return out
 
     @model_validator(mode="after")
     def _cross_fields(self) -> "HFModelConfig":
         p = "model.hf_config"
+        if self.model_type not in ("qwen3_moe", "deepseek_v3"):
+            raise ValueError(f"{p}.model_type {self.model_type!r} is not one moerl trains from a recipe: use qwen3_moe "
+                             "or deepseek_v3 (other families: model.init_from a checkpoint of theirs)")
+        ds_set = [k for k in _DEEPSEEK_KEYS if getattr(self, k) is not None]
+        if self.model_type != "deepseek_v3" and ds_set:
+            raise ValueError(f"{p}.{ds_set[0]} is a DeepSeek-V3 key; set {p}.model_type: deepseek_v3 or remove "
+                             f"{', '.join(p + '.' + k for k in ds_set)}")
+        if self.model_type == "deepseek_v3" and self.num_nextn_predict_layers:
+            raise ValueError(f"{p}.num_nextn_predict_layers={self.num_nextn_predict_layers}: moerl does not train "
+                             "multi-token prediction layers yet; set it to 0")
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
         if bad or len(set(self.mlp_only_layers)) != len(self.mlp_only_layers):
             raise ValueError(
@@ -488,6 +544,11 @@ class TrainConfig(_Section):
     keep_checkpoints: int = Field(3, ge=0)  # newest complete checkpoints kept; 0 = keep all
     # best-fit packing of RL samples into THD micro-batches (moerl.parallel.packing); pp_size 1 only
     pack: bool = True
+    # log-probs / entropies straight from the final hidden states and the output weight (moerl.kernels.fused_logprob:
+    # online log-sum-exp over vocab blocks, no [tokens, vocab] logits) in the old-log-prob, reference and update
+    # passes; null (default) = on when the native csrc kernel builds here, true = on (torch reference if it does not),
+    # false = materialise the logits. 1F1B only (DualPipe(V) keeps the logits path).
+    fused_logprob: Optional[bool] = None
     max_tokens_per_micro_batch: int = Field(2048, ge=1)  # token cap of one packed micro-batch
     pack_balance: Literal["tokens", "flops"] = "tokens"  # DP balancing load: L or a*L + L^2
     # pipeline schedule at parallel.pp_size > 1 (moerl.pipeline): Megatron's 1F1B, or moerl's interpreter
@@ -836,6 +897,10 @@ class RecipeConfig(_Section):
             raise ValueError("algorithm.entropy_coef > 0 with parallel.tp_size > 1 needs train.pipeline_schedule=1f1b "
                              "(DualPipe's split backward has no vocabulary-parallel entropy gradient); or set "
                              "algorithm.entropy_coef=0")
+        if self.train.fused_logprob and self.train.pipeline_schedule != "1f1b":
+            raise ValueError(f"train.fused_logprob=true needs train.pipeline_schedule=1f1b (DualPipe(V)'s stage chunks "
+                             f"keep the logits path; got {self.train.pipeline_schedule}): set train.fused_logprob=false "
+                             "or leave it unset (auto)")
         ep, ne = self.parallel.ep_size, self.model.hf_config.num_experts
         if ne % ep:
             raise ValueError(f"parallel.ep_size ({ep}) must divide model.hf_config.num_experts ({ne})")

@@ -43,12 +43,15 @@ def kernel_mode() -> str:
     """``$MOERL_KERNELS`` (auto | native | torch).
 
     Raises:
-        ValueError: another value (names the variable and the choices).
+        moerl.errors.CLIError (a ValueError): another value (names the variable, the choices and the fix).
     """
+    from moerl.errors import CLIError
+
     mode = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
     if mode not in _MODES:
-        raise ValueError(f"environment variable {KERNELS_ENV}={mode!r} is not one of {', '.join(_MODES)}; "
-                         f"unset it (auto) or set {KERNELS_ENV}=torch to use the pure-torch references")
+        raise CLIError(f"environment variable {KERNELS_ENV}={mode!r} is not one of {', '.join(_MODES)}",
+                       key=KERNELS_ENV, hint=f"unset it (auto) or set {KERNELS_ENV}=torch to use the pure-torch "
+                       "references")
     return mode
 
 

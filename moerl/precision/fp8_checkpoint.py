@@ -75,14 +75,20 @@ def quantize_state_dict(hf_state_dict: Mapping[str, torch.Tensor], block_size: S
     Raises:
         ValueError: a name already ends with ``weight_scale_inv`` (already quantised), or
             moerl.precision.fp8.quantize_weight's errors (NaN/inf weights, named).
+
+    The blocks are quantised by moerl.kernels.fp8_quant.quantize_weight: the native csrc/ kernel
+    when it builds here (``moerl doctor``), bitwise equal to moerl.precision.fp8.quantize_weight,
+    which runs otherwise.
     """
+    from moerl.kernels.fp8_quant import quantize_weight as native_quantize_weight
+
     out: dict[str, torch.Tensor] = {}
     for name, t in hf_state_dict.items():
         if name.endswith(SCALE_SUFFIX) or t.dtype == FP8_DTYPE:
             raise ValueError(f"{name!r} is already FP8-quantised; quantize_state_dict takes full-precision weights")
         if is_quantized_weight_name(name, t):
-            try:
-                q, s = quantize_weight(t.detach(), block_size, pow2)
+            try:  # the native csrc kernel when it is built (bitwise equal to quantize_weight), else the reference
+                q, s = native_quantize_weight(t.detach(), block_size, pow2)
             except ValueError as e:
                 raise ValueError(f"cannot quantise {name!r} to FP8: {e}") from e
             out[name], out[name + SCALE_SUFFIX] = q, s

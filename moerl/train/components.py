@@ -37,6 +37,7 @@ def actor_kwargs(cfg, mk: dict) -> dict:
     pkw["pipeline_overlap"] = cfg.train.pipeline_overlap  # F&B on two CUDA streams (moerl.pipeline.overlap)
     pkw["split_backward"] = cfg.train.split_backward  # B/W split of DualPipe(V) (moerl.pipeline.wgrad_store)
     pkw["params_dtype"] = cfg.model.params_dtype  # float32 | bfloat16 (Megatron mixed precision)
+    pkw["fused_logprob"] = cfg.train.fused_logprob  # log-probs from hidden states (moerl.kernels.fused_logprob)
     return pkw
 
 
@@ -216,7 +217,7 @@ def build_critic(ctx, actor, sync, pkw: dict, resume_path):
     mk = moe_actor_kwargs(cfg)
     # the value model trains in FP32 whatever model.params_dtype says (its own DDP/optimizer set-up) and
     # runs 1F1B only (no DualPipe B/W split)
-    ckw = {k: v for k, v in pkw.items() if k not in ("params_dtype", "split_backward")}
+    ckw = {k: v for k, v in pkw.items() if k not in ("params_dtype", "split_backward", "fused_logprob")}
     critic = MegatronCritic(ctx.hf_config, lr=cfg.critic.lr, weight_decay=cfg.critic.weight_decay,
                             clip_grad=cfg.critic.clip_grad, adam_beta1=cfg.train.adam_beta1,
                             adam_beta2=cfg.train.adam_beta2, moe_aux_loss_coeff=mk["moe_aux_loss_coeff"],
