@@ -41,6 +41,7 @@ __all__ = [
     "gpt_block_spec",
     "gpt_model_kwargs",
     "gpt_transformer_config",
+    "gqa_planner_shape",
     "hf_config_from_fields",
     "hf_head_dim",
     "hf_num_experts",
@@ -356,9 +357,23 @@ def gpt_transformer_config(
         pattern: per-layer 1 = MoE / 0 = dense (``moe_layer_freq``).
         num_experts: routed experts; moe_ffn_hidden_size: their width; ffn_hidden_size: dense MLP width.
         normalize_topk: renormalise the top-k softmax scores (``moe_router_pre_softmax = not normalize_topk``).
-        moe_aux_loss_coeff, moe_router_load_balancing_type, params_dtype, tp_size, pp_size, ep_size,
-            etp_size, sequence_parallel, layer_spec, **overrides: see
-            moerl.models.families.qwen3_moe.transformer_config_from_hf.
+        moe_aux_loss_coeff: coefficient of Megatron's load-balancing loss (Switch-style aux loss).
+        moe_router_load_balancing_type: "aux_loss", "seq_aux_loss", "global_aux_loss",
+            "sinkhorn" or "none".
+        params_dtype: torch.float32 or torch.bfloat16 (sets bf16=True) or torch.float16.
+        tp_size, pp_size, ep_size, etp_size: parallel sizes; None reads them from
+            megatron parallel_state (1 when it is not initialised). The pipeline dtype (needed
+            by Megatron when pp_size > 1) is ``params_dtype``.
+        sequence_parallel: Megatron sequence parallelism; None = on iff tp_size > 1 (Megatron
+            requires it for MoE with TP when training). Always off at tp_size == 1.
+        layer_spec: "local" | "transformer_engine" | "auto" (:func:`resolve_layer_spec`; an override
+            ``transformer_impl`` wins): sets Megatron's ``transformer_impl``, which ``build_gpt_model``
+            builds, and for "transformer_engine" ``moe_grouped_gemm=True`` (TEGroupedMLP experts, whose
+            names moerl.checkpoint.hf_convert maps) unless overridden. The config itself is built
+            without TE (CPU dry checks); the model is not.
+        **overrides: any TransformerConfig field, applied last (e.g. moe_router_dtype="fp32",
+            moe_token_dispatcher_type="allgather", recompute_granularity="full").
+
 
     Returns:
         megatron.core.transformer.TransformerConfig.
@@ -431,6 +446,32 @@ def gpt_transformer_config(
 
     kwargs = apply_fp8_transformer_config(kwargs)  # FP8 (Transformer Engine): router FP32, checks; no-op without fp8
     return TransformerConfig(**kwargs)
+
+
+def gqa_planner_shape(hf_config, *, expert_width: int, dense_width: int, pattern: list,
+                      qk_layernorm: bool) -> dict:
+    """moerl.parallel.memory_model.ModelShape fields of a GQA MoE model (no shared experts, no MLA).
+
+    Args:
+        hf_config: the transformers config (layers, hidden, heads, kv heads, head_dim, vocab, top-k, tying).
+        expert_width: routed expert FFN width; dense_width: dense MLP width; pattern: 1 = MoE per layer;
+        qk_layernorm: the attention has q/k RMSNorms (their 2 * head_dim parameters per layer).
+    """
+    return dict(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_key_value_heads=hf_config.num_key_value_heads,
+        head_dim=hf_head_dim(hf_config),
+        vocab_size=hf_config.vocab_size,
+        num_experts=hf_num_experts(hf_config),
+        num_experts_per_tok=hf_config.num_experts_per_tok,
+        moe_intermediate_size=int(expert_width),
+        intermediate_size=int(dense_width),
+        moe_layers=tuple(bool(x) for x in pattern),
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        qk_layernorm=qk_layernorm,
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -30,9 +30,7 @@ attention bias, a non-silu activation, RoPE scaling.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
-
-import torch
+from typing import Any, Mapping
 
 from moerl.models.families import ModelFamily, NameMap, ParamRule, RouterFacts, register
 from moerl.models.families.common import (
@@ -43,9 +41,9 @@ from moerl.models.families.common import (
     gpt_block_spec,
     gpt_model_kwargs,
     gpt_transformer_config,
+    gqa_planner_shape,
     head_rules,
     hf_config_from_fields,
-    hf_head_dim,
     hf_num_experts,
 )
 
@@ -131,23 +129,15 @@ def moe_layer_pattern(hf_config) -> list[int]:
     return [1] * int(hf_config.num_hidden_layers)
 
 
-def transformer_config_from_hf(
-    hf_config,
-    *,
-    moe_aux_loss_coeff: float = 1e-3,
-    moe_router_load_balancing_type: str = "aux_loss",
-    params_dtype: torch.dtype = torch.float32,
-    tp_size: Optional[int] = None,
-    pp_size: Optional[int] = None,
-    ep_size: Optional[int] = None,
-    etp_size: Optional[int] = None,
-    sequence_parallel: Optional[bool] = None,
-    layer_spec: str = "local",
-    **overrides: Any,
-):
+def transformer_config_from_hf(hf_config, **kw: Any):
     """Megatron-Core ``TransformerConfig`` equivalent to a Mixtral HF config (no QK-norm, all layers MoE,
-    expert width ``intermediate_size``, softmax top-k renormalised). Arguments as
-    moerl.models.families.qwen3_moe.transformer_config_from_hf.
+    expert width ``intermediate_size``, softmax top-k renormalised).
+
+    Args:
+        hf_config: transformers MixtralConfig.
+        **kw: keyword arguments of moerl.models.families.common.gpt_transformer_config (moe_aux_loss_coeff,
+            moe_router_load_balancing_type, params_dtype, tp/pp/ep/etp_size, sequence_parallel, layer_spec,
+            TransformerConfig overrides).
 
     Returns:
         megatron.core.transformer.TransformerConfig.
@@ -165,16 +155,7 @@ def transformer_config_from_hf(
         moe_ffn_hidden_size=hf_config.intermediate_size,
         ffn_hidden_size=hf_config.intermediate_size,
         normalize_topk=True,
-        moe_aux_loss_coeff=moe_aux_loss_coeff,
-        moe_router_load_balancing_type=moe_router_load_balancing_type,
-        params_dtype=params_dtype,
-        tp_size=tp_size,
-        pp_size=pp_size,
-        ep_size=ep_size,
-        etp_size=etp_size,
-        sequence_parallel=sequence_parallel,
-        layer_spec=layer_spec,
-        **overrides,
+        **kw,
     )
 
 
@@ -217,22 +198,10 @@ def shard_checks(hf_config) -> list:
 
 
 def planner_shape(hf_config) -> dict:
-    """moerl.parallel.memory_model.ModelShape fields of a Mixtral config (every layer MoE)."""
-    return dict(
-        num_layers=hf_config.num_hidden_layers,
-        hidden_size=hf_config.hidden_size,
-        num_attention_heads=hf_config.num_attention_heads,
-        num_key_value_heads=hf_config.num_key_value_heads,
-        head_dim=hf_head_dim(hf_config),
-        vocab_size=hf_config.vocab_size,
-        num_experts=hf_num_experts(hf_config),
-        num_experts_per_tok=hf_config.num_experts_per_tok,
-        moe_intermediate_size=hf_config.intermediate_size,
-        intermediate_size=hf_config.intermediate_size,
-        moe_layers=(True,) * hf_config.num_hidden_layers,
-        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        qk_layernorm=False,
-    )
+    """moerl.parallel.memory_model.ModelShape fields of a Mixtral config (every layer MoE, no q/k norms)."""
+    return gqa_planner_shape(hf_config, expert_width=hf_config.intermediate_size,
+                             dense_width=hf_config.intermediate_size, pattern=moe_layer_pattern(hf_config),
+                             qk_layernorm=False)
 
 
 _E = r"\.(\d+)\."

@@ -18,9 +18,7 @@ iff ``norm_topk_prob``.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
-
-import torch
+from typing import Any, Mapping
 
 from moerl.models.families import ModelFamily, ParamRule, RouterFacts, register
 from moerl.models.families.common import (
@@ -33,8 +31,8 @@ from moerl.models.families.common import (
     gpt_block_spec,
     gpt_model_kwargs,
     gpt_transformer_config,
+    gqa_planner_shape,
     hf_config_from_fields,
-    hf_head_dim,
     hf_num_experts,
 )
 
@@ -107,40 +105,16 @@ def hf_moe_layer_pattern(hf_config) -> list[int]:
     ]
 
 
-def transformer_config_from_hf(
-    hf_config,
-    *,
-    moe_aux_loss_coeff: float = 1e-3,
-    moe_router_load_balancing_type: str = "aux_loss",
-    params_dtype: torch.dtype = torch.float32,
-    tp_size: Optional[int] = None,
-    pp_size: Optional[int] = None,
-    ep_size: Optional[int] = None,
-    etp_size: Optional[int] = None,
-    sequence_parallel: Optional[bool] = None,
-    layer_spec: str = "local",
-    **overrides: Any,
-):
-    """Megatron-Core ``TransformerConfig`` equivalent to a Qwen3-MoE HF config (common.gpt_transformer_config).
+def transformer_config_from_hf(hf_config, **kw: Any):
+    """Megatron-Core ``TransformerConfig`` equivalent to a Qwen3-MoE HF config: QK RMSNorm, MoE where
+    :func:`hf_moe_layer_pattern` says, expert width ``moe_intermediate_size``, dense width ``intermediate_size``,
+    ``norm_topk_prob`` <-> ``moe_router_pre_softmax=False``.
 
     Args:
         hf_config: transformers Qwen3MoeConfig (or any config with the same fields).
-        moe_aux_loss_coeff: coefficient of Megatron's load-balancing loss (Switch-style aux loss).
-        moe_router_load_balancing_type: "aux_loss", "seq_aux_loss", "global_aux_loss",
-            "sinkhorn" or "none".
-        params_dtype: torch.float32 or torch.bfloat16 (sets bf16=True) or torch.float16.
-        tp_size, pp_size, ep_size, etp_size: parallel sizes; None reads them from
-            megatron parallel_state (1 when it is not initialised). The pipeline dtype (needed
-            by Megatron when pp_size > 1) is ``params_dtype``.
-        sequence_parallel: Megatron sequence parallelism; None = on iff tp_size > 1 (Megatron
-            requires it for MoE with TP when training). Always off at tp_size == 1.
-        layer_spec: "local" | "transformer_engine" | "auto" (:func:`resolve_layer_spec`; an override
-            ``transformer_impl`` wins): sets Megatron's ``transformer_impl``, which ``build_gpt_model``
-            builds, and for "transformer_engine" ``moe_grouped_gemm=True`` (TEGroupedMLP experts, whose
-            names moerl.checkpoint.hf_convert maps) unless overridden. The config itself is built
-            without TE (CPU dry checks); the model is not.
-        **overrides: any TransformerConfig field, applied last (e.g. moe_router_dtype="fp32",
-            moe_token_dispatcher_type="allgather", recompute_granularity="full").
+        **kw: keyword arguments of moerl.models.families.common.gpt_transformer_config (moe_aux_loss_coeff,
+            moe_router_load_balancing_type, params_dtype, tp_size, pp_size, ep_size, etp_size,
+            sequence_parallel, layer_spec, and any TransformerConfig field as an override).
 
     Returns:
         megatron.core.transformer.TransformerConfig.
@@ -156,18 +130,9 @@ def transformer_config_from_hf(
         pattern=hf_moe_layer_pattern(hf_config),
         num_experts=hf_num_experts(hf_config),
         moe_ffn_hidden_size=hf_config.moe_intermediate_size,
-        ffn_hidden_size=getattr(hf_config, "intermediate_size", None) or hf_config.moe_intermediate_size,
+        ffn_hidden_size=_dense_ffn(hf_config),
         normalize_topk=bool(getattr(hf_config, "norm_topk_prob", False)),
-        moe_aux_loss_coeff=moe_aux_loss_coeff,
-        moe_router_load_balancing_type=moe_router_load_balancing_type,
-        params_dtype=params_dtype,
-        tp_size=tp_size,
-        pp_size=pp_size,
-        ep_size=ep_size,
-        etp_size=etp_size,
-        sequence_parallel=sequence_parallel,
-        layer_spec=layer_spec,
-        **overrides,
+        **kw,
     )
 
 
@@ -237,20 +202,8 @@ def _dense_ffn(hf_config) -> int:
 
 def planner_shape(hf_config) -> dict:
     """moerl.parallel.memory_model.ModelShape fields of a Qwen3-MoE config."""
-    return dict(
-        num_layers=hf_config.num_hidden_layers,
-        hidden_size=hf_config.hidden_size,
-        num_attention_heads=hf_config.num_attention_heads,
-        num_key_value_heads=hf_config.num_key_value_heads,
-        head_dim=hf_head_dim(hf_config),
-        vocab_size=hf_config.vocab_size,
-        num_experts=hf_num_experts(hf_config),
-        num_experts_per_tok=hf_config.num_experts_per_tok,
-        moe_intermediate_size=hf_config.moe_intermediate_size,
-        intermediate_size=_dense_ffn(hf_config),
-        moe_layers=tuple(bool(x) for x in hf_moe_layer_pattern(hf_config)),
-        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-    )
+    return gqa_planner_shape(hf_config, expert_width=hf_config.moe_intermediate_size, dense_width=_dense_ffn(hf_config),
+                             pattern=hf_moe_layer_pattern(hf_config), qk_layernorm=True)
 
 
 FAMILY = register(ModelFamily(
