@@ -1,0 +1,71 @@
+"""The GPU check kit on a machine without a GPU: tools/gpu_check.sh skips every check with its reason
+and exits 0, --dry-run lists them, bad flags exit 2; the FP8 GEMM check's arithmetic (per-K-block
+torch._scaled_mm with the block scales applied in FP32) equals moerl.precision.fp8's reference on CPU;
+and the wheel kit pins the versions this environment is tested with."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+import gpu_check  # noqa: E402
+
+
+def _run(*args):
+    return subprocess.run(["bash", str(REPO / "tools" / "gpu_check.sh"), *args], capture_output=True, text=True,
+                          timeout=120, cwd=str(REPO))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the checks would run")
+def test_cpu_machine_skips_every_check_with_its_reason():
+    p = _run("--no-install")
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    for name in gpu_check.CHECKS:
+        (line,) = [ln for ln in lines if ln.startswith(f"SKIP {name}: ")]
+        assert "torch.cuda.is_available() is False" in line and "needs a CUDA GPU" in line, line
+    assert not [ln for ln in lines if ln.startswith(("PASS", "FAIL"))]
+    assert f"SUMMARY: 0 PASS, 0 FAIL, {len(gpu_check.CHECKS)} SKIP" in p.stdout
+
+
+def test_dry_run_and_bad_flags():
+    p = _run("--dry-run", "--only", "fp8_gemm", "mfu")
+    assert p.returncode == 0, p.stderr
+    assert [ln.split(":")[0] for ln in p.stdout.splitlines() if ln.startswith("SKIP")] == ["SKIP fp8_gemm", "SKIP mfu"]
+    assert "SUMMARY: 0 PASS, 0 FAIL, 2 SKIP (dry run)" in p.stdout
+    p = _run("--budget-s", "abc")
+    assert p.returncode == 2 and "--budget-s" in p.stderr and "fix:" in p.stderr
+    p = _run("--wheels", str(REPO / "no_such_wheels"))
+    assert p.returncode == 2 and "requirements.txt" in p.stderr and "fetch_gpu_wheels.sh" in p.stderr
+    assert gpu_check.main(["--device", "tpu"]) == 2
+
+
+def test_fp8_gemm_check_arithmetic_matches_the_reference_on_cpu():
+    """The worker's per-K-block FP8 products (scale 1) with the 1x128 / 128x128 scales applied in FP32 give
+    moerl.precision.fp8.block_scaled_gemm (the same FP32 sums; only the order may differ on a GPU), and the
+    FP8 rounding of the operands is visible (so the check compares quantised maths, not a copy)."""
+    res = gpu_check.worker_fp8_gemm(argparse.Namespace(device="cpu"))
+    if "skip" in res:
+        pytest.skip(res["skip"])
+    assert res["max_abs_diff"] <= 1e-5 * res["ref_max_abs"]
+    assert 1e-3 < res["quant_rel_err"] < 0.1  # E4M3 has 3 mantissa bits
+
+
+def test_wheel_kit_pins_the_tested_versions():
+    text = (REPO / "tools" / "fetch_gpu_wheels.sh").read_text()
+    block = re.search(r"PKGS=\((.*?)\n\)", text, re.S).group(1)
+    pins = dict(p.split("==") for p in block.split())
+    for must in ("megatron-core", "transformers", "tokenizers", "safetensors", "fastapi", "uvicorn", "httpx"):
+        assert must in pins, must
+    assert "torch" not in pins and not any(k.startswith("nvidia") for k in pins)
+    wrong = {k: (v, md.version(k)) for k, v in pins.items() if md.version(k) != v}
+    assert not wrong, f"fetch_gpu_wheels.sh pins differ from this environment: {wrong}"
