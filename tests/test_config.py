@@ -20,6 +20,7 @@ EXPECTED_TINY = {
     "overwrite_output_dir": False,
     "model": {
         "hf_config": {
+            "model_type": "qwen3_moe",
             "num_hidden_layers": 3, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
             "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
             "intermediate_size": 256, "max_position_embeddings": 64, "rope_theta": 10000.0,

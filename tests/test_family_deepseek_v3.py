@@ -290,3 +290,54 @@ def test_rl_accepts_the_deepseek_router_and_refuses_others():
     assert "moe.topk_scaling_factor=None (rollout: 2.5)" in str(ei.value)
     with pytest.raises(ValueError, match="moe.score_function=sigmoid"):  # Qwen3-MoE (no facts) still refuses it
         check_rollout_routing_matches(SimpleNamespace(**keys))
+
+
+def test_expert_bias_counts_skip_padding_tokens(dist):
+    """moerl's router patch (moerl.moe.balancing._apply_expert_bias): Megatron-Core 0.16.1 fails on
+    ``routing_map [T, E] & ~padding_mask [T]``; the counts must be the routing map's column sums over the
+    real tokens only."""
+    from moerl.moe.balancing import install_balancing_losses
+
+    model = build_gpt_model(ds.make_hf_config(FIELDS))
+    router = install_balancing_losses(model)[0]
+    x = torch.randn(6, 2, FIELDS["hidden_size"], generator=torch.Generator().manual_seed(2))
+    pad = torch.zeros(6, 2, dtype=torch.bool)
+    pad[4:, 1] = True  # the second row ends in two padding tokens
+    router.local_tokens_per_expert.zero_()
+    _, routing_map = router(x, padding_mask=pad)
+    assert router.local_tokens_per_expert.tolist() == routing_map[~pad.reshape(-1)].sum(0).tolist()
+    assert router.local_tokens_per_expert.sum() == 10 * FIELDS["num_experts_per_tok"]
+
+
+def test_reference_server_updates_the_expert_bias():
+    """The reference rollout server's weight mapper takes e_score_correction_bias (a transformers buffer) like a
+    weight: a sync without it is incomplete, a sync with it sets the served router's bias."""
+    from moerl.rollout.engine_weights import WeightMapper
+
+    ref = random_hf_model(seed=4)
+    mapper = WeightMapper(ref)
+    name = "model.layers.2.mlp.gate.e_score_correction_bias"
+    new = torch.arange(8, dtype=torch.float32) / 10
+    covered = mapper.apply([(name, new)])
+    assert torch.equal(ref.model.layers[2].mlp.gate.e_score_correction_bias, new)
+    assert name not in mapper.missing(covered) and "model.layers.1.mlp.gate.e_score_correction_bias" in \
+        mapper.missing(covered)
+
+
+def test_recipe_builds_the_deepseek_config():
+    """configs/tiny_deepseek_v3.yaml -> the family's HF config; DeepSeek keys on a Qwen3-MoE recipe are named."""
+    from pathlib import Path
+
+    from moerl.config.loader import ConfigError, load_config
+
+    recipe = str(Path(__file__).resolve().parents[1] / "configs" / "tiny_deepseek_v3.yaml")
+    cfg = load_config(recipe, [])
+    fields = dict(cfg.model.hf_config.family_fields(), vocab_size=64)
+    hf = get_family(cfg.model.hf_config.model_type).make_hf_config(fields)
+    assert (hf.model_type, hf.n_routed_experts, hf.n_group, hf.topk_group, hf.first_k_dense_replace) == \
+        ("deepseek_v3", 8, 2, 1, 1)
+    from moerl.moe.config import check_rollout_routing_matches
+
+    check_rollout_routing_matches(cfg.moe, ds.router_facts(hf), "DeepSeek-V3")  # the recipe's keys agree
+    with pytest.raises(ConfigError, match="model.hf_config.q_lora_rank is a DeepSeek-V3 key"):
+        load_config(recipe, ["model.hf_config.model_type=qwen3_moe"])

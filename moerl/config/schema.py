@@ -16,7 +16,7 @@ import math
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from moerl.config.errors import ConfigError
 
@@ -81,10 +81,11 @@ class HFModelConfig(_Section):
     first_k_dense_replace: Optional[int] = Field(None, ge=0)  # the first k layers have a dense MLP
     num_nextn_predict_layers: Optional[int] = Field(None, ge=0)  # MTP layers (not trained by moerl yet: 0)
 
-    def model_dump(self, **kw) -> dict:
-        """pydantic's dump, without the (unset) DeepSeek-V3 keys for a qwen3_moe model: callers hand the dict
-        to the Qwen3-MoE config builder, which knows only its own fields."""
-        out = super().model_dump(**kw)
+    @model_serializer(mode="wrap")
+    def _drop_unused_family_keys(self, handler):
+        """Dumps of a qwen3_moe model leave out the (unset) DeepSeek-V3 keys: callers hand the dict to the
+        Qwen3-MoE config builder, which knows only its own fields."""
+        out = handler(self)
         if self.model_type == "qwen3_moe":
             for k in _DEEPSEEK_KEYS:
                 out.pop(k, None)

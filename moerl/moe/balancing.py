@@ -164,6 +164,20 @@ def _apply_global_aux_loss(self, probs, scores_for_aux_loss, routing_map, with_p
         reduce_group_has_dp=True, valid_token_count=local_num_tokens)
 
 
+def _apply_expert_bias(self, routing_map: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+    """Count the tokens routed to each expert for the aux-loss-free bias update (arXiv 2408.15664), padding
+    tokens left out. Megatron-Core 0.16.1's ``TopKRouter._apply_expert_bias`` masks with
+    ``routing_map & ~padding_mask``: a [T, E] map against a [T] mask fails ("The size of tensor a (E) must
+    match the size of tensor b (T)") whenever a padding mask is given; here the mask is broadcast over the
+    experts. routing_map: bool [T, E]; padding_mask: bool [T] (or [S, B]), True = padding. Counts only with
+    grad enabled (not in evaluation or recomputation), as upstream."""
+    if self.enable_expert_bias and torch.is_grad_enabled():
+        with torch.no_grad():
+            if padding_mask is not None:
+                routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+            self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+
 def _routers(model) -> list:
     from megatron.core.transformer.moe.router import TopKRouter
 
@@ -172,7 +186,8 @@ def _routers(model) -> list:
 
 def install_balancing_losses(model) -> list:
     """Replace the balancing-loss methods of every Megatron ``TopKRouter`` inside ``model`` (a
-    GPTModel, a DDP wrapper or any module holding routers) with moerl's (module docstring).
+    GPTModel, a DDP wrapper or any module holding routers) with moerl's (module docstring), and its
+    expert-bias token count with :func:`_apply_expert_bias` (padding masked correctly).
 
     Idempotent. Megatron's fused aux-loss kernels (``moe_router_fusion``, Transformer Engine) keep
     the seq_aux_loss path unfused here; aux_loss / global_aux_loss pass ``fused`` through.
@@ -185,6 +200,7 @@ def install_balancing_losses(model) -> list:
         r._apply_aux_loss = types.MethodType(_apply_aux_loss, r)
         r._apply_seq_aux_loss = types.MethodType(_apply_seq_aux_loss, r)
         r._apply_global_aux_loss = types.MethodType(_apply_global_aux_loss, r)
+        r._apply_expert_bias = types.MethodType(_apply_expert_bias, r)  # padding-masked expert-bias counts
         if not hasattr(r, "moerl_sequences_per_micro_batch"):
             set_step_normalisers([r])
     return routers

@@ -15,7 +15,7 @@ from moerl.data.dataset import DatasetError, PromptSampler, load_prompt_dataset
 from moerl.data.fingerprint import describe_change, file_fingerprint, tokenizer_fingerprint
 from moerl.data.tasks import prepare_task_data
 from moerl.data.tokenizer import decode_response, encode_prompt, tokenizer_from_config
-from moerl.models.qwen3_moe import make_hf_config
+from moerl.models.families import get_family
 from moerl.moe.config import check_rollout_routing_matches
 from moerl.rewards import check_label, resolve_reward_fn
 from moerl.rollout.errors import PortInUseError
@@ -110,7 +110,8 @@ def prepare_run(cfg, dist) -> RunContext:
         RewardConfigError, FileNotFoundError: any bad input, with the recipe key (and file / row) named.
     """
     cfg.check_world_size(dist.world_size)
-    check_rollout_routing_matches(cfg.moe)
+    if cfg.model.hf_config.model_type == "qwen3_moe":  # other families: against their HF router, in _resolve
+        check_rollout_routing_matches(cfg.moe)
     if dist.world_size <= 1:
         return _checked(_prepare_main, cfg, dist)
     import torch.distributed as tdist
@@ -250,9 +251,12 @@ def _resolve(cfg, dist, run_dir: Path, check: bool) -> RunContext:
             f"eval.num_prompts ({cfg.eval.num_prompts}) exceeds the {len(eval_ds)} rows of {eval_path}; lower it"
         )
     tokenizer = tokenizer_from_config(d.tokenizer_path, run_dir, init_from=cfg.model.init_from)
-    hf_fields = cfg.model.hf_config.model_dump()
+    hf_fields = cfg.model.hf_config.family_fields()  # the model family's fields (model.hf_config.model_type)
     hf_fields["vocab_size"] = cfg.model.hf_config.resolve_vocab_size(len(tokenizer))
-    hf_config = make_hf_config(hf_fields)
+    family = get_family(cfg.model.hf_config.model_type, key="model.hf_config.model_type")
+    hf_config = family.make_hf_config(hf_fields)
+    if cfg.model.hf_config.model_type != "qwen3_moe":  # Qwen3-MoE: checked in prepare_run already
+        check_rollout_routing_matches(cfg.moe, family.router(hf_config), family.name)
     inputs = {"train_data": file_fingerprint(train_path), "eval_data": file_fingerprint(eval_path),
               "train_rows": len(train_ds), "eval_rows": len(eval_ds), "tokenizer": tokenizer_fingerprint(tokenizer)}
     init_sd = None
