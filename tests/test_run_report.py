@@ -47,6 +47,7 @@ def _write_run(run, perf=True, stale=True, resumed=True):
         if perf:
             w.add_scalar("perf/mfu", MFU[i], s)
             w.add_scalar("perf/tokens_per_s_train", TOK_S[i], s)
+            w.add_scalar("memory/update_peak_gib", 0.5 + 0.01 * s, s)
     w.close()
     lines = [{"step": s, "layer": 0, "tokens_per_expert": [4, 2, 1, 1]} for s in STEPS]
     (run / "moe_telemetry.jsonl").write_text("".join(json.dumps(d) + "\n" for d in lines))
@@ -62,7 +63,7 @@ def test_report_plots_the_logged_series(tmp_path):
     run = _write_run(tmp_path / "run")
     res = write_run_report(run)
     out = run / "report"
-    for name in ("reward", "step_time", "logprob_mismatch", "staleness", "perf"):
+    for name in ("reward", "step_time", "logprob_mismatch", "staleness", "perf", "memory"):
         png = out / f"{name}.png"
         assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
     for name in ("expert_load_heatmap", "mean_load_heatmap", "imbalance", "entropy"):
@@ -75,6 +76,7 @@ def test_report_plots_the_logged_series(tmp_path):
     assert _close(p["logprob_mismatch"]["logprob_abs_diff_max"][1], [10 * v for v in LP_DIFF])
     assert _close(p["staleness"]["staleness/mean"][1], STALE)
     assert _close(p["perf"]["perf/mfu"][1], MFU) and _close(p["perf"]["perf/tokens_per_s_train"][1], TOK_S)
+    assert _close(p["memory"]["memory/update_peak_gib"][1], [0.5 + 0.01 * s for s in STEPS])
     steps, stacked = p["step_time"]
     assert steps == STEPS and list(stacked) == ["rollout", "update", "eval"]
     assert _close(stacked["rollout"], ROLLOUT_S) and _close(stacked["update"], UPDATE_S)
@@ -92,7 +94,7 @@ def test_absent_figures_are_named(tmp_path, capsys):
     run = _write_run(tmp_path / "run", perf=False, stale=False, resumed=False)
     assert cli_main(["report", str(run), "--out", str(tmp_path / "rep")]) == 0
     printed = capsys.readouterr().out
-    assert "perf: not drawn: no perf/mfu" in printed
+    assert "perf: not drawn: no perf/mfu" in printed and "memory: not drawn" in printed
     assert "staleness: not drawn: staleness is 0 at every step (synchronous run)" in printed
     assert not (tmp_path / "rep" / "perf.png").exists() and not (tmp_path / "rep" / "staleness.png").exists()
     md = (tmp_path / "rep" / "summary.md").read_text()

@@ -20,7 +20,9 @@ and writes into ``RUN_DIR/report/`` (or ``--out``):
                             (``logprob_abs_diff_mean`` / ``_max``)
 ``staleness.png``           ``staleness/mean`` / ``staleness/max`` in weight versions (async runs only:
                             a run whose staleness is always 0 is synchronous and gets a line instead)
-``perf.png``                ``perf/mfu`` and ``perf/tokens_per_s_*`` (when logged; else a line)
+``perf.png``                ``perf/mfu``, ``perf/tflops_per_device`` and ``perf/tokens_per_s_*`` (when
+                            logged; else a line)
+``memory.png``              ``memory/<phase>_peak_gib`` (when logged; else a line)
 ``experts/*.png``           tools/inspect_experts.py's heatmaps, imbalance and entropy curves
 ``summary.md``              links to the figures, the skipped ones with their reason, and a table of
                             every scalar's first / last / min / max value
@@ -237,8 +239,11 @@ def write_run_report(run_dir: str | Path, out: Optional[str | Path] = None) -> d
               "no staleness/* scalars")
     mfu = {t: s for t, s in scalars.items() if t.startswith("perf/mfu")}
     tput = {t: s for t, s in scalars.items() if t.startswith("perf/tokens_per_s")}
-    lines("perf", [("MFU", mfu), ("tokens / s", tput)], "model FLOPs utilisation and throughput",
+    lines("perf", [("MFU", mfu), ("TFLOP/s per device", pick(("perf/tflops_per_device",))), ("tokens / s", tput)],
+          "model FLOPs utilisation and throughput",
           "no perf/mfu or perf/tokens_per_s_* scalars in this run (logged by moerl versions with MFU logging)")
+    lines("memory", [("GiB", {t: s for t, s in scalars.items() if t.startswith("memory/")})],
+          "memory peak per phase (CUDA allocator on GPU, process RSS on CPU)", "no memory/* scalars in this run")
 
     if telemetry.is_file():
         ie = _inspect_experts_module()
