@@ -83,6 +83,45 @@ def test_perf_metrics_and_step_line():
     assert line == " | perf step 4.00s mfu n/a tflops/dev 2 tok/s/dev rollout 25 train 1.5e+03 mem peak update 1.50 GiB"
 
 
+def test_step_monitor_counts_flops_and_times_only_the_step(tmp_path):
+    """StepMonitor.end: FLOPs of the counted passes (moerl.observe.flops, checked against hand counts in
+    test_flops), tokens, MFU against hardware.peak_bf16_tflops, and a step time that leaves out the
+    phases run before the RL steps (an SFT checkpoint) and the step's own eval."""
+    import time
+    from types import SimpleNamespace as NS
+
+    from moerl.observe.flops import forward_flops
+    from moerl.observe.profiling import StepMonitor
+
+    cfg = NS(hardware=NS(peak_bf16_tflops=4.0, gpu=None), profile=NS(steps=None, ranks=[0]), train=NS(mode="sync"),
+             rollout=NS(backend="reference", num_servers=2, server_tp_size=1, server_dp_size=1))
+    hf = NS(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=4,
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=6, intermediate_size=12, vocab_size=16)
+    samples = [NS(tokens=[1] * 5), NS(tokens=[1] * 3)]
+    timers = StepMonitor(cfg, tmp_path)
+    with timers("checkpoint"):  # before the RL steps (the SFT warm start's checkpoints)
+        time.sleep(0.5)
+    for step in timers.steps(1, 1):
+        with timers("rollout"):
+            time.sleep(0.05)
+        with timers("log_prob"):
+            timers.count("logprob", hf, samples, passes=2)
+        with timers("update"):
+            timers.count("update", hf, samples)
+            time.sleep(0.05)
+        with timers("eval"):
+            time.sleep(0.5)
+        out = timers.end(step, {"response_length": 2.5, "num_samples": 8.0})
+    fwd = forward_flops(hf, [5, 3])
+    assert out["perf/logprob_flops"] == 2 * fwd and out["perf/update_flops"] == 3 * fwd
+    assert out["perf/trained_tokens"] == 8 and out["perf/generated_tokens"] == 20
+    assert 0.1 <= out["perf/step_s"] < 0.45, out  # rollout + update sleeps, not the 0.5 s eval nor the SFT checkpoint
+    busy = out["time/log_prob"] + out["time/update"]
+    assert out["perf/mfu"] == pytest.approx(5 * fwd / busy / 1e12 / 4.0)
+    assert out["perf/tokens_per_s_per_device_rollout"] == pytest.approx(20 / out["time/rollout"] / 2)
+    assert out["time/checkpoint"] >= 0.5  # reported as before: the totals since the last pop
+
+
 def _spread_worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as tdist
 

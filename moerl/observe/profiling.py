@@ -224,7 +224,7 @@ class StepMonitor(PhaseTimers):
         self.profiler = StepProfiler(cfg.profile.steps, cfg.profile.ranks, world.global_rank(),
                                      Path(run_dir) / "profile")
         self._counts: dict[str, float] = {}
-        self._t0 = 0.0
+        self._t0, self._before = 0.0, {}
 
     def steps(self, first: int, last: int) -> Iterator[int]:
         """Steps ``first..last``; each starts the step clock (and the profiler on a profiled step)."""
@@ -233,7 +233,7 @@ class StepMonitor(PhaseTimers):
         try:
             for step in range(first, last + 1):
                 self.profiler.step_begin(step)
-                self._t0 = time.perf_counter()
+                self._t0, self._before = time.perf_counter(), self.elapsed()  # phases before the step (SFT)
                 yield step
         finally:
             self.profiler.close()
@@ -258,19 +258,22 @@ class StepMonitor(PhaseTimers):
         from moerl.runtime import world
 
         wall = time.perf_counter() - self._t0
-        out = {f"time/{k}": v for k, v in self.pop().items()}
+        totals = self.pop()
+        inside = {k: v - self._before.get(k, 0.0) for k, v in totals.items()}  # this step's share
+        out = {f"time/{k}": v for k, v in totals.items()}
         out.update({f"memory/{k}_peak_gib": v / 2**30 for k, v in self.pop_memory().items()})
         out.update(self._counts)
         self._counts = {}
         if "response_length" in m and "num_samples" in m:
             out["perf/generated_tokens"] = round(float(m["response_length"]) * float(m["num_samples"]))
-        step_s = wall - out.get("time/eval", 0.0) - out.get("time/checkpoint", 0.0)
+        step_s = wall - inside.get("eval", 0.0) - inside.get("checkpoint", 0.0)
         ro = self.cfg.rollout
         per_server = ro.server_tp_size * ro.server_dp_size if ro.backend == "sglang" else 1
-        out.update(perf_metrics(out, step_s=step_s, trainer_devices=world.world_size(),
+        out.update(perf_metrics({**out, **{f"time/{k}": v for k, v in inside.items()}}, step_s=step_s,
+                                trainer_devices=world.world_size(),
                                 rollout_devices=ro.num_servers * per_server, peak_tflops=self.peak,
                                 rollout_overlaps=self.cfg.train.mode != "sync"))
-        spread = rank_spread(step_s - out.get("time/rollout", 0.0))
+        spread = rank_spread(step_s - inside.get("rollout", 0.0))
         if spread is not None:
             out.update({"straggler/slowest_rank": spread.pop("slowest_rank")})
             out.update({f"straggler/busy_s_{k}": v for k, v in spread.items()})
