@@ -325,6 +325,63 @@ def check_gpt_features(hf_config, family: str) -> None:
     hf_rope_theta(hf_config)  # rope scaling other than "default" -> ValueError
 
 
+def shared_moe_fields(hf_config, *, pattern: list, num_experts: int, moe_aux_loss_coeff: float,
+                      moe_router_load_balancing_type: str, params_dtype: torch.dtype, tp_size: Optional[int],
+                      pp_size: Optional[int], ep_size: Optional[int], etp_size: Optional[int],
+                      sequence_parallel: Optional[bool]) -> dict[str, Any]:
+    """The ``TransformerConfig`` fields every moerl family shares (GQA ones and DeepSeek-V3's MLA): sizes read
+    from ``hf_config`` (num_hidden_layers, hidden_size, num_attention_heads, rms_norm_eps, num_experts_per_tok,
+    attention_dropout, initializer_range), RMSNorm + SwiGLU without linear biases (CPU_MEGATRON.md item 6),
+    the MoE layer pattern / experts / balancing loss, the dtype and parallel sizes (None = read from
+    parallel_state; etp defaults to tp; sequence parallelism on iff tp > 1 unless False), CPU initialisation
+    without CUDA, and the CUDA-only fusions off. Arguments as :func:`gpt_transformer_config`.
+
+    Raises:
+        ValueError: params_dtype not float32 / bfloat16 / float16.
+    """
+    if params_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"params_dtype must be torch.float32, bfloat16 or float16, got {params_dtype}")
+    tp = _parallel_size("tp", tp_size)
+    etp = _parallel_size("etp", etp_size) if (etp_size is not None or tp_size is None) else tp
+    return dict(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=float(hf_config.rms_norm_eps),
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,  # CPU_MEGATRON.md item 6; no linear biases
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
+        init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
+        num_moe_experts=num_experts,
+        moe_router_topk=hf_config.num_experts_per_tok,
+        moe_router_load_balancing_type=moe_router_load_balancing_type,
+        moe_aux_loss_coeff=float(moe_aux_loss_coeff),
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        moe_layer_freq=pattern if not all(pattern) else 1,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=_parallel_size("pp", pp_size),
+        expert_model_parallel_size=_parallel_size("ep", ep_size),
+        expert_tensor_parallel_size=etp,
+        sequence_parallel=tp > 1 and (sequence_parallel is None or bool(sequence_parallel)),
+        pipeline_dtype=params_dtype,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
 def gpt_transformer_config(
     hf_config,
     *,
@@ -384,58 +441,20 @@ def gpt_transformer_config(
     from megatron.core.transformer import TransformerConfig
 
     check_gpt_features(hf_config, family)
-    if params_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"params_dtype must be torch.float32, bfloat16 or float16, got {params_dtype}")
-
-    tp = _parallel_size("tp", tp_size)
-    pp = _parallel_size("pp", pp_size)
-    ep = _parallel_size("ep", ep_size)
-    etp = _parallel_size("etp", etp_size) if (etp_size is not None or tp_size is None) else tp
-
     kwargs: dict[str, Any] = dict(
-        num_layers=hf_config.num_hidden_layers,
-        hidden_size=hf_config.hidden_size,
-        num_attention_heads=hf_config.num_attention_heads,
         num_query_groups=hf_config.num_key_value_heads,
         kv_channels=hf_head_dim(hf_config),
         ffn_hidden_size=ffn_hidden_size,
-        normalization="RMSNorm",
-        layernorm_epsilon=float(hf_config.rms_norm_eps),
         qk_layernorm=qk_layernorm,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,  # CPU_MEGATRON.md item 6; no linear biases
-        add_qkv_bias=False,
         rotary_interleaved=False,
-        hidden_dropout=0.0,
-        attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
-        init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
-        num_moe_experts=num_experts,
-        moe_router_topk=hf_config.num_experts_per_tok,
         moe_ffn_hidden_size=moe_ffn_hidden_size,
         moe_router_pre_softmax=not normalize_topk,
         moe_router_score_function="softmax",
-        moe_router_load_balancing_type=moe_router_load_balancing_type,
-        moe_aux_loss_coeff=float(moe_aux_loss_coeff),
-        moe_token_dispatcher_type="alltoall",
-        moe_grouped_gemm=False,
-        moe_layer_freq=pattern if not all(pattern) else 1,
-        params_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16,
-        fp16=params_dtype == torch.float16,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp,
-        sequence_parallel=tp > 1 and (sequence_parallel is None or bool(sequence_parallel)),
-        pipeline_dtype=params_dtype,
-        use_cpu_initialization=not torch.cuda.is_available(),
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
+        **shared_moe_fields(hf_config, pattern=pattern, num_experts=num_experts,
+                            moe_aux_loss_coeff=moe_aux_loss_coeff,
+                            moe_router_load_balancing_type=moe_router_load_balancing_type, params_dtype=params_dtype,
+                            tp_size=tp_size, pp_size=pp_size, ep_size=ep_size, etp_size=etp_size,
+                            sequence_parallel=sequence_parallel),
     )
     spec = overrides.pop("transformer_impl", None) or layer_spec
     spec = spec if spec == "transformer_engine" else resolve_layer_spec(spec)

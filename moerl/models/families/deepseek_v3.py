@@ -73,14 +73,12 @@ TE spec is refused with a clear error, and MTP layers in an HF checkpoint are no
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Mapping, Optional
 
 import torch
-import torch.nn.functional as F
 
 from moerl.models.families import ModelFamily, ParamRule, RouterFacts, register
-from moerl.models.families.common import LAYER_SPECS
+from moerl.models.families.common import LAYER_SPECS, hf_config_from_fields, shared_moe_fields
 
 __all__ = [
     "FAMILY",
@@ -119,7 +117,7 @@ _REQUIRED_FIELDS = (
     "vocab_size",
 )
 _ALIASES = {"num_local_experts": "n_routed_experts", "num_experts": "n_routed_experts"}
-_EXTRA_FIELDS = {"rope_theta", "torch_dtype", "dtype", "architectures", "model_type"}
+_EXTRA_FIELDS = {"rope_theta", "head_dim", "torch_dtype", "dtype", "architectures", "model_type"}  # besides the class fields
 
 
 def hf_config_cls():
@@ -127,11 +125,6 @@ def hf_config_cls():
     from transformers import DeepseekV3Config
 
     return DeepseekV3Config
-
-
-def _positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"model.hf_config.{name} must be an int >= 1, got {value!r}")
 
 
 def make_hf_config(fields: Mapping[str, Any]):
@@ -158,48 +151,30 @@ def make_hf_config(fields: Mapping[str, Any]):
     """
     if not isinstance(fields, Mapping):
         raise TypeError(f"make_hf_config expects a mapping of config fields, got {type(fields).__name__}")
-    cls = hf_config_cls()
-    known = {f.name for f in dataclasses.fields(cls)} | set(_ALIASES) | _EXTRA_FIELDS
-    unknown = sorted(set(fields) - known)
-    if unknown:
-        raise ValueError(f"unknown DeepSeek-V3 config field(s) {unknown} in model.hf_config; known: {sorted(known)}")
     kw = dict(fields)
-    for alias, name in _ALIASES.items():
-        if alias in kw:
-            value = kw.pop(alias)
-            if name in kw and kw[name] != value:
-                raise ValueError(f"model.hf_config.{alias}={value} disagrees with {name}={kw[name]}; give one")
-            kw[name] = value
-    missing = [k for k in _REQUIRED_FIELDS if k not in kw]
-    if missing:
-        raise ValueError(f"DeepSeek-V3 model.hf_config is missing required field(s) {missing}")
-    for name in _REQUIRED_FIELDS + ("q_lora_rank", "n_shared_experts", "n_group", "topk_group",
-                                    "max_position_embeddings"):
-        if kw.get(name) is not None:
-            _positive_int(name, kw[name])
-    kw.setdefault("num_key_value_heads", kw["num_attention_heads"])
-    kw.setdefault("n_group", 1)
-    kw.setdefault("topk_group", 1)
+    # MLA has no GQA: one KV "head" per query head; head_dim is transformers' qk_rope_head_dim
+    if "num_attention_heads" in kw:
+        kw.setdefault("num_key_value_heads", kw["num_attention_heads"])
+    if "qk_rope_head_dim" in kw:  # transformers' rotary embedding is sized by head_dim
+        if kw.setdefault("head_dim", kw["qk_rope_head_dim"]) != kw["qk_rope_head_dim"]:
+            raise ValueError(f"model.hf_config.head_dim={kw['head_dim']} must equal qk_rope_head_dim="
+                             f"{kw['qk_rope_head_dim']} for DeepSeek-V3 (or be left out)")
+    for name in ("n_group", "topk_group"):
+        kw.setdefault(name, 1)
     kw.setdefault("first_k_dense_replace", 0)
-    rope_theta = kw.pop("rope_theta", None)
-    if rope_theta is not None:
-        params = kw.get("rope_parameters") or {}
-        if "rope_theta" in params and float(params["rope_theta"]) != float(rope_theta):
-            raise ValueError(f"model.hf_config.rope_theta={rope_theta} disagrees with rope_parameters={params}")
-        kw["rope_parameters"] = {"rope_type": "default", **params, "rope_theta": float(rope_theta)}
-    kw.pop("model_type", None)
-    if kw["num_experts_per_tok"] > kw["n_routed_experts"]:
-        raise ValueError(f"model.hf_config.num_experts_per_tok={kw['num_experts_per_tok']} exceeds "
-                         f"n_routed_experts={kw['n_routed_experts']}")
-    if kw["n_routed_experts"] % kw["n_group"]:
-        raise ValueError(f"model.hf_config.n_routed_experts={kw['n_routed_experts']} is not divisible by "
-                         f"n_group={kw['n_group']}")
-    if kw["topk_group"] > kw["n_group"]:
-        raise ValueError(f"model.hf_config.topk_group={kw['topk_group']} exceeds n_group={kw['n_group']}")
-    k = kw["first_k_dense_replace"]
-    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= kw["num_hidden_layers"]:
+    cfg = hf_config_from_fields(hf_config_cls(), kw, family="DeepSeek-V3", required=_REQUIRED_FIELDS,
+                                aliases=_ALIASES, extra_fields=_EXTRA_FIELDS, experts_field="n_routed_experts",
+                                int_fields=("q_lora_rank", "n_shared_experts", "n_group", "topk_group",
+                                            "max_position_embeddings"))
+    if cfg.n_routed_experts % cfg.n_group:
+        raise ValueError(f"model.hf_config.n_routed_experts={cfg.n_routed_experts} is not divisible by "
+                         f"n_group={cfg.n_group}")
+    if cfg.topk_group > cfg.n_group:
+        raise ValueError(f"model.hf_config.topk_group={cfg.topk_group} exceeds n_group={cfg.n_group}")
+    k = cfg.first_k_dense_replace
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= cfg.num_hidden_layers:
         raise ValueError(f"model.hf_config.first_k_dense_replace must be an int in [0, num_hidden_layers], got {k!r}")
-    return cls(**kw)
+    return cfg
 
 
 def num_experts(hf_config) -> int:
@@ -299,12 +274,7 @@ def transformer_config_from_hf(
     """
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    from moerl.models.families.common import _parallel_size
-
     check_hf_config(hf_config)
-    if params_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"params_dtype must be torch.float32, bfloat16 or float16, got {params_dtype}")
-    topk = int(hf_config.num_experts_per_tok)
     n_group, topk_group = int(hf_config.n_group or 1), int(hf_config.topk_group or 1)
     spec = overrides.pop("transformer_impl", None) or layer_spec
     if spec not in LAYER_SPECS:
@@ -312,15 +282,8 @@ def transformer_config_from_hf(
     if spec == "transformer_engine":
         raise ValueError("model.layer_spec=transformer_engine is not built for DeepSeek-V3 (MLA) by moerl yet; "
                          "set model.layer_spec=local (or auto, which builds the local spec for this family)")
-    tp = _parallel_size("tp", tp_size)
-    pp = _parallel_size("pp", pp_size)
-    ep = _parallel_size("ep", ep_size)
-    etp = _parallel_size("etp", etp_size) if (etp_size is not None or tp_size is None) else tp
     pattern = moe_layer_pattern(hf_config)
     kwargs: dict[str, Any] = dict(
-        num_layers=hf_config.num_hidden_layers,
-        hidden_size=hf_config.hidden_size,
-        num_attention_heads=hf_config.num_attention_heads,
         ffn_hidden_size=hf_config.intermediate_size,
         q_lora_rank=hf_config.q_lora_rank,
         kv_lora_rank=hf_config.kv_lora_rank,
@@ -329,18 +292,7 @@ def transformer_config_from_hf(
         v_head_dim=hf_config.v_head_dim,
         **rope_settings(hf_config),
         rotary_percent=1.0,
-        normalization="RMSNorm",
-        layernorm_epsilon=float(hf_config.rms_norm_eps),
         qk_layernorm=True,  # q_a_layernorm / kv_a_layernorm through the layer spec
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=False,
-        hidden_dropout=0.0,
-        attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
-        init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
-        num_moe_experts=num_experts(hf_config),
-        moe_router_topk=topk,
         moe_ffn_hidden_size=hf_config.moe_intermediate_size,
         moe_shared_expert_intermediate_size=(int(hf_config.n_shared_experts) * hf_config.moe_intermediate_size
                                              if hf_config.n_shared_experts else None),
@@ -350,28 +302,12 @@ def transformer_config_from_hf(
         moe_router_group_topk=topk_group if n_group > 1 else None,
         moe_router_topk_scaling_factor=float(getattr(hf_config, "routed_scaling_factor", 1.0) or 1.0),
         moe_router_dtype="fp32",
-        moe_router_load_balancing_type=moe_router_load_balancing_type,
-        moe_aux_loss_coeff=float(moe_aux_loss_coeff),
-        moe_token_dispatcher_type="alltoall",
-        moe_grouped_gemm=False,
-        moe_layer_freq=pattern if not all(pattern) else 1,
-        params_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16,
-        fp16=params_dtype == torch.float16,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp,
-        sequence_parallel=tp > 1 and (sequence_parallel is None or bool(sequence_parallel)),
-        pipeline_dtype=params_dtype,
-        use_cpu_initialization=not torch.cuda.is_available(),
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
         transformer_impl="local",
+        **shared_moe_fields(hf_config, pattern=pattern, num_experts=num_experts(hf_config),
+                            moe_aux_loss_coeff=moe_aux_loss_coeff,
+                            moe_router_load_balancing_type=moe_router_load_balancing_type, params_dtype=params_dtype,
+                            tp_size=tp_size, pp_size=pp_size, ep_size=ep_size, etp_size=etp_size,
+                            sequence_parallel=sequence_parallel),
     )
     _check_router_overrides(kwargs, overrides)
     kwargs.update(overrides)
