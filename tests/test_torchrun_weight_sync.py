@@ -14,14 +14,7 @@ step-0 check compares the server's log-probs with Megatron's (the weights the se
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_torchrun_main_job import SHORT, run_train  # noqa: E402
 
 
 def test_distributed_sync_from_a_torchrun_worker(ckpts, monkeypatch):
@@ -59,12 +52,5 @@ def test_child_env_drops_torchrun_variables(monkeypatch):
     assert "TORCHELASTIC_USE_AGENT_STORE" not in env and "LOCAL_RANK" not in env and "MASTER_PORT" not in env
     assert env["MOERL_KEEP_ME"] == "x" and env["PATH"]
 
-
-@pytest.mark.slow
-def test_torchrun_dp2_distributed_weight_sync_runs_through(tmp_path):
-    """2 trainer ranks (dp_size 2), the servers updated by broadcast: the job finishes (it hung before
-    the fix) and the step-0 check (server log-probs vs Megatron's on the broadcast weights) passes."""
-    summary = run_train(tmp_path / "run", *SHORT, "sft.enabled=false", "train.num_steps=1",
-                        "algorithm.filter_uniform_groups=false",
-                        "rollout.weight_sync=distributed", nproc=2, timeout=240)
-    assert summary["first_step_metrics"]["train/grad_norm"] > 0  # an update happened after the synced rollout
+# The torchrun run with 2 trainer ranks and rollout.weight_sync=distributed (it hung before the fix) is
+# tests/test_torchrun_signals.py's: one job checks the sync and the clean stop (CI's slow budget).

@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from moerl.rewards.errors import RewardConfigError
 from moerl.rewards.registry import as_metadata, resolve_reward_fn
+from moerl.runtime.procs import child_env, pdeathsig_preexec
 
 _MOERL_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _MAX_START_FAILURES = 3  # consecutive workers dying before "ready": the pool is broken
@@ -73,12 +74,13 @@ class _Proc:
 
     def __init__(self, kind: str, init: dict):
         parent, child = socket.socketpair()
-        env = dict(os.environ)
+        env = child_env()  # a reward worker is no rank of a torchrun job
         env["PYTHONPATH"] = os.pathsep.join([_MOERL_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
-        try:
+        try:  # SIGKILLed when the trainer dies, even if a reward function holds the worker's GIL
             self.popen = subprocess.Popen(
                 [sys.executable, "-c", f"from moerl.rewards._worker import main; main({child.fileno()})"],
-                pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL)
+                pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL,
+                preexec_fn=pdeathsig_preexec(os.getpid()))
         finally:
             child.close()
         self.conn = Connection(parent.detach())

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from moerl.runtime import cpu_compat
+from moerl.runtime.procs import die_with_torchrun_agent
 
 __all__ = ["DistInfo", "init_distributed", "destroy_distributed", "validate_layout", "fault_injection_point",
            "FAULT_ENV"]
@@ -218,6 +219,7 @@ def init_distributed(
         num_threads = max(1, (os.cpu_count() or 1) // local_world)
     torch.set_num_threads(_positive_int("num_threads", num_threads))
 
+    die_with_torchrun_agent()  # a SIGKILLed torchrun agent takes its workers (and their servers) with it
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
         attempt = _env_int("TORCHELASTIC_RESTART_COUNT")

@@ -21,7 +21,7 @@ import signal
 import sys
 from typing import Callable, Mapping, Optional
 
-__all__ = ["TORCHRUN_ENV_KEYS", "child_env", "die_with_parent", "pdeathsig_preexec"]
+__all__ = ["TORCHRUN_ENV_KEYS", "child_env", "die_with_parent", "pdeathsig_preexec", "die_with_torchrun_agent"]
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -73,3 +73,31 @@ def pdeathsig_preexec(parent_pid: int, sig: int = signal.SIGKILL) -> Callable[[]
         die_with_parent(sig, expected_parent=parent_pid)
 
     return fn
+
+
+def die_with_torchrun_agent(grace_s: float = 20.0) -> bool:
+    """In a torchrun worker (``TORCHELASTIC_RUN_ID`` set): end this process when its elastic agent dies.
+
+    A SIGTERMed agent forwards SIGTERM to its workers, but a SIGKILLed one (OOM killer, ``kill -9``,
+    a scheduler's hard stop) forwards nothing, and the workers, rank 0's rollout servers and reward
+    workers ran on. Here the kernel sends SIGTERM to the worker when the agent dies
+    (:func:`die_with_parent`), so rank 0's handlers stop its servers as on a forwarded SIGTERM; a
+    daemon thread SIGKILLs the worker ``grace_s`` seconds after the agent's death if it is still alive
+    (its main thread blocked in a collective that never returns), and the servers then get their own
+    death signal. Returns True when set up, False outside torchrun or off Linux.
+    """
+    if not os.environ.get("TORCHELASTIC_RUN_ID") or not die_with_parent(signal.SIGTERM):
+        return False
+    import threading
+    import time
+
+    agent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == agent:
+            time.sleep(0.5)
+        time.sleep(grace_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="moerl-agent-watch", daemon=True).start()
+    return True
