@@ -22,9 +22,10 @@ fp8_gemm            a block-scaled FP8 (E4M3) GEMM on the GPU's FP8 tensor cores
                     K-blocks as DeepSeek-V3 sec. 3.3 describes) vs moerl.precision.fp8.block_scaled_gemm
                     on CPU (exact FP32 products). PASS: max |diff| <= 1e-5 * max |ref| (only the FP32
                     summation order differs).
-server_step0        the reference rollout server (``moerl serve``) generates with log-probs; the actor
-                    recomputes them (the step-0 check of every run): mean |diff| <= 1e-5 in FP32. Needs a
-                    server that runs on CUDA (``moerl serve --device``); SKIP with the reason otherwise.
+server_step0        the reference rollout server (``moerl serve``) generates with log-probs; the actor on
+                    CUDA recomputes them (the step-0 check of every run): mean |diff| <= 1e-5 in FP32. The
+                    server runs on CUDA when ``moerl serve`` has a ``--device`` option, else on CPU (said
+                    on the line): then it is the CUDA trainer vs the CPU server.
 mfu                 one BF16 training step (forward, backward, Adam) of a small MoE (8 layers, hidden 1024,
                     32 experts top-4, 16 x 1024 tokens): median step time, tokens/s and MFU against the
                     GPU's dense BF16 peak (moerl.observe.flops.training_flops / peak_tflops).
@@ -60,7 +61,7 @@ WHAT = {
     "actor_bf16": "MegatronActor log-probs, CUDA BF16 vs CPU FP32",
     "kernels": "csrc CUDA kernels vs their pure-torch references",
     "fp8_gemm": "block-scaled FP8 GEMM (torch._scaled_mm) vs moerl.precision.fp8 reference",
-    "server_step0": "reference rollout server on CUDA + step-0 log-prob check",
+    "server_step0": "reference rollout server + step-0 log-prob check vs the CUDA actor",
     "mfu": "MFU of a small MoE BF16 training step",
     "te_spec": "tools/check_te_spec.py (Transformer Engine spec, FP8)",
 }
@@ -228,11 +229,10 @@ def worker_server_step0(args) -> dict:
     port = free_port()
     cmd = [sys.executable, "-m", "moerl.cli", "serve", "--model-path", args.model_dir, "--port", str(port),
            "--num-threads", "2"]
-    if args.device.startswith("cuda"):
-        if not _serve_supports_device():
-            return {"skip": "the reference server (moerl serve) has no --device option: it runs on CPU only, so "
-                            "there is no CUDA server to check (real SGLang is not in the wheel kit)"}
+    server_device = "cpu"
+    if args.device.startswith("cuda") and _serve_supports_device():
         cmd += ["--device", args.device]
+        server_device = args.device
     log = Path(args.work) / "server.log"
     with open(log, "w") as lf:
         proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, cwd=str(REPO))
@@ -260,14 +260,15 @@ def worker_server_step0(args) -> dict:
         s.response_ids = list(r["output_ids"])
         s.loss_mask = [1] * len(s.response_ids)
         server_lp.append([float(e[0]) for e in r["meta_info"]["output_token_logprobs"]])
-    init_distributed(seed=0, num_threads=2)
+    info = init_distributed(seed=0, num_threads=2)
     try:
         actor, _ = _actor(args.model_dir, "float32")
         trainer_lp = _response_log_probs(actor, samples)
     finally:
         destroy_distributed()
     diffs = [abs(a - b) for x, y in zip(trainer_lp, server_lp) for a, b in zip(x, y)]
-    return {"mean": sum(diffs) / len(diffs), "max": max(diffs), "tokens": len(diffs), "tol": STEP0_LOGPROB_TOL}
+    return {"mean": sum(diffs) / len(diffs), "max": max(diffs), "tokens": len(diffs), "tol": STEP0_LOGPROB_TOL,
+            "server_device": server_device, "trainer_device": str(info.device)}
 
 
 def worker_mfu(args) -> dict:
@@ -438,8 +439,11 @@ def check_fp8_gemm(r: Runner) -> str:
 
 def check_server_step0(r: Runner) -> str:
     res = r.worker("server_step0", model_dir=_model_dir(r))
-    msg = (f"trainer vs server log-probs of {res['tokens']} generated tokens: mean |diff| {res['mean']:.2e}, "
-           f"max {res['max']:.2e} (step-0 bound on the mean {res['tol']:g})")
+    msg = (f"trainer ({res['trainer_device']}, fp32) vs server ({res['server_device']}, fp32) log-probs of "
+           f"{res['tokens']} generated tokens: mean |diff| {res['mean']:.2e}, max {res['max']:.2e} (step-0 bound on "
+           f"the mean {res['tol']:g})")
+    if not r.self_test and res["server_device"] == "cpu":
+        msg += "; the server ran on CPU: moerl serve has no --device option yet"
     if not res["mean"] <= res["tol"]:
         raise Failed(msg)
     return msg
