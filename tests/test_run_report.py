@@ -102,13 +102,20 @@ def test_absent_figures_are_named(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("what, message", [
-    ("missing", "not found"), ("file", "is not a directory"), ("empty", "nothing to report")])
+    ("missing", "not found"), ("file", "is not a directory"), ("empty", "nothing to report"),
+    ("bad_telemetry", "moe_telemetry.jsonl:1: not a MoETelemetry line"), ("out_file", "exists and is not a directory")])
 def test_bad_run_dir_exits_2(tmp_path, capsys, what, message):
     path = tmp_path / "x"
+    extra = []
     if what == "file":
         path.write_text("not a run")
-    elif what == "empty":
+    elif what != "missing":
         path.mkdir()
-    assert cli_main(["report", str(path)]) == 2
+    if what in ("bad_telemetry", "out_file"):
+        (path / "moe_telemetry.jsonl").write_text("not json\n")
+    if what == "out_file":
+        (tmp_path / "out").write_text("a file")
+        extra = ["--out", str(tmp_path / "out")]
+    assert cli_main(["report", str(path), *extra]) == 2
     err = capsys.readouterr().err
     assert err.startswith("moerl report: bad ") and message in err and "fix:" in err
