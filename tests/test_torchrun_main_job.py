@@ -74,9 +74,22 @@ def run_train(run_dir: Path, *overrides: str, nproc: int = 1, timeout: float = 6
 @pytest.mark.slow
 def test_torchrun_ep2_and_dp2_match_single_process(tmp_path):
     # 1) the whole recipe (SFT warm start + RL + evals + checkpoints) at ep_size=2 on 2 ranks
-    ep2 = run_train(tmp_path / "ep2", *SHORT, "parallel.ep_size=2", "train.save_every=1", nproc=2)
+    ep2 = run_train(tmp_path / "ep2", *SHORT, "parallel.ep_size=2", "train.save_every=1", "profile.steps=[2,2]",
+                    "profile.ranks=[0,1]", nproc=2)
     assert ep2["sft_steps"] == 40
     assert (tmp_path / "ep2" / "checkpoints" / "step_2" / "moerl_complete.json").is_file()
+    # issue #17: each profiled rank wrote its own Chrome trace; the ranks' busy-time spread is logged
+    for rank in (0, 1):
+        names = {e.get("name") for e in json.loads((tmp_path / "ep2" / "profile" / f"trace_rank{rank}.json")
+                                                   .read_text())["traceEvents"]}
+        assert {"step 2", "log_prob", "update", "weight_sync"} <= names, (rank, sorted(n for n in names if n)[:50])
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "ep2" / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    tb = {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"] if tag.startswith("straggler/")}
+    assert len(tb["straggler/slowest_rank"]) == 2 and set(tb["straggler/slowest_rank"]) <= {0.0, 1.0}, tb
+    assert all(hi >= lo > 0 for hi, lo in zip(tb["straggler/busy_s_max"], tb["straggler/busy_s_min"])), tb
     warm = tmp_path / "ep2" / "hf_warm_start"
     # 2) RL from those weights: one process vs dp_size=2 (the default layout at world size 2)
     common = [*SHORT, f"model.init_from={warm}", "sft.enabled=false", "algorithm.moe_aux_loss_coeff=0",
