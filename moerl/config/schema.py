@@ -16,7 +16,7 @@ import math
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from moerl.config.errors import ConfigError
 
@@ -26,6 +26,20 @@ _STRICT = ConfigDict(extra="forbid", frozen=True, strict=True, validate_default=
 PORT_MIN = 1024
 PORT_MAX = 65535
 VOCAB_MULTIPLE = 64
+
+# dtype spellings accepted by every dtype key (model.params_dtype, model.export_dtype, rollout.dtype,
+# rollout.weight_dtype), case-insensitive; each key keeps its own canonical spelling (rollout.weight_dtype: bf16)
+DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
+                 "fp16": "float16", "float16": "float16", "half": "float16"}
+
+
+def normalize_dtype(value: Any) -> Any:
+    """``bf16``/``BF16``/``bfloat16`` -> ``"bfloat16"``, ``fp32``/``float32`` -> ``"float32"``, ``fp16``/``half``/
+    ``float16`` -> ``"float16"``; other values (``auto``, ``fp8``, None, non-strings) are returned as they are,
+    for the key's own type check to accept or refuse with its list of choices."""
+    if isinstance(value, str):
+        return DTYPE_ALIASES.get(value.strip().lower(), value)
+    return value
 
 
 class _Section(BaseModel):
@@ -188,6 +202,11 @@ class ModelConfig(_Section):
     # precision.fp8); auto = transformer_engine when TE is importable and a CUDA GPU is visible, else local
     layer_spec: Literal["auto", "local", "transformer_engine"] = "auto"
     planner_extras: Optional[PlannerExtras] = None  # shape-only recipes (moerl plan), see PlannerExtras
+
+    @field_validator("params_dtype", "export_dtype", mode="before")
+    @classmethod
+    def _dtype_aliases(cls, v: Any) -> Any:
+        return normalize_dtype(v)  # bf16 / fp32 / fp16 spellings
 
 
 class ParallelConfig(_Section):
@@ -361,6 +380,17 @@ class RolloutConfig(_Section):
     # fp8 = DeepSeek-V3 blockwise FP8 (HF/SGLang layout: weight float8_e4m3fn + weight_scale_inv per 128x128
     # block; router, norms, embeddings, lm_head kept), dequantised by the reference server.
     weight_dtype: Literal["auto", "bf16", "fp8"] = "auto"
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_aliases(cls, v: Any) -> Any:
+        return normalize_dtype(v)  # bf16 / fp32 spellings
+
+    @field_validator("weight_dtype", mode="before")
+    @classmethod
+    def _weight_dtype_aliases(cls, v: Any) -> Any:
+        v = normalize_dtype(v)
+        return {"bfloat16": "bf16"}.get(v, v.lower() if isinstance(v, str) else v)  # canonical here: bf16
     # Servers: reference = moerl's CPU server (moerl.rollout.server), sglang = real SGLang (GPU image,
     # moerl.rollout.sglang_launcher: local rank 0 of each node starts servers on rollout.gpu_ids).
     backend: Literal["reference", "sglang"] = "reference"
@@ -728,6 +758,19 @@ class PrecisionConfig(_Section):
     fp8_bf16_first_layers: int = Field(0, ge=0)  # transformer layers kept in BF16 at the start (not with delayed)
     fp8_bf16_last_layers: int = Field(0, ge=0)  # ... and at the end
 
+    @model_validator(mode="after")
+    def _fp8_keys_need_fp8(self) -> "PrecisionConfig":
+        """precision.fp8_recipe / fp8_bf16_*_layers given while precision.fp8 is null would be ignored: refuse.
+        (A dumped recipe holds the defaults with fp8 null: fp8_recipe=delayed and 0 layers are accepted.)"""
+        if self.fp8 is None:
+            given = [k for k in ("fp8_recipe", "fp8_bf16_first_layers", "fp8_bf16_last_layers")
+                     if k in self.model_fields_set and getattr(self, k) != type(self).model_fields[k].default]
+            if given:
+                raise ValueError(f"precision.{given[0]}={getattr(self, given[0])!r} is set but precision.fp8 is null, so "
+                                 f"FP8 training is off and it would be ignored: set precision.fp8=e4m3 (or hybrid) to "
+                                 f"train in FP8, or remove precision.{given[0]}")
+        return self
+
 
 class RecipeConfig(_Section):
     """The whole run recipe (see configs/tiny_arith.yaml for every key with a comment)."""
@@ -1063,18 +1106,21 @@ class RecipeConfig(_Section):
                 f"runs on {world_size}; launch {p.world_size} processes or change parallel.world_size"
             )
         mp = p.tp_size * p.pp_size
+        expert_mp = p.expert_tp_size * p.ep_size * p.pp_size
+        n = math.lcm(mp, expert_mp)  # the fewest processes the layout runs on
+        launch = (f"; launch with torchrun --nproc-per-node {n} -m moerl.cli train <recipe> (any multiple of "
+                  f"{n} processes in all)")
         if world_size % mp:
             raise ConfigError(
                 f"world_size ({world_size}) must be divisible by parallel.tp_size * parallel.pp_size "
-                f"({p.tp_size} * {p.pp_size} = {mp})"
+                f"({p.tp_size} * {p.pp_size} = {mp}){launch}"
             )
-        expert_mp = p.expert_tp_size * p.ep_size * p.pp_size
         if world_size % expert_mp:
             raise ConfigError(
                 f"world_size ({world_size}) must be divisible by etp_size * parallel.ep_size * parallel.pp_size "
                 f"({p.expert_tp_size} * {p.ep_size} * {p.pp_size} = {expert_mp}; etp_size is "
                 "parallel.etp_size, default parallel.tp_size): the expert layers tile the same ranks; lower "
-                "parallel.ep_size, or set parallel.etp_size=1 to combine tp_size > 1 with ep_size > 1"
+                f"parallel.ep_size, or set parallel.etp_size=1 to combine tp_size > 1 with ep_size > 1{launch}"
             )
         return world_size // mp
 
