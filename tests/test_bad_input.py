@@ -219,7 +219,16 @@ CASES = [
     ("unknown-key", T, ["rollout.n_samples_per_promt=8"], ["rollout.n_samples_per_promt", "n_samples_per_prompt"]),
     ("wrong-type", T, ["rollout.temperature=hot"], ["rollout.temperature"]),
     ("batch-not-divisible", T, ["train.micro_batch_size=48"], ["train.global_batch_size", "micro_batch_size"]),
-    ("layout-vs-world", T, ["parallel.tp_size=2"], ["parallel.tp_size"]),
+    ("layout-vs-world", T, ["parallel.tp_size=2"], ["parallel.tp_size", "launch with torchrun --nproc-per-node 2"]),
+    ("pp-without-torchrun", T, ["parallel.pp_size=2", "model.hf_config.num_hidden_layers=4"],
+     ["parallel.pp_size", "world_size (1)", "launch with torchrun --nproc-per-node 2"]),
+    ("ep4-without-torchrun", T, ["parallel.ep_size=4"], ["parallel.ep_size", "launch with torchrun --nproc-per-node 4"]),
+    ("fp8-recipe-without-fp8", T, ["precision.fp8_recipe=blockwise"],
+     ["precision.fp8_recipe='blockwise'", "precision.fp8 is null", "precision.fp8=e4m3"]),
+    ("fp8-bf16-layers-without-fp8", T, ["precision.fp8_bf16_first_layers=1"],
+     ["precision.fp8_bf16_first_layers", "precision.fp8 is null"]),
+    ("rollout-dtype-unknown", T, ["rollout.dtype=int8"], ["rollout.dtype", "'bfloat16'", "int8"]),
+    ("export-dtype-fp16", T, ["model.export_dtype=fp16"], ["model.export_dtype", "'float16'"]),
     ("override-without-eq", T, ["num_steps"], ["'num_steps'", "dotted.key=value"]),
     ("override-into-value", T, ["seed.x=1"], ["'seed' is a value"]),
     ("override-bad-yaml", T, ["train.num_steps=[1"], ["train.num_steps", "not valid YAML"]),
@@ -328,6 +337,7 @@ CASES = [
     ("serve-request-log-is-dir", S, ["--model-path", "{qwen_ok}", "--request-log", "{dir}"],
      ["--request-log", "is a directory"]),
     ("serve-no-model-flag", S, [], ["--model-path"]),
+    ("serve-dtype-unknown", S, ["--model-path", "{qwen_ok}", "--dtype", "int8"], ["--dtype", "int8", "auto"]),
     # moerl itself
     ("cli-typo", "cli", ["trian", RECIPE], ["'trian'", "did you mean 'train'", "plan"]),
     ("cli-upper-case", "cli", ["TRAIN", RECIPE], ["'TRAIN'", "did you mean 'train'"]),
@@ -644,3 +654,22 @@ def test_world_size_not_an_integer_is_named(fx, ports, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "abc")
     rc, out = run_inprocess("moerl", _train_argv([], fx, ports))
     assert rc == 2 and "WORLD_SIZE='abc'" in out and "fix:" in out and "invalid literal" not in out, out
+
+
+def test_dtype_spellings_mean_the_same_on_every_key():
+    """bf16 / bfloat16 / BF16 and fp32 / float32 name one dtype on every dtype key (normalised in the
+    schema, so the resolved recipe holds one spelling); ``moerl serve --dtype`` takes the same spellings
+    and ``auto`` (float32 on the CPU reference server). Reference: the canonical spellings by hand."""
+    from moerl.config.loader import load_config
+    from moerl.rollout.server import build_arg_parser
+
+    for bf, fp in (("bf16", "fp32"), ("BFloat16", "FLOAT32"), ("bfloat16", "float32")):
+        c = load_config(RECIPE, [f"model.params_dtype={bf}", f"model.export_dtype={fp}", f"rollout.dtype={bf}",
+                                 f"rollout.weight_dtype={bf}"])
+        assert (c.model.params_dtype, c.model.export_dtype, c.rollout.dtype, c.rollout.weight_dtype) == \
+            ("bfloat16", "float32", "bfloat16", "bf16")
+    assert load_config(RECIPE, ["rollout.dtype=fp32"]).rollout.dtype == "float32"
+    parse = lambda *a: build_arg_parser().parse_args(["--model-path", "m", *a]).dtype  # noqa: E731
+    assert (parse(), parse("--dtype", "auto"), parse("--dtype", "bf16"), parse("--dtype", "FP32")) == \
+        ("auto", "auto", "bfloat16", "float32")
+

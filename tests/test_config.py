@@ -205,7 +205,7 @@ def test_unknown_key_in_file_without_close_match_lists_valid_keys(tmp_path):
         ("rollout.max_retries=-1", "rollout.max_retries"),
         ("train.adam_beta2=1.0", "train.adam_beta2"),
         ("sft.target_accuracy=1.5", "sft.target_accuracy"),
-        ("model.params_dtype=fp32", "model.params_dtype"),
+        ("model.params_dtype=int8", "model.params_dtype"),  # fp32 / bf16 are accepted spellings
     ],
 )
 def test_wrong_type_or_range_names_the_key(override, fragment):

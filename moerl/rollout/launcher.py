@@ -77,6 +77,31 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
+def check_ports_free(host: str, base_port: int, num_servers: int, router_port: int) -> None:
+    """The ports a rollout cluster listens on, free on ``host`` now: servers ``base_port ..
+    base_port + num_servers - 1`` and the router's ``router_port`` (``moerl train`` checks them before any
+    compute; :meth:`RolloutCluster.check_ports` before it starts anything).
+
+    Raises:
+        PortInUseError: naming the first taken port, the recipe key to change and a free-looking value.
+        moerl.errors.PortError: ``host`` is not an address of this machine (cannot listen there).
+    """
+    from moerl.errors import PortError
+
+    last = base_port + num_servers - 1
+    ports = [(base_port + i, "rollout.base_port", f"rollout server {i}; servers use rollout.base_port .. "
+              f"rollout.base_port + {num_servers - 1} = {base_port}..{last}") for i in range(num_servers)]
+    for port, key, what in ports + [(router_port, "rollout.router_port", "sglang-router")]:
+        try:
+            free = port_is_free(host, port)
+        except OSError as e:  # not an address of this machine
+            raise PortError(f"rollout.host={host!r}: cannot listen on {host}:{port} ({e})", key="rollout.host",
+                            hint="give rollout.host an address of this machine (127.0.0.1, auto)") from None
+        if not free:
+            raise PortInUseError(f"port {port} on {host} ({what}) is already in use; change {key} in the recipe "
+                                 f"or on the command line (e.g. {key}={port + 100}) or stop what holds it")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """An ephemeral port that is free right now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -445,17 +470,9 @@ class RolloutCluster:
         self.shutdown()
 
     def check_ports(self) -> None:
-        """Raise PortInUseError naming the first taken port and the recipe key to change."""
-        for i, url in enumerate(self.server_urls):
-            port = self.base_port + i
-            if not port_is_free(self.host, port):
-                raise PortInUseError(
-                    f"port {port} on {self.host} (rollout server {i}) is already in use; change "
-                    f"rollout.base_port (servers use rollout.base_port .. rollout.base_port + "
-                    f"{self.num_servers - 1}) or stop the process holding it")
-        if not port_is_free(self.host, self.router_port):
-            raise PortInUseError(f"port {self.router_port} on {self.host} (sglang-router) is already in "
-                                 f"use; change rollout.router_port or stop the process holding it")
+        """Raise PortInUseError naming the first taken port and the recipe key to change
+        (:func:`check_ports_free`)."""
+        check_ports_free(self.host, self.base_port, len(self.server_urls), self.router_port)
 
     def _env(self, index: Optional[int] = None) -> dict:
         env = child_env()  # servers and router are not ranks of a torchrun job (moerl.runtime.procs)

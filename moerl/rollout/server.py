@@ -389,6 +389,13 @@ def create_app(engine: ReferenceEngine, server_args: Optional[dict] = None):
     return app
 
 
+def _dtype_arg(value: str) -> str:
+    """--dtype spellings as the recipe's dtype keys take them (moerl.config.schema.normalize_dtype)."""
+    from moerl.config.schema import normalize_dtype
+
+    return normalize_dtype(value)
+
+
 def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moerl serve", description="moerl CPU reference rollout server "
                                 "(SGLang native HTTP API)")
@@ -397,9 +404,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+    p.add_argument("--dtype", default="auto", type=_dtype_arg, choices=["auto", "float32", "bfloat16"],
                    help="dtype the model is loaded and served in, as SGLang's --dtype (weight updates are "
-                   "cast to it; recipe key rollout.dtype)")
+                   "cast to it; recipe key rollout.dtype); auto = float32 on this CPU reference server; "
+                   "bf16 / fp32 are accepted spellings")
     p.add_argument("--max-batch-size", type=int, default=256, help="most rows in one generate batch")
     p.add_argument("--switch-interval-ms", type=float, default=0.5, help="Python GIL switch interval")
     p.add_argument("--log-file", default=None, help="append logs here instead of stderr")
@@ -480,10 +488,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     except RuntimeError:
         pass
     logger.info("loading %s with %d threads", args.model_path, args.num_threads)
+    dtype = "float32" if args.dtype == "auto" else args.dtype  # the CPU reference server's auto
     engine = ReferenceEngine(args.model_path, args.tokenizer_path, max_batch_size=args.max_batch_size,
-                             dtype=args.dtype)
+                             dtype=dtype)
     app = create_app(engine, {"host": args.host, "port": args.port, "num_threads": args.num_threads,
-                              "dtype": args.dtype,
+                              "dtype": dtype,
                               "max_batch_size": args.max_batch_size, "tp_size": 1, "dp_size": 1,
                               "request_log": args.request_log})
     logger.info("serving on http://%s:%d", args.host, args.port)

@@ -18,8 +18,7 @@ from moerl.data.tokenizer import decode_response, encode_prompt, tokenizer_from_
 from moerl.models.families import get_family
 from moerl.moe.config import check_rollout_routing_matches
 from moerl.rewards import check_label, resolve_reward_fn
-from moerl.rollout.errors import PortInUseError
-from moerl.rollout.launcher import port_is_free
+from moerl.rollout.launcher import check_ports_free as check_rollout_ports
 
 
 @dataclass
@@ -60,33 +59,22 @@ class RunContext:
 
 
 def check_ports_free(rollout) -> None:
-    """Fail before any compute when a rollout port is taken.
+    """Fail before any compute when a rollout port is taken: ``rollout.host`` resolved ("auto": this
+    node's address), then moerl.rollout.launcher.check_ports_free (the check the cluster repeats at start).
 
     Raises:
         PortInUseError: naming the port and the recipe key to change.
         moerl.errors.PortError: rollout.host does not resolve or is not an address of this machine.
     """
-    from moerl.rollout.sglang_launcher import resolve_host
-
     from moerl.errors import PortError
+    from moerl.rollout.sglang_launcher import resolve_host
 
     try:
         host = resolve_host(rollout.host)  # "auto": this node's address
     except OSError as e:
         raise PortError(f"rollout.host={rollout.host!r} does not resolve ({e})", key="rollout.host",
                         hint="give rollout.host an address of this machine (127.0.0.1, auto)") from None
-    ports = [(rollout.base_port + i, f"rollout.base_port (server {i})") for i in range(rollout.num_servers)]
-    for port, key in ports + [(rollout.router_port, "rollout.router_port")]:
-        try:
-            free = port_is_free(host, port)
-        except OSError as e:  # not an address of this machine, or a name that does not resolve
-            raise PortError(f"rollout.host={rollout.host!r}: cannot listen on {host}:{port} ({e})", key="rollout.host",
-                            hint="give rollout.host an address of this machine (127.0.0.1, auto)") from None
-        if not free:
-            raise PortInUseError(
-                f"port {port} on {host} is already in use; change {key} in the recipe or on the "
-                f"command line (e.g. {key.split()[0]}={port + 100}) or stop what holds it"
-            )
+    check_rollout_ports(host, rollout.base_port, rollout.num_servers, rollout.router_port)
 
 
 def prepare_run(cfg, dist) -> RunContext:
