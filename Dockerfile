@@ -44,5 +44,7 @@ RUN pip install --no-deps -e . \
       "fastapi>=0.115,<1" "uvicorn>=0.30,<1" "httpx>=0.27,<0.29" "pydantic>=2.7,<3" "pyyaml>=6.0,<7" \
       "tensorboard>=2.16,<3" "tqdm>=4.66,<5" "matplotlib>=3.8,<4" "pytest>=8,<10"
 
+# moerl's native kernels (csrc/: C++ and CUDA, issue #15) compiled into the image's cache; `moerl doctor` reports them
+RUN TORCH_CUDA_ARCH_LIST="9.0" python -m moerl.kernels._build --cuda
 # Quick self-check at build time: the GPU-only imports resolve.
 RUN python -c "import transformer_engine, megatron.core, sglang_router, deep_ep; print('GPU stack ok')"

@@ -273,3 +273,13 @@ def test_doctor_reports_each_op(capsys, monkeypatch):
     monkeypatch.setenv("MOERL_KERNELS", "fast")
     assert main(["doctor"]) == 2  # a bad value is a bad input, named
     assert "MOERL_KERNELS" in capsys.readouterr().err
+
+
+def test_recipe_refuses_fused_logprob_with_dualpipe():
+    from moerl.config.loader import ConfigError, load_config
+
+    base = ["train.pipeline_schedule=dualpipev", "parallel.pp_size=2", "train.pack=false",
+            "model.hf_config.num_hidden_layers=4"]
+    assert load_config("configs/tiny_arith.yaml", base).train.fused_logprob is None  # auto: off there
+    with pytest.raises(ConfigError, match="train.fused_logprob=true needs train.pipeline_schedule=1f1b"):
+        load_config("configs/tiny_arith.yaml", base + ["train.fused_logprob=true"])

@@ -17,6 +17,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "moerl_blocks.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -65,7 +67,7 @@ at::Tensor fused_logprob_fwd(const at::Tensor& hidden_in, const at::Tensor& weig
   check_inputs(hidden_in, weight_in, labels_in);
   TORCH_CHECK(temperature > 0 && token_chunk > 0 && vocab_chunk > 0, "moerl fused_logprob: temperature and chunks must be > 0");
   const at::Tensor hidden = hidden_in.contiguous(), weight = weight_in.contiguous(), labels = labels_in.contiguous();
-  const int64_t n = hidden.size(0), v = weight.size(0);
+  const int64_t n = hidden.size(0);
   const float inv_t = static_cast<float>(1.0 / temperature);
   at::Tensor stats = at::empty({n, 4}, hidden.options());
   float* st = stats.data_ptr<float>();
@@ -76,42 +78,33 @@ at::Tensor fused_logprob_fwd(const at::Tensor& hidden_in, const at::Tensor& weig
     st[4 * i + 2] = 0.f;
     st[4 * i + 3] = 0.f;
   }
-  at::Tensor block = at::empty({std::min(token_chunk, n), std::min(vocab_chunk, v)}, hidden.options());
-  for (int64_t r0 = 0; r0 < n; r0 += token_chunk) {
-    const int64_t rows = std::min(token_chunk, n - r0);
-    const at::Tensor h = hidden.narrow(0, r0, rows);
-    for (int64_t c0 = 0; c0 < v; c0 += vocab_chunk) {
-      const int64_t cols = std::min(vocab_chunk, v - c0);
-      at::Tensor x = block.narrow(0, 0, rows).narrow(1, 0, cols);
-      if (cols != block.size(1)) x = at::empty({rows, cols}, hidden.options());
-      at::mm_out(x, h, weight.narrow(0, c0, cols).t());
-      const float* xp = x.data_ptr<float>();
-      const int64_t ld = x.stride(0);
-      at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
-        for (int64_t i = b; i < e; ++i) {
-          const float* row = xp + i * ld;
-          float mc = -std::numeric_limits<float>::infinity();
-          for (int64_t k = 0; k < cols; ++k) mc = std::max(mc, row[k] * inv_t);
-          float* s = st + 4 * (r0 + i);
-          const float m_new = std::max(s[0], mc);
-          const float rescale = s[1] > 0.f ? fast_exp(s[0] - m_new) : 0.f;
-          float se = 0.f, sx = 0.f;
+  moerl::forward_blocks(hidden, weight, token_chunk, vocab_chunk, [&](const at::Tensor& x, int64_t r0, int64_t c0) {
+    const int64_t rows = x.size(0), cols = x.size(1), ld = x.stride(0);
+    const float* xp = x.data_ptr<float>();
+    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const float* row = xp + i * ld;
+        float mc = -std::numeric_limits<float>::infinity();
+        for (int64_t k = 0; k < cols; ++k) mc = std::max(mc, row[k] * inv_t);
+        float* s = st + 4 * (r0 + i);
+        const float m_new = std::max(s[0], mc);
+        const float rescale = s[1] > 0.f ? fast_exp(s[0] - m_new) : 0.f;
+        float se = 0.f, sx = 0.f;
 #pragma omp simd reduction(+ : se, sx)
-          for (int64_t k = 0; k < cols; ++k) {
-            const float xs = row[k] * inv_t;
-            const float e_ = fast_exp(xs - m_new);
-            se += e_;
-            sx += e_ * xs;
-          }
-          s[0] = m_new;
-          s[1] = s[1] * rescale + se;
-          s[2] = s[2] * rescale + sx;
-          const int64_t local = lab[r0 + i] - vocab_start - c0;
-          if (local >= 0 && local < cols) s[3] = row[local] * inv_t;
+        for (int64_t k = 0; k < cols; ++k) {
+          const float xs = row[k] * inv_t;
+          const float e_ = fast_exp(xs - m_new);
+          se += e_;
+          sx += e_ * xs;
         }
-      });
-    }
-  }
+        s[0] = m_new;
+        s[1] = s[1] * rescale + se;
+        s[2] = s[2] * rescale + sx;
+        const int64_t local = lab[r0 + i] - vocab_start - c0;
+        if (local >= 0 && local < cols) s[3] = row[local] * inv_t;
+      }
+    });
+  });
   return stats;
 }
 
@@ -121,7 +114,7 @@ std::tuple<at::Tensor, at::Tensor> fused_logprob_bwd(const at::Tensor& hidden_in
                                                      const at::Tensor& g_lp_in, const at::Tensor& g_ent_in,
                                                      int64_t token_chunk, int64_t vocab_chunk) {
   check_inputs(hidden_in, weight_in, labels_in);
-  const int64_t n = hidden_in.size(0), v = weight_in.size(0);
+  const int64_t n = hidden_in.size(0);
   for (const at::Tensor* t : {&lse_in, &mean_in, &g_lp_in, &g_ent_in})
     TORCH_CHECK(t->dim() == 1 && t->size(0) == n && t->scalar_type() == at::kFloat,
                 "moerl fused_logprob backward: per-token inputs must be float32 [N]");
@@ -129,44 +122,28 @@ std::tuple<at::Tensor, at::Tensor> fused_logprob_bwd(const at::Tensor& hidden_in
   const at::Tensor lse = lse_in.contiguous(), mean = mean_in.contiguous(), g_lp = g_lp_in.contiguous(),
                    g_ent = g_ent_in.contiguous();
   const float inv_t = static_cast<float>(1.0 / temperature);
-  at::Tensor dh = at::zeros_like(hidden);
-  at::Tensor dw = at::zeros_like(weight);
   const int64_t* lab = labels.data_ptr<int64_t>();
   const float *lp = lse.data_ptr<float>(), *mp = mean.data_ptr<float>(), *gl = g_lp.data_ptr<float>(),
               *ge = g_ent.data_ptr<float>();
-  at::Tensor block = at::empty({std::min(token_chunk, n), std::min(vocab_chunk, v)}, hidden.options());
-  for (int64_t c0 = 0; c0 < v; c0 += vocab_chunk) {
-    const int64_t cols = std::min(vocab_chunk, v - c0);
-    const at::Tensor w = weight.narrow(0, c0, cols);
-    at::Tensor dw_blk = dw.narrow(0, c0, cols);
-    for (int64_t r0 = 0; r0 < n; r0 += token_chunk) {
-      const int64_t rows = std::min(token_chunk, n - r0);
-      const at::Tensor h = hidden.narrow(0, r0, rows);
-      at::Tensor x = block.narrow(0, 0, rows).narrow(1, 0, cols);
-      if (cols != block.size(1)) x = at::empty({rows, cols}, hidden.options());
-      at::mm_out(x, h, w.t());
-      float* xp = x.data_ptr<float>();
-      const int64_t ld = x.stride(0);
-      at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
-        for (int64_t i = b; i < e; ++i) {
-          float* row = xp + i * ld;
-          const int64_t t = r0 + i;
-          const float l = lp[t], mu = mp[t], a = gl[t], g = ge[t];
+  return moerl::backward_blocks(hidden, weight, token_chunk, vocab_chunk, [&](at::Tensor& x, int64_t r0, int64_t c0) {
+    const int64_t rows = x.size(0), cols = x.size(1), ld = x.stride(0);
+    float* xp = x.data_ptr<float>();
+    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        float* row = xp + i * ld;
+        const int64_t t = r0 + i;
+        const float l = lp[t], mu = mp[t], a = gl[t], g = ge[t];
 #pragma omp simd
-          for (int64_t k = 0; k < cols; ++k) {
-            const float xs = row[k] * inv_t;
-            const float p = fast_exp(xs - l);
-            row[k] = -p * (a + g * (xs - mu)) * inv_t;
-          }
-          const int64_t local = lab[t] - vocab_start - c0;
-          if (local >= 0 && local < cols) row[local] += a * inv_t;
+        for (int64_t k = 0; k < cols; ++k) {
+          const float xs = row[k] * inv_t;
+          const float p = fast_exp(xs - l);
+          row[k] = -p * (a + g * (xs - mu)) * inv_t;
         }
-      });
-      dh.narrow(0, r0, rows).addmm_(x, w);
-      dw_blk.addmm_(x.t(), h);
-    }
-  }
-  return {dh, dw};
+        const int64_t local = lab[t] - vocab_start - c0;
+        if (local >= 0 && local < cols) row[local] += a * inv_t;
+      }
+    });
+  });
 }
 
 }  // namespace

@@ -3,9 +3,11 @@
 // and the blockwise FP8 quantiser (fp8_quant.cu). Built by moerl/kernels/_build.py with
 // torch.utils.cpp_extension.load on a CUDA machine, after the CPU library that defines the op schemas.
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
+
+#include "moerl_blocks.h"
 
 #include <cuda_runtime.h>
 
@@ -45,22 +47,18 @@ at::Tensor fused_logprob_fwd_cuda(const at::Tensor& hidden_in, const at::Tensor&
   check_inputs(hidden_in, weight_in, labels_in);
   const c10::cuda::CUDAGuard guard(hidden_in.device());
   const at::Tensor hidden = hidden_in.contiguous(), weight = weight_in.contiguous(), labels = labels_in.contiguous();
-  const int64_t n = hidden.size(0), v = weight.size(0);
+  const int64_t n = hidden.size(0);
   const float inv_t = static_cast<float>(1.0 / temperature);
   at::Tensor stats = at::zeros({n, 4}, hidden.options());
   stats.select(1, 0).fill_(-std::numeric_limits<float>::infinity());
-  auto stream = at::cuda::getCurrentCUDAStream();
-  for (int64_t r0 = 0; r0 < n; r0 += token_chunk) {
-    const int64_t rows = std::min(token_chunk, n - r0);
-    const at::Tensor h = hidden.narrow(0, r0, rows);
-    for (int64_t c0 = 0; c0 < v; c0 += vocab_chunk) {
-      const int64_t cols = std::min(vocab_chunk, v - c0);
-      at::Tensor x = at::mm(h, weight.narrow(0, c0, cols).t());
-      check(moerl_lse_block(x.data_ptr<float>(), rows, cols, x.stride(0), inv_t, labels.data_ptr<int64_t>() + r0,
-                            vocab_start + c0, stats.data_ptr<float>() + 4 * r0, stream),
-            "lse_block");
-    }
-  }
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t* lab = labels.data_ptr<int64_t>();
+  float* st = stats.data_ptr<float>();
+  moerl::forward_blocks(hidden, weight, token_chunk, vocab_chunk, [&](const at::Tensor& x, int64_t r0, int64_t c0) {
+    check(moerl_lse_block(x.data_ptr<float>(), x.size(0), x.size(1), x.stride(0), inv_t, lab + r0, vocab_start + c0,
+                          st + 4 * r0, stream),
+          "lse_block");
+  });
   return stats;
 }
 
@@ -74,28 +72,15 @@ std::tuple<at::Tensor, at::Tensor> fused_logprob_bwd_cuda(const at::Tensor& hidd
   const c10::cuda::CUDAGuard guard(hidden_in.device());
   const at::Tensor hidden = hidden_in.contiguous(), weight = weight_in.contiguous(), labels = labels_in.contiguous();
   const at::Tensor l = lse.contiguous(), mu = mean.contiguous(), a = g_lp.contiguous(), g = g_ent.contiguous();
-  const int64_t n = hidden.size(0), v = weight.size(0);
   const float inv_t = static_cast<float>(1.0 / temperature);
-  at::Tensor dh = at::zeros_like(hidden), dw = at::zeros_like(weight);
-  auto stream = at::cuda::getCurrentCUDAStream();
-  for (int64_t c0 = 0; c0 < v; c0 += vocab_chunk) {
-    const int64_t cols = std::min(vocab_chunk, v - c0);
-    const at::Tensor w = weight.narrow(0, c0, cols);
-    at::Tensor dw_blk = dw.narrow(0, c0, cols);
-    for (int64_t r0 = 0; r0 < n; r0 += token_chunk) {
-      const int64_t rows = std::min(token_chunk, n - r0);
-      const at::Tensor h = hidden.narrow(0, r0, rows);
-      at::Tensor x = at::mm(h, w.t());
-      check(moerl_softmax_grad_block(x.data_ptr<float>(), rows, cols, x.stride(0), inv_t,
-                                     labels.data_ptr<int64_t>() + r0, vocab_start + c0, l.data_ptr<float>() + r0,
-                                     mu.data_ptr<float>() + r0, a.data_ptr<float>() + r0, g.data_ptr<float>() + r0,
-                                     stream),
-            "softmax_grad_block");
-      dh.narrow(0, r0, rows).addmm_(x, w);
-      dw_blk.addmm_(x.t(), h);
-    }
-  }
-  return {dh, dw};
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t* lab = labels.data_ptr<int64_t>();
+  return moerl::backward_blocks(hidden, weight, token_chunk, vocab_chunk, [&](at::Tensor& x, int64_t r0, int64_t c0) {
+    check(moerl_softmax_grad_block(x.data_ptr<float>(), x.size(0), x.size(1), x.stride(0), inv_t, lab + r0,
+                                   vocab_start + c0, l.data_ptr<float>() + r0, mu.data_ptr<float>() + r0,
+                                   a.data_ptr<float>() + r0, g.data_ptr<float>() + r0, stream),
+          "softmax_grad_block");
+  });
 }
 
 std::tuple<at::Tensor, at::Tensor> fp8_quantize_blockwise_cuda(const at::Tensor& x_in, int64_t br, int64_t bk, bool pow2) {
@@ -103,7 +88,7 @@ std::tuple<at::Tensor, at::Tensor> fp8_quantize_blockwise_cuda(const at::Tensor&
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   const int64_t r = x.size(0), k = x.size(1), gr = (r + br - 1) / br, gk = (k + bk - 1) / bk;
-  auto stream = at::cuda::getCurrentCUDAStream();
+  auto stream = c10::cuda::getCurrentCUDAStream();
   at::Tensor amax = at::empty({gr, gk}, x.options());
   check(moerl_fp8_block_amax(x.data_ptr<float>(), r, k, br, bk, amax.data_ptr<float>(), stream), "fp8_block_amax");
   at::Tensor scales = at::clamp_min(amax, 1e-4).div(448.0);  // moerl.precision.fp8.scale_from_amax, op for op
@@ -126,7 +111,7 @@ at::Tensor fp8_dequantize_blockwise_cuda(const at::Tensor& q_in, const at::Tenso
   const at::Tensor q = q_in.contiguous(), scales = scales_in.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({r, k}, q.options().dtype(at::kFloat));
   check(moerl_fp8_dequantize(reinterpret_cast<const uint8_t*>(q.data_ptr()), r, k, br, bk, scales.data_ptr<float>(),
-                             out.data_ptr<float>(), at::cuda::getCurrentCUDAStream()),
+                             out.data_ptr<float>(), c10::cuda::getCurrentCUDAStream()),
         "fp8_dequantize");
   return out;
 }

@@ -101,7 +101,8 @@ def _build(kind: str, verbose: bool) -> None:
     try:
         cpp_extension.load(
             name=name, sources=sources, extra_cflags=flags, extra_cuda_cflags=["-O3"] if cuda else None,
-            build_directory=str(_build_dir(name)), is_python_module=False, verbose=verbose, with_cuda=cuda)
+            extra_include_paths=[str(CSRC / "include")], build_directory=str(_build_dir(name)),
+            is_python_module=False, verbose=verbose, with_cuda=cuda)
     except Exception as e:  # noqa: BLE001 - a compiler error surfaces as RuntimeError/subprocess errors
         text = str(e).strip().splitlines()
         raise NativeBuildError(f"building {name} from {CSRC} failed: {text[-1] if text else type(e).__name__} "
@@ -181,3 +182,24 @@ def kernel_report(build: bool = True) -> list[tuple[str, str, str]]:
         for op in ("fused_logprob", "fp8_quantize"):
             rows.append((f"{op} [{device}]", impl, why))
     return rows
+
+
+def prebuild(cuda: bool) -> None:
+    """Compile the CPU extension (and with ``cuda`` the CUDA one, for ``$TORCH_CUDA_ARCH_LIST``; no GPU
+    needed) into the cache now, e.g. while building a container image
+    (``python -m moerl.kernels._build [--cuda]``).
+
+    Raises:
+        NativeBuildError: a tool is missing or the compiler failed.
+    """
+    verbose = os.environ.get("MOERL_KERNELS_VERBOSE") == "1"
+    _build("cpu", verbose)
+    if cuda:
+        _build("cuda", verbose)
+
+
+if __name__ == "__main__":
+    import sys
+
+    prebuild("--cuda" in sys.argv[1:])
+    print(f"moerl kernels built under {_build_dir('moerl_kernels_cpu').parent}")
