@@ -152,8 +152,8 @@ LAYOUTS = [
 @pytest.mark.parametrize("sizes", LAYOUTS, ids=lambda d: "-".join(f"{k[:-5]}{v}" for k, v in d.items()))
 def test_sharded_round_trip_is_exact(sizes):
     """Cut the HF model into every rank's Megatron shard (TP / EP / PP rules) and merge the shards back:
-    bit-identical HF tensors; a TP shard holds half the heads of q_b / kv_b and half of the MLA down
-    projections' rows; the router, its bias and the latent norms are replicated."""
+    bit-identical HF tensors; a TP shard holds half the heads of q_b / kv_b; the MLA down projections, the
+    router, its bias and the latent norms are replicated."""
     tp, ep, pp = sizes.get("tp_size", 1), sizes.get("ep_size", 1), sizes.get("pp_size", 1)
     ref = random_hf_model(seed=3, num_hidden_layers=4 if pp == 2 else 3)
     cfg = ref.config
@@ -173,7 +173,7 @@ def test_sharded_round_trip_is_exact(sizes):
         assert one["decoder.layers.0.self_attention.linear_q_up_proj.weight"].shape == \
             (nh // 2 * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim), cfg.q_lora_rank)
         assert one["decoder.layers.0.self_attention.linear_kv_down_proj.weight"].shape == \
-            ((cfg.kv_lora_rank + cfg.qk_rope_head_dim) // 2, cfg.hidden_size)
+            (cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.hidden_size)  # replicated (see layer_spec)
         assert one["decoder.layers.1.mlp.router.expert_bias"].shape == (cfg.n_routed_experts,)
     if ep == 4:
         assert any("local_experts.1." in k for sd in shards.values() for k in sd)  # E / ep = 2 per rank
@@ -341,3 +341,101 @@ def test_recipe_builds_the_deepseek_config():
     check_rollout_routing_matches(cfg.moe, ds.router_facts(hf), "DeepSeek-V3")  # the recipe's keys agree
     with pytest.raises(ConfigError, match="model.hf_config.q_lora_rank is a DeepSeek-V3 key"):
         load_config(recipe, ["model.hf_config.model_type=qwen3_moe"])
+
+
+# ----------------------------------------------------------------------------- layouts on gloo (slow)
+# one PPO step of the actor on a 4-layer DeepSeek-V3 (layer 0 dense) with the expert-bias update on, in each
+# layout, against one process: loss, grad norm, log-probs, the updated weights and expert biases (HF export)
+DS_LAYOUTS = {"ref": dict(nproc=1), "tp2ep2": dict(nproc=2, tp=2, ep=2, etp=1), "pp2": dict(nproc=2, pp=2)}
+DS_MODEL = dict(num_hidden_layers=4, vocab_size=100)  # vocab of test_parallel_layouts.global_samples
+
+
+def run_ds_layout(case: str, out_dir) -> None:
+    import json
+    import sys
+    from pathlib import Path
+
+    import torch.distributed as tdist
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_parallel_layouts import ADAM_EPS, ALGO, MICRO_BATCH, global_samples, hf_log_probs
+
+    from moerl.runtime.distributed import destroy_distributed, init_distributed
+    from moerl.train.actor import MegatronActor
+    from moerl.train.batching import split_micro_batches
+    from moerl.train.losses import policy_loss
+
+    spec = DS_LAYOUTS[case]
+    info = init_distributed(tp_size=spec.get("tp", 1), pp_size=spec.get("pp", 1), ep_size=spec.get("ep", 1),
+                            etp_size=spec.get("etp"), seed=0, num_threads=1)
+    try:
+        hf = random_hf_model(seed=0, **DS_MODEL)
+        actor = MegatronActor(hf.config, lr=1e-3, adam_eps=ADAM_EPS, clip_grad=1.0, moe_aux_loss_coeff=0.0,
+                              moe_load_balancing_type="none", config_overrides={"moe_router_bias_update_rate": 0.05})
+        actor.load_hf_state_dict(hf_state(hf))
+        samples = global_samples()
+        per_rank = len(samples) // info.dp_size
+        mine = samples[info.dp_rank * per_rank:(info.dp_rank + 1) * per_rank]
+        lp = {}
+        for mb, logp, _ in actor.compute_log_probs(split_micro_batches(mine, MICRO_BATCH, 0), 1.0):
+            for i, resp in zip(mb.sample_indices, mb.gather_response(logp)):
+                lp[mine[i].index] = resp.tolist()
+        old = [[x + 0.25 * ((s.index + j) % 3 - 1) for j, x in enumerate(hf_log_probs(hf, s))] for s in mine]
+        n_tok = sum(sum(s.loss_mask) for s in samples)
+        metrics = actor.train_step(split_micro_batches(mine, MICRO_BATCH, 0, {"old_log_probs": old}),
+                                   policy_loss(ALGO, global_num_tokens=n_tok, global_num_seqs=len(samples)), 1.0)
+        export = actor.export_hf_state_dict(dst=0)
+        everything = [None] * info.world_size
+        tdist.all_gather_object(everything, dict(rank=info.rank, lp=lp, metrics=metrics))
+        if info.rank == 0:
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            torch.save(export, Path(out_dir) / f"{case}.pt")
+            (Path(out_dir) / f"{case}.json").write_text(json.dumps(everything))
+    finally:
+        destroy_distributed()
+
+
+def _launch_ds(case: str, out_dir) -> tuple[list, dict]:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import _mp_helpers as h
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(DS_LAYOUTS[case]["nproc"]),
+           "--master_addr", "127.0.0.1", "--master_port", str(h.free_port()), str(Path(__file__).resolve()),
+           case, str(out_dir)]
+    proc = subprocess.run(cmd, env=h.subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"torchrun {case} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return json.loads((Path(out_dir) / f"{case}.json").read_text()), torch.load(Path(out_dir) / f"{case}.pt")
+
+
+@pytest.mark.slow
+def test_deepseek_layouts_match_one_process(tmp_path):
+    """TP=2 + EP=2 (expert-TP 1, sequence parallel) and PP=2 (1F1B) on gloo reproduce one process: loss and
+    grad norm (1e-5), log-probs (1e-5), every updated weight (max |diff| / max |ref| <= 1e-5) and the
+    updated expert biases (the aux-loss-free update counts the same tokens in every layout)."""
+    ref_ranks, ref_export = _launch_ds("ref", tmp_path)
+    init = on_disk(random_hf_model(seed=0, **DS_MODEL))
+    bias = [k for k in ref_export if k.endswith("e_score_correction_bias")]
+    assert len(bias) == 3 and all(not torch.equal(ref_export[k], init[k]) for k in bias)  # the update ran
+    ref = ref_ranks[0]
+    for case in ("tp2ep2", "pp2"):
+        ranks, export = _launch_ds(case, tmp_path)
+        for r in ranks:
+            assert abs(r["metrics"]["loss"] - ref["metrics"]["loss"]) <= 1e-5, (case, r["metrics"], ref["metrics"])
+            assert r["metrics"]["grad_norm"] == pytest.approx(ref["metrics"]["grad_norm"], rel=1e-5)
+            worst = max(abs(a - b) for k, v in r["lp"].items() for a, b in zip(v, ref["lp"][k]))
+            assert worst <= 1e-5, (case, r["rank"], worst)
+        assert set(export) == set(ref_export)
+        for k, want in ref_export.items():
+            rel = float((export[k] - want).abs().max() / want.abs().max().clamp_min(1e-30))
+            assert rel <= 1e-5, (case, k, rel)
+
+
+if __name__ == "__main__":
+    import sys
+
+    run_ds_layout(sys.argv[1], sys.argv[2])

@@ -60,10 +60,10 @@ Weights (HF on-disk names, what SGLang loads; Megatron local layer spec names)::
 
 The per-head layouts agree (q_b rows per head = [nope, rope]; kv_b rows per head = [k_nope, v];
 kv_a rows = [kv latent, k rope]), so every rule is a copy or a [gate; up] concatenation.
-Shards: the local spec's MLA projections are ColumnParallelLinear (q/kv down projections split on
-dim 0 and gathered in forward; q/kv up projections split by heads on dim 0), linear_proj is
-row-parallel (dim 1); norms, router and expert bias are replicated; routed experts split over EP
-(and expert-TP), shared experts over TP like a dense MLP.
+Shards: the q/kv down projections (q_a_proj, kv_a_proj_with_mqa) are replicated plain linears (see
+:func:`layer_spec`), the q/kv up projections are column-parallel (split by heads on dim 0),
+linear_proj is row-parallel (dim 1); norms, router and expert bias are replicated; routed experts
+split over EP (and expert-TP), shared experts over TP like a dense MLP.
 
 The Transformer Engine layer spec (MLA's fused TELayerNormColumnParallelLinear up projections) and
 multi-token prediction layers (``num_nextn_predict_layers``) are not built by this module yet: a
@@ -379,9 +379,13 @@ def layer_spec(hf_config, transformer_config, layer_spec_kind: str = "local", vp
     """The decoder block spec of this pipeline stage: Megatron-Core's local GPT spec with multi-latent
     attention (``get_gpt_decoder_block_spec(..., use_transformer_engine=False)``, which reads
     ``multi_latent_attention``, ``qk_layernorm`` and ``moe_layer_freq`` from the config: MLASelfAttention
-    with ColumnParallelLinear projections and RMSNorm q/kv latent norms, dense SwiGLU MLPs in the first
+    with RMSNorm q/kv latent norms, column-parallel up projections, dense SwiGLU MLPs in the first
     ``first_k_dense_replace`` layers, MoE layers with SequentialMLP experts and a SharedExpertMLP),
-    core attention :func:`mla_core_attention_class`.
+    core attention :func:`mla_core_attention_class`, and the q/kv down projections replicated over TP
+    (Megatron-Core's ``post_training.modelopt.layers.Linear``, a torch Linear whose weight gradient
+    finalize_model_grads all-reduces over TP under sequence parallelism; initialised by torch's default
+    Linear init, not ``init_method``): with the local spec's ColumnParallelLinear there, Megatron-Core
+    0.16.1's backward of the gathered latent gave a wrong kv_a_proj_with_mqa gradient at TP = 2.
 
     Args:
         hf_config: DeepseekV3Config (unused beyond the config's fields; kept for the registry's shape).
@@ -400,11 +404,19 @@ def layer_spec(hf_config, transformer_config, layer_spec_kind: str = "local", vp
                          "spec only; set model.layer_spec=local")
     block = get_gpt_decoder_block_spec(transformer_config, use_transformer_engine=False, normalization="RMSNorm",
                                        vp_stage=vp_stage)
+    from megatron.core.post_training.modelopt.layers import Linear
+
     core = mla_core_attention_class()
     for spec in block.layer_specs:
         sub = spec.submodules.self_attention.submodules
         if sub.core_attention is DotProductAttention:
             sub.core_attention = core
+        # replicated down projections (what the TE spec's duplicated TELinear does): with the local spec's
+        # ColumnParallelLinear, Megatron-Core 0.16.1 gathers the latent and keeps k_pos_emb whole, and the
+        # backward of that gather takes each rank's slice of a gradient that holds only its own heads'
+        # part: kv_a_proj_with_mqa's gradient came out wrong at TP=2 (0.2 % off in the grad norm)
+        sub.linear_q_down_proj = Linear
+        sub.linear_kv_down_proj = Linear
     return block
 
 
@@ -423,8 +435,8 @@ def conversion_rules(hf_config, expert_bias: bool = True, head: str = "lm",
 
     Returns:
         list of ``moerl.checkpoint.hf_convert.ParamRule`` (kinds "copy" and "gate_up"; ``tp_dim``
-        0 for column-parallel tensors incl. MLA's down projections, 1 for row-parallel, None for
-        replicated; ``layer`` / ``expert`` the global indices).
+        0 for column-parallel tensors, 1 for row-parallel, None for replicated (incl. MLA's down
+        projections); ``layer`` / ``expert`` the global indices).
 
     Raises:
         ValueError: an unknown head or a layer spec other than "local".
@@ -452,10 +464,10 @@ def conversion_rules(hf_config, expert_bias: bool = True, head: str = "lm",
         if hf_config.q_lora_rank is None:
             copy(ma + "linear_q_proj.weight", ha + "q_proj.weight", l, tp_dim=0)
         else:
-            copy(ma + "linear_q_down_proj.weight", ha + "q_a_proj.weight", l, tp_dim=0)
+            copy(ma + "linear_q_down_proj.weight", ha + "q_a_proj.weight", l)
             copy(ma + "linear_q_up_proj.weight", ha + "q_b_proj.weight", l, tp_dim=0)
             copy(ma + "q_layernorm.weight", ha + "q_a_layernorm.weight", l)
-        copy(ma + "linear_kv_down_proj.weight", ha + "kv_a_proj_with_mqa.weight", l, tp_dim=0)
+        copy(ma + "linear_kv_down_proj.weight", ha + "kv_a_proj_with_mqa.weight", l)
         copy(ma + "linear_kv_up_proj.weight", ha + "kv_b_proj.weight", l, tp_dim=0)
         copy(ma + "kv_layernorm.weight", ha + "kv_a_layernorm.weight", l)
         copy(ma + "linear_proj.weight", ha + "o_proj.weight", l, tp_dim=1)
@@ -497,18 +509,14 @@ def router_facts(hf_config) -> RouterFacts:
 
 
 def shard_checks(hf_config) -> list:
-    """(field, value, size_name) pairs a layout must divide: heads, vocabulary, the MLA down-projection
-    widths (ColumnParallelLinear in the local spec: q_lora_rank, kv_lora_rank + qk_rope_head_dim) and the
-    dense / shared-expert widths by TP; routed experts by EP; the expert width by expert-TP."""
+    """(field, value, size_name) pairs a layout must divide: heads, vocabulary and the dense / shared-expert
+    widths by TP; routed experts by EP; the expert width by expert-TP."""
     checks = [
         ("num_attention_heads", hf_config.num_attention_heads, "tp_size"),
         ("vocab_size", hf_config.vocab_size, "tp_size"),
-        ("kv_lora_rank + qk_rope_head_dim", hf_config.kv_lora_rank + hf_config.qk_rope_head_dim, "tp_size"),
         ("n_routed_experts", num_experts(hf_config), "ep_size"),
         ("moe_intermediate_size", hf_config.moe_intermediate_size, "etp_size"),
     ]
-    if hf_config.q_lora_rank is not None:
-        checks.append(("q_lora_rank", hf_config.q_lora_rank, "tp_size"))
     if hf_config.n_shared_experts:
         checks.append(("n_shared_experts * moe_intermediate_size",
                        hf_config.n_shared_experts * hf_config.moe_intermediate_size, "tp_size"))
