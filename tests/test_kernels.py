@@ -283,3 +283,75 @@ def test_recipe_refuses_fused_logprob_with_dualpipe():
     assert load_config("configs/tiny_arith.yaml", base).train.fused_logprob is None  # auto: off there
     with pytest.raises(ConfigError, match="train.fused_logprob=true needs train.pipeline_schedule=1f1b"):
         load_config("configs/tiny_arith.yaml", base + ["train.fused_logprob=true"])
+
+
+def _actor_tp_case(out_path: str) -> None:
+    """torchrun worker (2 ranks, tp=2 with sequence parallelism, tied embeddings): the old-log-prob pass
+    (padded and packed) and one update with train.fused_logprob on and off; rank 0 writes the results."""
+    import json
+
+    from test_actor import ALGO, make_samples
+    from test_hf_convert import FIELDS, random_hf_model
+
+    from moerl.runtime.distributed import destroy_distributed, init_distributed
+    from moerl.train.actor import MegatronActor
+    from moerl.train.batching import split_micro_batches, split_packed_micro_batches
+    from moerl.train.losses import policy_loss
+
+    info = init_distributed(tp_size=2, seed=0, num_threads=1)
+    try:
+        hf = random_hf_model(seed=0, tie_word_embeddings=True)
+        samples = make_samples(FIELDS["vocab_size"])
+        res = {}
+        for flag in (False, True):
+            actor = MegatronActor(hf.config, lr=1e-3, fused_logprob=flag)
+            actor.load_hf_state_dict(hf.state_dict())
+            padded = actor.compute_log_probs(split_micro_batches(samples, 3, pad_id=0), 0.7)
+            packed = actor.compute_log_probs(
+                split_packed_micro_batches(samples, [[0, 1, 2], [3, 4, 5]], 0, pad_to_multiple_of=2), 0.7)
+            old = [None] * len(samples)
+            for mb, lp, _ in padded:
+                for i, resp in zip(mb.sample_indices, mb.gather_response(lp)):
+                    old[i] = [x + 0.1 * (j % 3 - 1) for j, x in enumerate(resp.tolist())]
+            mbs = split_micro_batches(samples, 3, 0, {"old_log_probs": old})
+            n_tok = int(sum(mb.loss_mask.sum() for mb in mbs))
+            m = actor.train_step(mbs, policy_loss(ALGO, global_num_tokens=n_tok, global_num_seqs=len(samples)), 0.7)
+            emb = actor.model.embedding.word_embeddings.weight.main_grad
+            res[str(flag)] = dict(fused=actor.fused_logprob,
+                                  lp=[x[1].tolist() for x in padded + packed], ent=[x[2].tolist() for x in padded + packed],
+                                  loss=m["loss"], grad_norm=m["grad_norm"], emb_grad=emb.abs().sum().item(),
+                                  emb_grad_max=emb.abs().max().item())
+        if info.rank == 0:
+            Path(out_path).write_text(json.dumps(res))
+    finally:
+        destroy_distributed()
+
+
+@pytest.mark.slow
+def test_actor_fused_on_vs_off_tp2(tmp_path):
+    """tp=2 with sequence parallelism and a tied embedding (vocab-parallel shards of the shared weight,
+    the sequence all-gather / reduce-scatter kept by skip_output_layer): log-probs and entropies
+    (padded and packed), loss and grad norm within 1e-6 with train.fused_logprob on vs off."""
+    import json
+
+    import _mp_helpers as h
+
+    out = tmp_path / "tp2.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(h.free_port()), str(Path(__file__).resolve()), str(out)]
+    proc = subprocess.run(cmd, env=h.subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    res = json.loads(out.read_text())
+    off, on = res["False"], res["True"]
+    assert on["fused"] and not off["fused"]
+    for key in ("lp", "ent"):
+        a = torch.tensor([x for mb in off[key] for row in mb for x in row])
+        b = torch.tensor([x for mb in on[key] for row in mb for x in row])
+        assert float((a - b).abs().max()) <= 1e-6, key
+    assert abs(on["loss"] - off["loss"]) <= 1e-6 and off["loss"] != 0.0
+    assert on["grad_norm"] == pytest.approx(off["grad_norm"], rel=1e-6)
+    assert on["emb_grad"] == pytest.approx(off["emb_grad"], rel=1e-5) and off["emb_grad_max"] > 0
+
+
+if __name__ == "__main__":  # torchrun worker of test_actor_fused_on_vs_off_tp2
+    _actor_tp_case(sys.argv[1])
