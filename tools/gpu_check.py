@@ -15,8 +15,10 @@ actor_bf16          moerl's MegatronActor (local layer spec) on CUDA in BF16 vs 
                     STEP0_LOGPROB_TOL_BF16).
 kernels             moerl's native CUDA kernels (csrc/cuda, moerl.kernels) vs their pure-torch
                     references: fused linear log-prob + entropy, forward and gradients, against a
-                    float64 naive log_softmax. SKIP when csrc/cuda holds no sources or they do not build
-                    (no nvcc: the kit cannot carry a CUDA toolkit).
+                    float64 naive log_softmax (max relative error <= 1e-4); blockwise FP8 quantisation
+                    bitwise equal to moerl.precision.fp8 (weights and activations, ragged edges, pow2
+                    scales). SKIP when csrc/cuda holds no sources or they do not build (no nvcc: the kit
+                    cannot carry a CUDA toolkit).
 fp8_gemm            a block-scaled FP8 (E4M3) GEMM on the GPU's FP8 tensor cores (``torch._scaled_mm``
                     per 128-wide K-block, FP32 output, the 1x128 / 128x128 scales applied in FP32 between
                     K-blocks as DeepSeek-V3 sec. 3.3 describes) vs moerl.precision.fp8.block_scaled_gemm
@@ -205,10 +207,29 @@ def worker_kernels(args) -> dict:
     ref_ent = -(logits.exp() * logits).sum(-1)
     (ref_lp.sum() + 0.5 * ref_ent.sum()).backward()
     rel = lambda a, b: float((a.detach().double().cpu() - b.detach()).abs().max() / b.detach().abs().max().clamp(min=1e-30))  # noqa: E731
-    return {"fused_logprob": {"log_prob": rel(lp, ref_lp), "entropy": rel(ent, ref_ent), "grad_hidden": rel(hd.grad, h64.grad),
-                              "grad_weight": rel(wd.grad, w64.grad)},
-            "other_modules": sorted(p.stem for p in Path(_build.__file__).parent.glob("*.py")
-                                    if p.stem not in ("__init__", "_build", "fused_logprob"))}
+    out = {"fused_logprob": {"log_prob": rel(lp, ref_lp), "entropy": rel(ent, ref_ent), "grad_hidden": rel(hd.grad, h64.grad),
+                             "grad_weight": rel(wd.grad, w64.grad)},
+           "sources": sorted(p.name for p in srcs)}
+    try:
+        from moerl.kernels import fp8_quant as native
+    except ImportError:
+        return out
+    from moerl.precision import fp8 as ref
+
+    # blockwise FP8 quantisation: bitwise equal to the reference (ragged 300 x 200 edges, pow2 scales too)
+    mismatches, cases = [], 0
+    for shape in ((256, 384), (300, 200)):
+        x = torch.randn(*shape, generator=g) * torch.logspace(-3, 2, shape[1])
+        for pow2 in (False, True):
+            for name, fn, rfn in (("weight", native.quantize_weight, ref.quantize_weight),
+                                  ("activation", native.quantize_activation, ref.quantize_activation)):
+                cases += 1
+                q, sc = fn(x.to(args.device), pow2=pow2, impl="native")
+                rq, rsc = rfn(x, pow2=pow2)
+                if not (torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8)) and torch.equal(sc.cpu(), rsc)):
+                    mismatches.append(f"{name} {list(shape)} pow2={pow2}")
+    out["fp8_quant"] = {"cases": cases, "mismatches": mismatches}
+    return out
 
 
 def _serve_supports_device() -> bool:
@@ -377,19 +398,22 @@ class Runner:
             raise Skip(res["skip"])
         return res
 
+    def need(self, name: str) -> None:
+        """Raise :class:`Skip` when less than the check's worst-case seconds are left of the budget (each
+        check calls it after its cheap prerequisites, so a check that cannot run here says why first)."""
+        if self.left() < ESTIMATE_S[name]:
+            raise Skip(f"{self.left():.0f} s left of --budget-s, the check needs up to {ESTIMATE_S[name]} s")
+
     def run(self, name: str, fn: Callable[[], str]) -> None:
         t = time.monotonic()
-        if self.left() < ESTIMATE_S[name]:
-            status, msg = "SKIP", f"{self.left():.0f} s left of --budget-s, the check needs up to {ESTIMATE_S[name]} s"
-        else:
-            try:
-                status, msg = "PASS", fn()
-            except Skip as e:
-                status, msg = "SKIP", str(e)
-            except Failed as e:
-                status, msg = "FAIL", str(e)
-            except Exception as e:  # noqa: BLE001 - a bug or an environment problem is that check's FAIL
-                status, msg = "FAIL", f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        try:
+            status, msg = "PASS", fn()
+        except Skip as e:
+            status, msg = "SKIP", str(e)
+        except Failed as e:
+            status, msg = "FAIL", str(e)
+        except Exception as e:  # noqa: BLE001 - a bug or an environment problem is that check's FAIL
+            status, msg = "FAIL", f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
         tag = " (CPU self-test, not a GPU result)" if self.self_test and status != "SKIP" else ""
         print(f"{status} {name}: {msg}{tag} ({time.monotonic() - t:.1f} s)", flush=True)
         self.results.append((name, status))
@@ -400,6 +424,7 @@ def _model_dir(r: Runner) -> str:
 
 
 def check_actor_bf16(r: Runner) -> str:
+    r.need("actor_bf16")
     from moerl.observe.report import STEP0_LOGPROB_TOL_BF16
 
     md = _model_dir(r)
@@ -417,17 +442,22 @@ def check_actor_bf16(r: Runner) -> str:
 
 
 def check_kernels(r: Runner) -> str:
+    r.need("kernels")
     res = r.worker("kernels")
     f = res["fused_logprob"]
-    msg = ("fused_logprob native vs float64 reference, max relative error: " +
-           ", ".join(f"{k} {v:.1e}" for k, v in f.items()) +
-           (f"; other kernel modules not covered here: {', '.join(res['other_modules'])}" if res["other_modules"] else ""))
-    if not all(v <= 1e-4 for v in f.values()):
-        raise Failed(msg + " (bound 1e-4)")
+    msg = (f"{', '.join(res['sources'])}: fused_logprob vs float64, max relative error " +
+           ", ".join(f"{k} {v:.1e}" for k, v in f.items()) + " (bound 1e-4)")
+    q = res.get("fp8_quant")
+    msg += (f"; fp8_quant bitwise equal to moerl.precision.fp8 in {q['cases'] - len(q['mismatches'])} of {q['cases']} "
+            f"cases{' (differs: ' + '; '.join(q['mismatches']) + ')' if q['mismatches'] else ''}"
+            if q else "; moerl.kernels.fp8_quant not importable: not checked")
+    if not all(v <= 1e-4 for v in f.values()) or (q and q["mismatches"]):
+        raise Failed(msg)
     return msg
 
 
 def check_fp8_gemm(r: Runner) -> str:
+    r.need("fp8_gemm")
     res = r.worker("fp8_gemm")
     rel = res["max_abs_diff"] / res["ref_max_abs"]
     msg = (f"[M,N,K]={res['shape']}: max |scaled_mm - reference| {res['max_abs_diff']:.2e} = {rel:.1e} of max |ref| "
@@ -438,6 +468,7 @@ def check_fp8_gemm(r: Runner) -> str:
 
 
 def check_server_step0(r: Runner) -> str:
+    r.need("server_step0")
     res = r.worker("server_step0", model_dir=_model_dir(r))
     msg = (f"trainer ({res['trainer_device']}, fp32) vs server ({res['server_device']}, fp32) log-probs of "
            f"{res['tokens']} generated tokens: mean |diff| {res['mean']:.2e}, max {res['max']:.2e} (step-0 bound on "
@@ -450,6 +481,7 @@ def check_server_step0(r: Runner) -> str:
 
 
 def check_mfu(r: Runner) -> str:
+    r.need("mfu")
     res = r.worker("mfu")
     msg = (f"{res['device_name']}: step {res['step_s'] * 1e3:.1f} ms, {res['tokens_per_s']:.0f} tokens/s, "
            f"{res['model_tflops']:.3g} model TFLOP/s")
@@ -472,6 +504,7 @@ def check_te_spec(r: Runner) -> str:
                    "transformer-engine[pytorch] matching the CUDA torch (too large for the 60 MiB kit)") from None
     if r.self_test:
         raise Skip("TE's FP8 layers need CUDA (not part of the CPU self-test)")
+    r.need("te_spec")
     p = subprocess.run([sys.executable, str(REPO / "tools" / "check_te_spec.py")], capture_output=True, text=True,
                        timeout=max(10.0, r.left()), cwd=str(REPO))
     lines = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.strip()]
