@@ -70,6 +70,10 @@ fi
 export OMP_WAIT_POLICY=PASSIVE TORCHDYNAMO_DISABLE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/moerl_torch_extensions}"
 left=$(( BUDGET - ($(date +%s) - START) ))
+if [ "$left" -lt 40 ]; then
+  echo "FAIL budget: only $left s of $BUDGET s left after the install; nothing checked (gpu_check.sh --budget-s)"
+  exit 124
+fi
 # the checks get what is left minus a margin for start-up and the summary; timeout is the backstop
 timeout --kill-after=10 "$left" "$PY" "$REPO/tools/gpu_check.py" --budget-s $(( left - 20 )) "${ARGS[@]+"${ARGS[@]}"}"
 rc=$?
