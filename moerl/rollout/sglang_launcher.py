@@ -291,6 +291,78 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def node_layout() -> tuple[int, int]:
+    """``(node_rank, nnodes)`` of this process: torchrun's GROUP_RANK (the node's rank, given by the
+    rendezvous; global rank = GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK) and WORLD_SIZE /
+    LOCAL_WORLD_SIZE; ``(0, 1)`` without torchrun."""
+    return int(os.environ.get("GROUP_RANK", "0") or 0), _nnodes_from_env()
+
+
+def launch_reference_rollout(model_path: str, *, num_servers: int, host: str, base_port: int, router_port: int,
+                             external_urls: Sequence[str] = (), **cluster_kw):
+    """Collective under torchrun (every rank calls it): the reference rollout servers of the whole job,
+    ``num_servers`` (rollout.num_servers) PER NODE, started by each node's local rank 0.
+
+    Node ``n`` (torchrun GROUP_RANK) serves on ports ``base_port + n * num_servers ..`` (distinct, so
+    that nodes sharing one machine, e.g. two torchrun agents on loopback, do not collide); the URLs are
+    all-gathered and global rank 0 returns a (not yet started) RolloutCluster that starts node 0's
+    servers and sglang-router in front of every node's servers and ``external_urls`` (the other
+    nodes' as ``peer_worker_urls``: weight syncs, pauses and colocated release / resume reach them);
+    local rank 0 of another node returns a :class:`NodeServers` (its servers, no router); every other
+    rank returns None. One node: rank 0's RolloutCluster, as before. ``cluster_kw`` goes to
+    RolloutCluster (threads_per_server, dtype, log_dir, failover, ...).
+
+    Raises:
+        moerl.errors.PortError: rollout.router_port falls among some node's server ports.
+        ValueError: ``host`` is loopback (127.0.0.1) while the nodes are different machines (the router
+            on node 0 could not reach them): set rollout.host=auto.
+    """
+    import socket
+
+    import torch.distributed as dist
+
+    from moerl.errors import PortError
+    from moerl.rollout.common import is_loopback_or_wildcard
+    from moerl.rollout.launcher import RolloutCluster
+
+    node, nnodes = node_layout()
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if nnodes == 1:
+        return RolloutCluster(model_path=model_path, num_servers=num_servers, host=host, base_port=base_port,
+                              router_port=router_port, extra_worker_urls=external_urls, **cluster_kw) if rank == 0 else None
+    node_base = base_port + node * num_servers
+    mine = local_rank() == 0
+    if cluster_kw.get("log_dir") and node > 0:  # nodes may share a filesystem (or a machine): own log files
+        cluster_kw["log_dir"] = os.path.join(cluster_kw["log_dir"], f"node{node}")
+    local = [f"http://{host}:{node_base + i}" for i in range(num_servers)] if mine else []
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, (socket.gethostname() if mine else None, local))
+    machines = {h for h, _ in out if h is not None}
+    every = [u for _, urls in out for u in urls]
+    last = base_port + nnodes * num_servers - 1
+    if base_port <= router_port <= last:
+        raise PortError(f"rollout.router_port={router_port} is one of the rollout server ports {base_port}..{last} "
+                        f"({nnodes} nodes x rollout.num_servers={num_servers}: node n serves on rollout.base_port + "
+                        f"n * num_servers ..)", key="rollout.router_port",
+                        hint=f"rollout.router_port={last + 1} or below rollout.base_port")
+    if len(machines) > 1 and is_loopback_or_wildcard(host):
+        raise ValueError(f"rollout servers run on {len(machines)} machines but rollout.host={host} is not an "
+                         "address the router on node 0 can reach: set rollout.host=auto (each node's address)")
+    if rank == 0:
+        from moerl.runtime.world import log
+
+        peers = [u for u in every if u not in local]
+        log(f"rollout: {nnodes} nodes, {len(every)} servers behind the router on node 0: "
+            + "; ".join(f"node {n}: {urls}" for n, (_, urls) in enumerate(o for o in out if o[0] is not None)))
+        return RolloutCluster(model_path=model_path, num_servers=num_servers, host=host, base_port=node_base,
+                              router_port=router_port, extra_worker_urls=[*peers, *external_urls],
+                              peer_worker_urls=peers, **cluster_kw)
+    if mine:
+        return NodeServers(RolloutCluster(model_path=model_path, num_servers=num_servers, host=host,
+                                          base_port=node_base, router_port=router_port, **cluster_kw))
+    return None
+
+
 def launch_sglang_rollout(model_path: str, *, rollout_gpu_ids: Sequence[int], router_port: int,
                           base_port: int = 30000, host: str = "127.0.0.1", tp_size: int = 1, dp_size: int = 1,
                           ep_size: int = 1, mem_fraction_static: float = 0.8, colocated: bool = False,

@@ -13,8 +13,7 @@ from moerl.checkpoint.hf_io import load_hf_state_dict, save_hf_checkpoint
 from moerl.models.dtypes import rollout_serving_dtype
 from moerl.moe.config import moe_actor_kwargs
 from moerl.moe.telemetry import MoETelemetry
-from moerl.rollout.launcher import RolloutCluster
-from moerl.rollout.sglang_launcher import launch_sglang_rollout, resolve_host
+from moerl.rollout.sglang_launcher import launch_reference_rollout, launch_sglang_rollout, resolve_host
 from moerl.runtime import world
 from moerl.runtime.world import broadcast_from_main, log
 from moerl.train.actor import MegatronActor, actor_parallel_kwargs
@@ -73,8 +72,9 @@ def build_actor(ctx) -> tuple[MegatronActor, Optional[MoETelemetry], dict]:
 
 def rollout_servers(ctx, model_path: str):
     """(node context, cluster context): entering them starts this job's rollout servers behind
-    sglang-router (reference servers on rank 0, or real SGLang on local rank 0 of every node; a
-    collective for sglang). The cluster context yields the RolloutCluster on rank 0, None elsewhere."""
+    sglang-router: reference servers (rollout.num_servers per node) or real SGLang, started by local rank 0
+    of every node (a collective under torchrun). The cluster context yields the RolloutCluster on rank 0,
+    None elsewhere; the node context holds another node's servers (moerl.rollout.sglang_launcher)."""
     cfg, ro = ctx.cfg, ctx.cfg.rollout
     cluster_cm = node_cm = contextlib.nullcontext(None)
     if ro.backend == "sglang":  # collective: local rank 0 of every node starts its node's servers
@@ -89,14 +89,18 @@ def rollout_servers(ctx, model_path: str):
             cluster_cm = launched
         elif launched is not None:
             node_cm = launched
-    elif world.is_main():
-        cluster_cm = RolloutCluster(
-            model_path=model_path, num_servers=ro.num_servers, host=resolve_host(ro.host), base_port=ro.base_port,
+    else:  # collective under torchrun: rollout.num_servers reference servers on every node (one node: rank 0's)
+        launched = launch_reference_rollout(
+            model_path, num_servers=ro.num_servers, host=resolve_host(ro.host), base_port=ro.base_port,
             router_port=ro.router_port, router_policy=ro.router_policy, threads_per_server=ro.threads_per_server,
             startup_timeout_s=ro.startup_timeout_s, log_dir=str(ctx.run_dir / "logs"),
-            failover=ro.failover, max_restarts=ro.max_restarts, extra_worker_urls=ro.external_urls,
+            failover=ro.failover, max_restarts=ro.max_restarts, external_urls=ro.external_urls,
             dtype=rollout_serving_dtype(ro),
         )
+        if world.is_main():
+            cluster_cm = launched
+        elif launched is not None:
+            node_cm = launched
     if ro.cpu_affinity:
         cluster_cm, node_cm = pinned_start(cluster_cm, ro.cpu_affinity), pinned_start(node_cm, ro.cpu_affinity)
     return node_cm, cluster_cm
