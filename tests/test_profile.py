@@ -81,6 +81,9 @@ def test_perf_metrics_and_step_line():
     assert "perf/mfu" not in out and out["perf/tokens_per_s_per_device_rollout"] == pytest.approx(25.0)
     line = perf_line({**out, "memory/update_peak_gib": 1.5})
     assert line == " | perf step 4.00s mfu n/a tflops/dev 2 tok/s/dev rollout 25 train 1.5e+03 mem peak update 1.50 GiB"
+    ranks = {"straggler/busy_s_min": 0.9, "straggler/busy_s_max": 1.25, "straggler/slowest_rank": 3.0,
+             "memory/peak_gib_max_over_ranks": 2.5, "memory/peak_max_rank": 1.0}
+    assert perf_line({**out, **ranks}).endswith(" | ranks busy 0.90-1.25s slowest 3 mem max 2.50 GiB on rank 1")
 
 
 def test_step_monitor_counts_flops_and_times_only_the_step(tmp_path):

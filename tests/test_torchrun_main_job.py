@@ -87,9 +87,11 @@ def test_torchrun_ep2_and_dp2_match_single_process(tmp_path):
 
     acc = EventAccumulator(str(tmp_path / "ep2" / "tensorboard"), size_guidance={"scalars": 0})
     acc.Reload()
-    tb = {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"] if tag.startswith("straggler/")}
+    tb = {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]
+          if "straggler/" in tag or "rank" in tag}
     assert len(tb["straggler/slowest_rank"]) == 2 and set(tb["straggler/slowest_rank"]) <= {0.0, 1.0}, tb
     assert all(hi >= lo > 0 for hi, lo in zip(tb["straggler/busy_s_max"], tb["straggler/busy_s_min"])), tb
+    assert set(tb["memory/peak_max_rank"]) <= {0.0, 1.0} and min(tb["memory/peak_gib_max_over_ranks"]) > 0.1, tb
     warm = tmp_path / "ep2" / "hf_warm_start"
     # 2) RL from those weights: one process vs dp_size=2 (the default layout at world size 2)
     common = [*SHORT, f"model.init_from={warm}", "sft.enabled=false", "algorithm.moe_aux_loss_coeff=0",

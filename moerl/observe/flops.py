@@ -8,6 +8,8 @@ arXiv 2104.04473, eq. 3):
   **forward FLOPs = 2 * MACs**;
 * **backward = 2 x forward** (one product for the input gradient, one for the weight gradient), so
   one training pass (forward + backward) is 3 x forward; a log-prob pass is 1 x forward;
+* DeepSeek-V3's multi-token-prediction layers (``num_nextn_predict_layers``) are not counted (neither
+  transformers nor moerl's trainer builds them);
 * activation recomputation is NOT counted (it is hardware FLOPs, not model FLOPs), nor are norms,
   activations, softmax, rotary embeddings or the embedding lookup (O(h) per token, not matrix products);
 * only ACTIVE parameters count: each token goes through its ``top_k`` routed experts, the shared

@@ -92,9 +92,9 @@ def perf_metrics(m: Mapping[str, Any], *, step_s: float, trainer_devices: int, r
 
 
 def perf_line(m: Mapping[str, Any]) -> str:
-    """The step line's performance part: `` | perf step 1.23s mfu 0.412 tflops/dev 407 tok/s/dev rollout
-    1.1e+03 train 2.3e+04 | mem update 3.21 GiB (peak log_prob 2.10 ...) | ranks busy 0.91-0.97s slowest 3``
-    (``n/a`` for MFU without a known peak; the memory and ranks parts only when logged)."""
+    """The step line's performance part, e.g. `` | perf step 1.23s mfu 0.412 tflops/dev 407 tok/s/dev rollout
+    1.1e+03 train 2.3e+04 mem peak log_prob 2.10 update 3.21 GiB | ranks busy 0.91-0.97s slowest 3 mem max
+    3.30 GiB on rank 5`` (``n/a`` for MFU without a known peak; memory and ranks only when logged)."""
     g = lambda k, fmt="{:.3g}": fmt.format(float(m[k])) if k in m else "n/a"  # noqa: E731
     line = (f" | perf step {g('perf/step_s', '{:.2f}s')} mfu {g('perf/mfu')} tflops/dev {g('perf/tflops_per_device')} "
             f"tok/s/dev rollout {g('perf/tokens_per_s_per_device_rollout')} "
@@ -106,6 +106,9 @@ def perf_line(m: Mapping[str, Any]) -> str:
     if "straggler/busy_s_max" in m:
         line += (f" | ranks busy {float(m['straggler/busy_s_min']):.2f}-{float(m['straggler/busy_s_max']):.2f}s "
                  f"slowest {int(m['straggler/slowest_rank'])}")
+        if "memory/peak_gib_max_over_ranks" in m:
+            line += (f" mem max {float(m['memory/peak_gib_max_over_ranks']):.2f} GiB on rank "
+                     f"{int(m['memory/peak_max_rank'])}")
     return line
 
 

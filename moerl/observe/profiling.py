@@ -124,7 +124,8 @@ def rank_spread(value: float) -> Optional[dict[str, float]]:
 
     if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1:
         return None
-    device = torch.device("cuda", torch.cuda.current_device()) if tdist.get_backend() == "nccl" else torch.device("cpu")
+    nccl = "nccl" in str(tdist.get_backend())
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     out = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(tdist.get_world_size())]
     tdist.all_gather(out, torch.tensor([float(value)], dtype=torch.float64, device=device))
     vals = [float(t.item()) for t in out]
@@ -204,7 +205,9 @@ class StepMonitor(PhaseTimers):
     with several ranks, ``straggler/busy_s_{max,min,spread}`` and ``straggler/slowest_rank``: the
     all-gathered busy seconds of each rank (step wall time minus the wait for the rollout batch, eval
     and checkpoint; collectives inside the update let a fast rank wait for a slow one, so the spread
-    shows the rank that holds the others up only where the slow part is outside a collective).
+    shows the rank that holds the others up only where the slow part is outside a collective), and
+    ``memory/peak_gib_max_over_ranks`` / ``memory/peak_max_rank``: the highest phase peak over all ranks
+    and its rank.
 
     Counted FLOPs: actor (and reference) log-prob passes and actor updates (moerl.observe.flops); the
     critic's passes are not counted. Generated tokens: ``response_length * num_samples`` of the batch.
@@ -277,5 +280,7 @@ class StepMonitor(PhaseTimers):
         if spread is not None:
             out.update({"straggler/slowest_rank": spread.pop("slowest_rank")})
             out.update({f"straggler/busy_s_{k}": v for k, v in spread.items()})
+            mem = rank_spread(max((v for k, v in out.items() if k.startswith("memory/")), default=0.0))
+            out.update({"memory/peak_gib_max_over_ranks": mem["max"], "memory/peak_max_rank": mem["slowest_rank"]})
         self.profiler.step_end(step)
         return out
