@@ -38,8 +38,12 @@ PKGS=(
   propcache==0.5.4 yarl==1.25.1
   psutil==7.2.2 filelock==4.3.1 fsspec==2026.9.0 typing_extensions==4.16.0
 )
+# for the GPU machine only (not in the CPU venv): ninja builds csrc/cuda with torch.utils.cpp_extension
+# (nvcc itself must be there already; the kernels check says so when it is not)
+GPU_ONLY_PKGS=(ninja==1.13.2)
 
 mkdir -p "$OUT"
+PKGS+=("${GPU_ONLY_PKGS[@]}")
 echo "fetch_gpu_wheels: ${#PKGS[@]} wheels for CPython $PYV manylinux x86_64 into $OUT"
 "$PY" -m pip download --quiet --no-deps --only-binary=:all: --dest "$OUT" \
   --python-version "$PYV" --implementation cp --abi "cp${PYV/./}" --abi abi3 --abi none \

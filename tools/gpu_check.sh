@@ -62,7 +62,7 @@ if [ "$INSTALL" = 1 ] && [ -n "$WHEELS" ]; then
     fi
     cp "$WHEELS/requirements.txt" "$stamp"
   fi
-  export PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH"  # bin: ninja for csrc/cuda
 else
   [ "$INSTALL" = 1 ] && echo "gpu_check.sh: no wheel folder (make one with tools/fetch_gpu_wheels.sh); using $PY as it is"
   export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
