@@ -21,10 +21,11 @@ the OS), and reports:
 
 Naive torch at a T whose [T, V] float32 logits alone exceed --naive-max-gib (default 2 GiB: 2048
 tokens x 151,936 = 1.16 GiB runs, 8192 = 4.6 GiB does not, it would need about 20 GiB in all) is not run
-(it would take this shared machine's memory); its figures are then projected linearly in T from the
-largest T measured and marked "projected" (naive memory and time are linear in T at fixed V).
+(it would take this shared machine's memory); its figures are then projected from the smaller T
+measured and marked "projected": time proportional to T, peak memory a + b * T through the two largest
+measured T (--naive-extra, default 1024, adds a point), or proportional to T from one (an over-estimate).
 
-Usage: python tools/bench_kernels.py [--tokens 2048 8192] [--threads 2] [--repeat 1]
+Usage: python tools/bench_kernels.py [--tokens 2048 8192] [--naive-extra 1024] [--threads 2] [--repeat 1]
 """
 
 from __future__ import annotations
@@ -108,6 +109,23 @@ def _run_child(kind, variant, tokens, args) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _project_naive(results: dict, measured: list, t: int) -> dict:
+    """Naive torch at ``t`` tokens from its measurements at smaller T: time scales with T (every GEMM and
+    every [T, V] pass is linear in T); peak memory is a + b * T (the [V, H] weight gradient does not grow
+    with T): a line through the two largest measured T, or proportional to T from one measurement (an
+    over-estimate by the fixed part)."""
+    top = measured[-1]
+    r = {"seconds": results[("naive", top)]["seconds"] * t / top, "projected_from": top}
+    if len(measured) >= 2:
+        lo = measured[-2]
+        m_lo, m_hi = results[("naive", lo)]["peak_bytes"], results[("naive", top)]["peak_bytes"]
+        r["peak_bytes"] = m_hi + (m_hi - m_lo) / (top - lo) * (t - top)
+        r["projected_from"] = f"{lo},{top}"
+    else:
+        r["peak_bytes"] = results[("naive", top)]["peak_bytes"] * t / top
+    return r
+
+
 def _gib(x: float) -> str:
     return f"{x / 2**30:7.3f} GiB"
 
@@ -117,6 +135,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--naive-extra", type=int, nargs="*", default=[1024],
+                   help="extra T run for naive torch only (the memory projection's second point)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--naive-max-gib", type=float, default=2.0,
@@ -134,22 +154,22 @@ def main(argv=None) -> int:
     print(f"bench_kernels: H={args.hidden} V={args.vocab} float32, {args.threads} torch threads, "
           f"{os.cpu_count()} cores, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min)")
     results: dict[tuple[str, int], dict] = {}
-    for t in sorted(args.tokens):
+    extra = set(args.naive_extra) if "naive" in args.variants else set()
+    for t in sorted(set(args.tokens) | extra):
         for variant in args.variants:
+            if t not in args.tokens and variant != "naive":
+                continue
             if variant == "naive" and 4 * t * args.vocab > args.naive_max_gib * 2**30:
                 measured = [k for k in results if k[0] == "naive"]
                 if not measured:
                     print(f"  naive  T={t}: not run (logits {4 * t * args.vocab / 2**30:.1f} GiB > --naive-max-gib) "
                           "and nothing to project from")
                     continue
-                src = max(measured, key=lambda k: k[1])
-                f = t / src[1]
-                r = {k: v * f for k, v in results[src].items()}
-                r["projected_from"] = src[1]
+                r = _project_naive(results, sorted(k[1] for k in measured), t)
             else:
                 r = _run_child("logprob", variant, t, args)
             results[(variant, t)] = r
-            tag = f" (projected x{t / r['projected_from']:.0f} from T={r['projected_from']})" if "projected_from" in r else ""
+            tag = f" (projected from T={r['projected_from']})" if "projected_from" in r else ""
             print(f"  {variant:6s} T={t:5d}: peak {_gib(r['peak_bytes'])}  fwd+bwd {r['seconds']:8.2f} s{tag}", flush=True)
     print("fused log-prob ratios (vs naive torch):")
     for t in sorted(args.tokens):
