@@ -463,3 +463,16 @@ def test_convert_tool_round_trips_a_tiny_deepseek_v3(tmp_path, capsys):
     back = load_hf_state_dict(tmp_path / "back")
     assert set(back) == set(saved) and all(torch.equal(back[k], saved[k]) for k in saved)
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("changes", [{}, dict(tie_word_embeddings=True, q_lora_rank=None)], ids=["untied", "tied-noq"])
+def test_planner_counts_transformers_parameters(changes):
+    """moerl's memory planner sizes a DeepSeek-V3 from the family's shape (MLA, shared expert, dense first layer):
+    total parameters equal transformers' model; active = total minus the unchosen routed experts."""
+    from moerl.parallel.memory_model import ModelShape, total_params
+
+    ref = random_hf_model(**changes)
+    counts = total_params(ModelShape.from_hf_config(ref.config))
+    assert counts["total"] == sum(p.numel() for p in ref.parameters())
+    per_expert = 3 * FIELDS["hidden_size"] * FIELDS["moe_intermediate_size"]
+    assert counts["total"] - counts["active"] == 2 * (8 - 2) * per_expert  # 2 MoE layers, 6 unchosen experts

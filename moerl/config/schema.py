@@ -65,7 +65,7 @@ class HFModelConfig(_Section):
     num_nextn_predict_layers); they are refused for qwen3_moe.
     """
 
-    model_type: str = "qwen3_moe"  # HF config.json model_type: qwen3_moe | deepseek_v3 (moerl.models.families)
+    model_type: str = "qwen3_moe"  # HF config.json model_type: qwen3_moe | deepseek_v3 | mixtral (moerl.models.families)
     num_hidden_layers: int = Field(3, ge=1)
     hidden_size: int = Field(128, ge=1)
     num_attention_heads: int = Field(4, ge=1)
@@ -107,26 +107,38 @@ class HFModelConfig(_Section):
 
     def family_fields(self) -> dict:
         """The fields the model family's ``make_hf_config`` takes: every Qwen3-MoE field for qwen3_moe; for
-        another family the keys the recipe set (defaults of the Qwen3-MoE keys would not fit it) plus
-        ``model_type`` and ``vocab_size``."""
+        deepseek_v3 the keys DeepSeek-V3 has (not num_key_value_heads / head_dim, which multi-latent attention
+        does not use, nor mlp_only_layers: first_k_dense_replace says which layers are dense), unset
+        DeepSeek-V3 keys left to the family's defaults or its missing-field error."""
         if self.model_type == "qwen3_moe":
             return self.model_dump()
-        out = self.model_dump(exclude_unset=True, exclude_none=True)
-        out["model_type"] = self.model_type
-        out.setdefault("max_position_embeddings", self.max_position_embeddings)
+        if self.model_type == "mixtral":  # Qwen3-MoE naming -> MixtralConfig fields (moerl.models.families.mixtral)
+            from moerl.models.families.mixtral import recipe_fields
+
+            return recipe_fields(self.model_dump())
+        out = self.model_dump(exclude={"num_key_value_heads", "head_dim", "mlp_only_layers"}, exclude_none=True)
         out["vocab_size"] = self.vocab_size
         return out
 
     @model_validator(mode="after")
     def _cross_fields(self) -> "HFModelConfig":
         p = "model.hf_config"
-        if self.model_type not in ("qwen3_moe", "deepseek_v3"):
-            raise ValueError(f"{p}.model_type {self.model_type!r} is not one moerl trains from a recipe: use qwen3_moe "
-                             "or deepseek_v3 (other families: model.init_from a checkpoint of theirs)")
+        if self.model_type not in ("qwen3_moe", "deepseek_v3", "mixtral"):
+            raise ValueError(f"{p}.model_type {self.model_type!r} is not one moerl trains from a recipe: use qwen3_moe, "
+                             "deepseek_v3 or mixtral (moerl.models.families)")
         ds_set = [k for k in _DEEPSEEK_KEYS if getattr(self, k) is not None]
         if self.model_type != "deepseek_v3" and ds_set:
             raise ValueError(f"{p}.{ds_set[0]} is a DeepSeek-V3 key; set {p}.model_type: deepseek_v3 or remove "
                              f"{', '.join(p + '.' + k for k in ds_set)}")
+        if self.model_type == "deepseek_v3" and self.mlp_only_layers:
+            raise ValueError(f"{p}.mlp_only_layers is a Qwen3-MoE key; DeepSeek-V3's dense layers are the first "
+                             f"{p}.first_k_dense_replace ones: set that and remove mlp_only_layers")
+        if self.model_type == "mixtral":
+            from moerl.models.families.mixtral import recipe_problem
+
+            why = recipe_problem(self.model_dump())
+            if why:
+                raise ValueError(why)
         if self.model_type == "deepseek_v3" and self.num_nextn_predict_layers:
             raise ValueError(f"{p}.num_nextn_predict_layers={self.num_nextn_predict_layers}: moerl does not train "
                              "multi-token prediction layers yet; set it to 0")

@@ -155,8 +155,15 @@ class ModelShape:
 
     @classmethod
     def from_recipe(cls, cfg, vocab_size: int):
-        """From a RecipeConfig's model section (vocab_size resolved by the caller)."""
+        """From a RecipeConfig's model section (vocab_size resolved by the caller). A model family other than
+        Qwen3-MoE (``model.hf_config.model_type``, e.g. deepseek_v3) is sized from its HF config through the
+        family's ``planner_shape`` (:meth:`from_hf_config`)."""
         hf = cfg.model.hf_config
+        if getattr(hf, "model_type", "qwen3_moe") != "qwen3_moe":
+            from moerl.models.families import get_family
+
+            fields = dict(hf.family_fields(), vocab_size=vocab_size)
+            return cls.from_hf_config(get_family(hf.model_type, key="model.hf_config.model_type").make_hf_config(fields))
         extras = cfg.model.planner_extras
         mla = None
         if extras is not None and extras.mla is not None:
