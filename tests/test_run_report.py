@@ -48,6 +48,7 @@ def _write_run(run, perf=True, stale=True, resumed=True):
             w.add_scalar("perf/mfu", MFU[i], s)
             w.add_scalar("perf/tokens_per_s_train", TOK_S[i], s)
             w.add_scalar("memory/update_peak_gib", 0.5 + 0.01 * s, s)
+            w.add_scalar("memory/peak_max_rank", 0.0, s)  # a rank index, not GiB: not on the memory plot
     w.close()
     lines = [{"step": s, "layer": 0, "tokens_per_expert": [4, 2, 1, 1]} for s in STEPS]
     (run / "moe_telemetry.jsonl").write_text("".join(json.dumps(d) + "\n" for d in lines))
@@ -76,6 +77,7 @@ def test_report_plots_the_logged_series(tmp_path):
     assert _close(p["logprob_mismatch"]["logprob_abs_diff_max"][1], [10 * v for v in LP_DIFF])
     assert _close(p["staleness"]["staleness/mean"][1], STALE)
     assert _close(p["perf"]["perf/mfu"][1], MFU) and _close(p["perf"]["perf/tokens_per_s_train"][1], TOK_S)
+    assert list(p["memory"]) == ["memory/update_peak_gib"]
     assert _close(p["memory"]["memory/update_peak_gib"][1], [0.5 + 0.01 * s for s in STEPS])
     steps, stacked = p["step_time"]
     assert steps == STEPS and list(stacked) == ["rollout", "update", "eval"]

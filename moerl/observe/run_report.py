@@ -22,7 +22,7 @@ and writes into ``RUN_DIR/report/`` (or ``--out``):
                             a run whose staleness is always 0 is synchronous and gets a line instead)
 ``perf.png``                ``perf/mfu``, ``perf/tflops_per_device`` and ``perf/tokens_per_s_*`` (when
                             logged; else a line)
-``memory.png``              ``memory/<phase>_peak_gib`` (when logged; else a line)
+``memory.png``              ``memory/*_gib`` peaks (when logged; else a line)
 ``experts/*.png``           tools/inspect_experts.py's heatmaps, imbalance and entropy curves
 ``summary.md``              links to the figures, the skipped ones with their reason, and a table of
                             every scalar's first / last / min / max value
@@ -242,7 +242,7 @@ def write_run_report(run_dir: str | Path, out: Optional[str | Path] = None) -> d
     lines("perf", [("MFU", mfu), ("TFLOP/s per device", pick(("perf/tflops_per_device",))), ("tokens / s", tput)],
           "model FLOPs utilisation and throughput",
           "no perf/mfu or perf/tokens_per_s_* scalars in this run (logged by moerl versions with MFU logging)")
-    lines("memory", [("GiB", {t: s for t, s in scalars.items() if t.startswith("memory/")})],
+    lines("memory", [("GiB", {t: s for t, s in scalars.items() if t.startswith("memory/") and t.endswith("_gib")})],
           "memory peak per phase (CUDA allocator on GPU, process RSS on CPU)", "no memory/* scalars in this run")
 
     if telemetry.is_file():
