@@ -218,6 +218,7 @@ def test_actor_fused_on_vs_off(dist):
     assert max(float((sd0[k] - sd1[k]).abs().max()) for k in sd0) <= 1e-6 * scale
 
 
+@pytest.mark.slow  # two nvcc processes: about 6 s each on a quiet core, 15 s at load 40
 def test_nvcc_compiles_every_cu_file(tmp_path):
     """Every csrc/cuda/*.cu compiles with nvcc -c (sm_90); skipped where nvcc is absent."""
     nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)

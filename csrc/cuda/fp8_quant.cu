@@ -45,6 +45,15 @@ __global__ void dequantize_kernel(const __nv_fp8_storage_t* __restrict__ q, int6
   out[i] = __half2float(__half(h)) * scales[(row / br) * gk + col / bk];
 }
 
+// one thread per element of an [r, k] matrix
+template <class Kernel, class... Args>
+cudaError_t launch_elementwise(int64_t r, int64_t k, cudaStream_t stream, Kernel kernel, Args... args) {
+  const int64_t n = r * k;
+  if (n == 0) return cudaSuccess;
+  kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(args...);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 extern "C" {
@@ -59,20 +68,14 @@ cudaError_t moerl_fp8_block_amax(const float* x, int64_t r, int64_t k, int64_t b
 
 cudaError_t moerl_fp8_quantize(const float* x, int64_t r, int64_t k, int64_t br, int64_t bk, const float* scales,
                                uint8_t* q, cudaStream_t stream) {
-  const int64_t n = r * k, gk = (k + bk - 1) / bk;
-  if (n == 0) return cudaSuccess;
-  quantize_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(
-      x, r, k, br, bk, gk, scales, reinterpret_cast<__nv_fp8_storage_t*>(q));
-  return cudaGetLastError();
+  return launch_elementwise(r, k, stream, quantize_kernel, x, r, k, br, bk, (k + bk - 1) / bk, scales,
+                            reinterpret_cast<__nv_fp8_storage_t*>(q));
 }
 
 cudaError_t moerl_fp8_dequantize(const uint8_t* q, int64_t r, int64_t k, int64_t br, int64_t bk, const float* scales,
                                  float* out, cudaStream_t stream) {
-  const int64_t n = r * k, gk = (k + bk - 1) / bk;
-  if (n == 0) return cudaSuccess;
-  dequantize_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(
-      reinterpret_cast<const __nv_fp8_storage_t*>(q), r, k, br, bk, gk, scales, out);
-  return cudaGetLastError();
+  return launch_elementwise(r, k, stream, dequantize_kernel, reinterpret_cast<const __nv_fp8_storage_t*>(q), r, k, br,
+                            bk, (k + bk - 1) / bk, scales, out);
 }
 
 }  // extern "C"
