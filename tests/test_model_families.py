@@ -220,3 +220,24 @@ def test_reference_server_weight_mapper_loads_mixtral_disk_names(tmp_path):
     covered |= mapper.apply(list(on_disk.items()))
     assert mapper.missing(covered) == []
     assert torch.equal(hf_logits(a, tokens), hf_logits(b, tokens))
+
+
+def test_tiny_mixtral_recipe_builds_the_mixtral_config():
+    """configs/tiny_mixtral.yaml: model.hf_config.model_type=mixtral reaches the Mixtral family's make_hf_config
+    with the recipe's spellings (num_experts, moe_intermediate_size); another model_type, or dense layers on a
+    Mixtral, is a recipe error."""
+    from moerl.config import ConfigError, load_config
+
+    recipe = Path(__file__).resolve().parents[1] / "configs" / "tiny_mixtral.yaml"
+    hf = load_config(recipe).model.hf_config
+    fields = dict(hf.family_fields(), vocab_size=320)
+    cfg = get_family(hf.model_type).make_hf_config(fields)
+    assert type(cfg).__name__ == "MixtralConfig"
+    assert (cfg.num_local_experts, cfg.intermediate_size, cfg.num_experts_per_tok, cfg.head_dim) == (8, 128, 2, 32)
+    with pytest.raises(ConfigError, match="model.hf_config.model_type 'llama'"):
+        load_config(recipe, ["model.hf_config.model_type=llama"])
+    with pytest.raises(ConfigError, match="model.hf_config.mlp_only_layers"):
+        load_config(recipe, ["model.hf_config.mlp_only_layers=[0]"])
+    # the recipe's intermediate_size is a dense width: Mixtral (all MoE) takes the expert width only
+    assert get_family("mixtral").make_hf_config(dict(load_config(recipe, ["model.hf_config.intermediate_size=999"])
+                                                     .model.hf_config.family_fields(), vocab_size=320)).intermediate_size == 128

@@ -30,7 +30,7 @@ attention bias, a non-silu activation, RoPE scaling.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from moerl.models.families import ModelFamily, NameMap, ParamRule, RouterFacts, register
 from moerl.models.families.common import (
@@ -53,6 +53,7 @@ __all__ = [
     "conversion_rules",
     "make_hf_config",
     "moe_layer_pattern",
+    "recipe_fields",
     "router_facts",
     "transformer_config_from_hf",
 ]
@@ -104,6 +105,41 @@ def make_hf_config(fields: Mapping[str, Any]):
                                 int_fields=("head_dim", "max_position_embeddings"))
     check_hf_config(cfg)
     return cfg
+
+
+#: recipe ``model.hf_config`` key (Qwen3-MoE naming) -> MixtralConfig field; the recipe's ``intermediate_size``
+#: (dense MLP width) does not apply: every Mixtral layer is MoE, of width ``moe_intermediate_size``
+RECIPE_KEYS = {"num_hidden_layers": "num_hidden_layers", "hidden_size": "hidden_size",
+               "num_attention_heads": "num_attention_heads", "num_key_value_heads": "num_key_value_heads",
+               "head_dim": "head_dim", "num_experts": "num_local_experts", "num_experts_per_tok": "num_experts_per_tok",
+               "moe_intermediate_size": "intermediate_size", "max_position_embeddings": "max_position_embeddings",
+               "rope_theta": "rope_theta", "rms_norm_eps": "rms_norm_eps", "tie_word_embeddings": "tie_word_embeddings",
+               "vocab_size": "vocab_size"}
+
+
+def recipe_problem(recipe: Mapping[str, Any]) -> Optional[str]:
+    """Why a recipe's ``model.hf_config`` (Qwen3-MoE naming, moerl.config.schema.HFModelConfig) cannot be a
+    Mixtral, or None: dense layers (``mlp_only_layers``) or ``norm_topk_prob: false`` (Mixtral always
+    renormalises its top-k weights)."""
+    if recipe.get("mlp_only_layers"):
+        return (f"model.hf_config.mlp_only_layers {list(recipe['mlp_only_layers'])}: every Mixtral layer is MoE; "
+                "remove mlp_only_layers")
+    if recipe.get("norm_topk_prob") is False:
+        return "model.hf_config.norm_topk_prob=false: Mixtral always renormalises its top-k weights; remove it"
+    return None
+
+
+def recipe_fields(recipe: Mapping[str, Any]) -> dict:
+    """:func:`make_hf_config` fields from a recipe's ``model.hf_config`` dump (:data:`RECIPE_KEYS`; None values
+    left to MixtralConfig's defaults).
+
+    Raises:
+        ValueError: :func:`recipe_problem`.
+    """
+    why = recipe_problem(recipe)
+    if why:
+        raise ValueError(why)
+    return {dst: recipe[src] for src, dst in RECIPE_KEYS.items() if recipe.get(src) is not None}
 
 
 def check_hf_config(hf_config) -> None:
