@@ -29,9 +29,8 @@ QUICK = ["data.digits=1", "data.num_train=40", "data.num_eval=10", "eval.num_pro
          "reward.num_workers=1", "train.save_every=1", "resume=auto"]
 
 
-def two_nodes(run_dir: Path, base: int, *overrides: str, timeout: float = 240) -> str:
-    """Both agents of a 2-node job (node 0 hosts the c10d rendezvous store); returns their joined output
-    after checking that both exited 0."""
+def start_agents(run_dir: Path, base: int, *overrides: str, stdout=subprocess.PIPE) -> list[subprocess.Popen]:
+    """The two torchrun agents of a 2-node job (the first hosts the c10d rendezvous store), started."""
     rdzv = free_port_block(1)
     procs = []
     for host in ("true", "false"):
@@ -39,8 +38,14 @@ def two_nodes(run_dir: Path, base: int, *overrides: str, timeout: float = 240) -
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rdzv}", "--rdzv-id", f"moerl{rdzv}",
                "--rdzv-conf", f"is_host={host}", "-m", "moerl.cli", "train", RECIPE, f"output_dir={run_dir}",
                f"rollout.base_port={base}", f"rollout.router_port={base + 2}", *QUICK, *overrides]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
-                                      cwd=REPO))
+        procs.append(subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=REPO))
+    return procs
+
+
+def two_nodes(run_dir: Path, base: int, *overrides: str, timeout: float = 240) -> str:
+    """Both agents of a 2-node job run to their end; returns their joined output after checking that both
+    exited 0."""
+    procs = start_agents(run_dir, base, *overrides)
     outs = []
     try:
         for p in procs:
@@ -69,3 +74,40 @@ def test_two_nodes_serve_sync_checkpoint_and_resume(tmp_path):
     out2 = two_nodes(run, base, "train.num_steps=3")
     assert f"RESUME from {run / 'checkpoints' / 'step_2'}:" in out2 and "step 3/3" in out2, out2[-4000:]
     assert (run / "checkpoints" / "step_3" / "moerl_complete.json").is_file()
+
+
+@pytest.mark.demo  # three 2-node runs: over CI's slow budget; run with -m demo
+def test_kill9_of_one_nodes_agent_then_resume_is_bit_identical(tmp_path):
+    """Node 1's agent is SIGKILLed after step 2 (its worker and servers follow it: PR_SET_PDEATHSIG), node 0's
+    job fails on the lost peer; both agents started again with resume=auto finish the job with final
+    weights bit-identical to an uninterrupted 2-node run (reference: that run's hf_export)."""
+    import os
+    import signal
+    import time
+
+    import torch
+    from safetensors.torch import load_file
+
+    steps = "train.num_steps=4"
+    ref = tmp_path / "ref"
+    two_nodes(ref, free_port_block(3), steps)
+    run, base = tmp_path / "run", free_port_block(3)
+    log = tmp_path / "killed.log"
+    with open(log, "w") as f:
+        procs = start_agents(run, base, steps, stdout=f)
+        try:
+            deadline = time.monotonic() + 300
+            while not (run / "checkpoints" / "step_2" / "moerl_complete.json").is_file():
+                assert time.monotonic() < deadline and all(p.poll() is None for p in procs), log.read_text()[-4000:]
+                time.sleep(0.2)
+            os.kill(procs[1].pid, signal.SIGKILL)
+            assert procs[0].wait(timeout=240) != 0  # the job cannot go on without node 1
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+    assert not (run / "hf_export").exists()
+    out = two_nodes(run, base, steps)
+    assert re.search(rf"RESUME from {run / 'checkpoints'}/step_[23]:", out) and "step 4/4" in out, out[-4000:]
+    a, b = load_file(str(ref / "hf_export" / "model.safetensors")), load_file(str(run / "hf_export" / "model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:5]
