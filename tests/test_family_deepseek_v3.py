@@ -346,7 +346,8 @@ def test_recipe_builds_the_deepseek_config():
 # ----------------------------------------------------------------------------- layouts on gloo (slow)
 # one PPO step of the actor on a 4-layer DeepSeek-V3 (layer 0 dense) with the expert-bias update on, in each
 # layout, against one process: loss, grad norm, log-probs, the updated weights and expert biases (HF export)
-DS_LAYOUTS = {"ref": dict(nproc=1), "tp2ep2": dict(nproc=2, tp=2, ep=2, etp=1), "pp2": dict(nproc=2, pp=2)}
+DS_LAYOUTS = {"ref": dict(nproc=1), "tp2ep2": dict(nproc=2, tp=2, ep=2, etp=1), "pp2": dict(nproc=2, pp=2),
+              "dualpipev": dict(nproc=2, pp=2, schedule="dualpipev")}
 DS_MODEL = dict(num_hidden_layers=4, vocab_size=100)  # vocab of test_parallel_layouts.global_samples
 
 
@@ -371,7 +372,8 @@ def run_ds_layout(case: str, out_dir) -> None:
     try:
         hf = random_hf_model(seed=0, **DS_MODEL)
         actor = MegatronActor(hf.config, lr=1e-3, adam_eps=ADAM_EPS, clip_grad=1.0, moe_aux_loss_coeff=0.0,
-                              moe_load_balancing_type="none", config_overrides={"moe_router_bias_update_rate": 0.05})
+                              moe_load_balancing_type="none", config_overrides={"moe_router_bias_update_rate": 0.05},
+                              pipeline_schedule=spec.get("schedule", "1f1b"))
         actor.load_hf_state_dict(hf_state(hf))
         samples = global_samples()
         per_rank = len(samples) // info.dp_size
@@ -414,15 +416,15 @@ def _launch_ds(case: str, out_dir) -> tuple[list, dict]:
 
 @pytest.mark.slow
 def test_deepseek_layouts_match_one_process(tmp_path):
-    """TP=2 + EP=2 (expert-TP 1, sequence parallel) and PP=2 (1F1B) on gloo reproduce one process: loss and
-    grad norm (1e-5), log-probs (1e-5), every updated weight (max |diff| / max |ref| <= 1e-5) and the
-    updated expert biases (the aux-loss-free update counts the same tokens in every layout)."""
+    """TP=2 + EP=2 (expert-TP 1, sequence parallel), PP=2 (1F1B) and PP=2 with DualPipeV on gloo reproduce one
+    process: loss and grad norm (1e-5), log-probs (1e-5), every updated weight (max |diff| / max |ref| <= 1e-5)
+    and the updated expert biases (the aux-loss-free update counts the same tokens in every layout)."""
     ref_ranks, ref_export = _launch_ds("ref", tmp_path)
     init = on_disk(random_hf_model(seed=0, **DS_MODEL))
     bias = [k for k in ref_export if k.endswith("e_score_correction_bias")]
     assert len(bias) == 3 and all(not torch.equal(ref_export[k], init[k]) for k in bias)  # the update ran
     ref = ref_ranks[0]
-    for case in ("tp2ep2", "pp2"):
+    for case in ("tp2ep2", "pp2", "dualpipev"):
         ranks, export = _launch_ds(case, tmp_path)
         for r in ranks:
             assert abs(r["metrics"]["loss"] - ref["metrics"]["loss"]) <= 1e-5, (case, r["metrics"], ref["metrics"])
