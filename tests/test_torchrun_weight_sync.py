@@ -27,6 +27,7 @@ def test_distributed_sync_from_a_torchrun_worker(ckpts, monkeypatch):
     from moerl.rollout.weight_sync import DistributedWeightUpdater, make_buckets
 
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MOERL_WEIGHT_SYNC_TIMEOUT_S", "20")  # the server side's rendezvous: fail, never hang
     trainer_sd = {n: t for n, t in load_safetensors_dir(ckpts[1])}
     engine = ReferenceEngine(ckpts[0])
     client = TestClient(create_app(engine))
