@@ -478,3 +478,39 @@ def test_planner_counts_transformers_parameters(changes):
     assert counts["total"] == sum(p.numel() for p in ref.parameters())
     per_expert = 3 * FIELDS["hidden_size"] * FIELDS["moe_intermediate_size"]
     assert counts["total"] - counts["active"] == 2 * (8 - 2) * per_expert  # 2 MoE layers, 6 unchosen experts
+
+
+def test_r3_replays_the_rollout_routing_of_the_sigmoid_bias_group_router(dist):
+    """R3 with DeepSeek-V3: the reference server's recorder (HFRoutingRecorder on transformers' DeepseekV3TopkRouter,
+    dense layer 0 left -1) records the biased, group-limited choice; a Megatron model whose expert bias was zeroed
+    routes differently on its own, but forced to the recorded experts (moerl.moe.routing_replay) gives
+    transformers' logits again (the gates use the unbiased sigmoid scores of the chosen experts)."""
+    from types import SimpleNamespace
+
+    from moerl.moe.routing_replay import HFRoutingRecorder, RoutingReplay
+
+    ref = random_hf_model(seed=8)
+    cfg = ref.config
+    model = build_gpt_model(cfg).eval()
+    sd = hf_to_megatron(hf_state(ref), cfg)
+    load_megatron_state_dict(model, {k: (torch.zeros_like(v) if k.endswith("expert_bias") else v) for k, v in sd.items()})
+    b, s = 2, 9
+    tokens = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(13))
+    rec = HFRoutingRecorder(ref)
+    with torch.no_grad(), rec.recording():
+        theirs = ref(input_ids=tokens).logits
+    routed = rec.collect(b)  # [B, S, L, K]
+    assert routed.shape == (b, s, cfg.num_hidden_layers, cfg.num_experts_per_tok)
+    assert (routed[:, :, 0] == -1).all() and (routed[:, :, 1:] >= 0).all()
+    mask, pos = causal_attention_mask(s), torch.arange(s).expand(b, s)
+    with torch.no_grad():
+        free = model(tokens, pos, mask)
+    assert (free - theirs).abs().max() > 100 * ATOL  # without the bias the model routes elsewhere
+    replay = RoutingReplay(model, "r3")
+    mb = SimpleNamespace(routed_experts=routed, tokens=tokens, packed_tokens=None)
+    replay.before_forward(mb)
+    with torch.no_grad():
+        forced = model(tokens, pos, mask)
+    replay.after_forward(mb)
+    replay.remove()
+    assert (forced - theirs).abs().max() <= ATOL
