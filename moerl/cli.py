@@ -56,7 +56,7 @@ def _train(argv: list[str]) -> int:
             from moerl.precision.te_fp8 import check_fp8_training
 
             check_fp8_training(cfg.precision.fp8_recipe, cfg.model.layer_spec)  # TE, CUDA GPU, recipe vs GPU, TE layers
-        from moerl.models.qwen3_moe import resolve_layer_spec
+        from moerl.models.gpt import resolve_layer_spec
 
         resolve_layer_spec(cfg.model.layer_spec)  # model.layer_spec=transformer_engine: TE importable and CUDA
         from moerl.rewards import resolve_reward_fn

@@ -129,7 +129,7 @@ def _check_head(head: str) -> None:
 _PACKERS = PACKERS
 
 
-#: Megatron parameter names of the layer specs moerl builds (moerl.models.qwen3_moe.build_gpt_model)
+#: Megatron parameter names of the layer specs moerl builds (moerl.models.gpt.build_gpt_model, per model family)
 LAYER_SPECS = ("local", "transformer_engine")
 
 def _check_layer_spec(layer_spec: str) -> str:

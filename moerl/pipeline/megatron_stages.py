@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from moerl.checkpoint.hf_convert import ShardLayout, hf_to_megatron, load_megatron_state_dict, merge_megatron_shards
-from moerl.models.qwen3_moe import build_gpt_model, hf_moe_layer_pattern, transformer_config_from_hf
+from moerl.models.gpt import build_gpt_model, hf_moe_layer_pattern, transformer_config_from_hf
 from moerl.parallel.layout import pipeline_layer_range
 from moerl.pipeline.schedules import Schedule
 from moerl.pipeline.stage_args import sequence_parallel_kwargs, stage_model_args  # re-exported (see __all__)

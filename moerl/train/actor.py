@@ -75,7 +75,7 @@ from megatron.core.transformer.moe.moe_utils import (
 from moerl.algorithms.logprobs import entropy_from_logits, token_log_probs_from_logits
 from moerl.checkpoint.hf_convert import ShardLayout, gather_megatron_to_hf, hf_to_megatron, load_megatron_state_dict
 from moerl.models.dtypes import params_torch_dtype
-from moerl.models.qwen3_moe import build_gpt_model, hf_moe_layer_pattern, transformer_config_from_hf
+from moerl.models.gpt import build_gpt_model, hf_moe_layer_pattern, transformer_config_from_hf
 from moerl.moe.balancing import install_balancing_losses, set_step_normalisers
 from moerl.pipeline.megatron_stages import stage_model_args
 from moerl.train.batching import MicroBatch, PackedMicroBatch, model_labels, to_label_layout

@@ -353,7 +353,7 @@ def model_forward_args(mb: MicroBatch) -> tuple[tuple, dict]:
         if pad is not None:
             kwargs["padding_mask"] = pad
         return (mb.packed_tokens, mb.packed_position_ids, None), kwargs
-    from moerl.models.qwen3_moe import causal_attention_mask
+    from moerl.models.gpt import causal_attention_mask
 
     seq_len = mb.tokens.shape[1]
     position_ids = torch.arange(seq_len, dtype=torch.long).unsqueeze(0).expand_as(mb.tokens)

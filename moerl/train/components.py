@@ -29,7 +29,7 @@ def actor_kwargs(cfg, mk: dict) -> dict:
 
     pkw["config_overrides"].update(fp8_transformer_config_kwargs(cfg.precision,
                                                                  num_experts=cfg.model.hf_config.num_experts))
-    from moerl.models.qwen3_moe import resolve_layer_spec  # model.layer_spec -> Megatron's transformer_impl
+    from moerl.models.gpt import resolve_layer_spec  # model.layer_spec -> Megatron's transformer_impl
 
     pkw["config_overrides"]["transformer_impl"] = resolve_layer_spec(cfg.model.layer_spec)
     pkw["pipeline_schedule"] = cfg.train.pipeline_schedule  # 1f1b | dualpipe | dualpipev (moerl.pipeline)

@@ -377,7 +377,7 @@ def check_init_config(init_from: str, hf_config) -> None:
     """
     from moerl.checkpoint.input_checks import check_hf_model_dir
     from moerl.errors import ModelError
-    from moerl.models.qwen3_moe import hf_num_experts
+    from moerl.models.gpt import hf_num_experts
 
     saved = check_hf_model_dir(init_from, "model.init_from")
     diffs = []
