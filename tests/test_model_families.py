@@ -26,7 +26,7 @@ from moerl.checkpoint.hf_convert import (  # noqa: E402
 )
 from moerl.errors import ModelError  # noqa: E402
 from moerl.models.families import get_family, supported_model_types  # noqa: E402
-from moerl.models.gpt import build_gpt_model, transformer_config_from_hf  # noqa: E402
+from moerl.models.gpt import build_gpt_model, causal_attention_mask, transformer_config_from_hf  # noqa: E402
 
 ATOL = 1e-4
 # tiny Mixtral: expert width 48 != hidden 64 (non-square expert matrices), GQA 4 heads / 2 groups
@@ -241,3 +241,43 @@ def test_tiny_mixtral_recipe_builds_the_mixtral_config():
     # the recipe's intermediate_size is a dense width: Mixtral (all MoE) takes the expert width only
     assert get_family("mixtral").make_hf_config(dict(load_config(recipe, ["model.hf_config.intermediate_size=999"])
                                                      .model.hf_config.family_fields(), vocab_size=320)).intermediate_size == 128
+
+
+def test_r3_replays_the_reference_servers_mixtral_routing(dist):
+    """R3 with Mixtral: the reference server's recorder (HFRoutingRecorder on transformers' MixtralTopKRouter,
+    ``mlp.gate`` in memory) records exactly the experts Megatron's router picks for the same weights: forcing
+    Megatron to them (moerl.moe.routing_replay, r3) leaves its logits at transformers' within ATOL, while
+    forcing it to another model's routing moves them far (the replay does force)."""
+    from types import SimpleNamespace
+
+    from moerl.moe.routing_replay import HFRoutingRecorder, RoutingReplay
+
+    ref, other = random_mixtral(seed=8), random_mixtral(seed=9)
+    cfg = ref.config
+    model = build_gpt_model(cfg).eval()
+    load_megatron_state_dict(model, hf_to_megatron(ref.state_dict(), cfg))
+    b, s = 2, 9
+    tokens = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(13))
+    routes = {}
+    for name, hf in (("ref", ref), ("other", other)):
+        rec = HFRoutingRecorder(hf)
+        with torch.no_grad(), rec.recording():
+            logits = hf(input_ids=tokens).logits
+        routes[name] = rec.collect(b)  # [B, S, L, K]
+        rec.remove()
+        if name == "ref":
+            theirs = logits
+    assert routes["ref"].shape == (b, s, cfg.num_hidden_layers, cfg.num_experts_per_tok)
+    assert (routes["ref"] >= 0).all() and not torch.equal(routes["ref"], routes["other"])
+    mask, pos = causal_attention_mask(s), torch.arange(s).expand(b, s)
+    replay = RoutingReplay(model, "r3")
+    forced = {}
+    for name, r in routes.items():
+        mb = SimpleNamespace(routed_experts=r, tokens=tokens, packed_tokens=None)
+        replay.before_forward(mb)
+        with torch.no_grad():
+            forced[name] = model(tokens, pos, mask)
+        replay.after_forward(mb)
+    replay.remove()
+    assert (forced["ref"] - theirs).abs().max().item() <= ATOL
+    assert (forced["other"] - theirs).abs().max().item() > 100 * ATOL
