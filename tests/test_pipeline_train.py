@@ -140,6 +140,9 @@ SHORT = [
     "sft.max_steps=40", "sft.eval_every=1", "sft.eval_prompts=10", "sft.target_accuracy=1.0",
     "sft.global_batch_size=32", "sft.micro_batch_size=8", "rollout.rollout_batch_size=8",
     "rollout.n_samples_per_prompt=4", *PP2,
+    # DualPipe(V) keeps the logits path (train.fused_logprob=true is refused there) while 1F1B would take the fused
+    # kernel by default: compare the schedules on one log-prob path (the kernel vs logits is tests/test_kernels.py)
+    "train.fused_logprob=false",
 ]
 
 
