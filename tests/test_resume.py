@@ -106,7 +106,8 @@ def _kill_at(run_dir: Path, pattern: str, extra_delay: float, *overrides: str) -
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [0, 1, 2])
+# seed 0 kills in RL (after step 4 + 1.1 s), seed 1 in SFT (after its step 6 + 0.9 s); other seeds draw other points
+@pytest.mark.parametrize("seed", [0, 1])
 def test_kill9_then_resume_auto_is_bit_identical(tmp_path, reference, seed):
     rng = random.Random(seed)
     # kill points: after an SFT eval line (steps 2, 4, 6) or after an RL step line (1..5), then a
