@@ -30,11 +30,14 @@ from test_torchrun_main_job import RECIPE, REPO, _env, _ports  # noqa: E402
 
 from _mp_helpers import free_port_block  # noqa: E402
 
-LONG = ["data.digits=1", "data.num_train=40", "data.num_eval=10", "eval.num_prompts=6", "eval.every_steps=0",
-        "sft.enabled=false", "sft.eval_prompts=6", "sft.global_batch_size=32", "sft.micro_batch_size=16",
-        "train.num_steps=10000", "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
-        "train.global_batch_size=16", "train.micro_batch_size=8", "algorithm.filter_uniform_groups=false",
-        "rollout.num_servers=1", "reward.num_workers=1", "rollout.weight_sync=distributed"]
+# RL from a random model (sft off), small batches, one server and one reward worker: the quickest job that
+# runs every part (also tests/test_two_node.py's)
+QUICK = ["data.digits=1", "data.num_train=40", "data.num_eval=10", "eval.num_prompts=6", "eval.every_steps=0",
+         "sft.enabled=false", "sft.eval_prompts=6", "sft.global_batch_size=32", "sft.micro_batch_size=16",
+         "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "train.global_batch_size=16",
+         "train.micro_batch_size=8", "algorithm.filter_uniform_groups=false", "rollout.num_servers=1",
+         "reward.num_workers=1"]
+LONG = [*QUICK, "train.num_steps=10000", "rollout.weight_sync=distributed"]
 
 
 @pytest.mark.parametrize("sig", [

@@ -21,12 +21,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _mp_helpers import free_port_block  # noqa: E402
 from test_torchrun_main_job import RECIPE, REPO, _env  # noqa: E402
+from test_torchrun_signals import QUICK as _QUICK  # noqa: E402
 
-QUICK = ["data.digits=1", "data.num_train=40", "data.num_eval=10", "eval.num_prompts=6", "eval.every_steps=0",
-         "sft.enabled=false", "sft.eval_prompts=6", "sft.global_batch_size=32", "sft.micro_batch_size=16",
-         "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "train.global_batch_size=16",
-         "train.micro_batch_size=8", "algorithm.filter_uniform_groups=false", "rollout.num_servers=1",
-         "reward.num_workers=1", "train.save_every=1", "resume=auto"]
+QUICK = [*_QUICK, "train.save_every=1", "resume=auto"]
 
 
 def start_agents(run_dir: Path, base: int, *overrides: str, stdout=subprocess.PIPE) -> list[subprocess.Popen]:
