@@ -771,16 +771,13 @@ class PrecisionConfig(_Section):
     fp8_bf16_last_layers: int = Field(0, ge=0)  # ... and at the end
 
     @model_validator(mode="after")
-    def _fp8_keys_need_fp8(self) -> "PrecisionConfig":
-        """precision.fp8_recipe / fp8_bf16_*_layers given while precision.fp8 is null would be ignored: refuse.
-        (A dumped recipe holds the defaults with fp8 null: fp8_recipe=delayed and 0 layers are accepted.)"""
-        if self.fp8 is None:
-            given = [k for k in ("fp8_recipe", "fp8_bf16_first_layers", "fp8_bf16_last_layers")
-                     if k in self.model_fields_set and getattr(self, k) != type(self).model_fields[k].default]
-            if given:
-                raise ValueError(f"precision.{given[0]}={getattr(self, given[0])!r} is set but precision.fp8 is null, so "
-                                 f"FP8 training is off and it would be ignored: set precision.fp8=e4m3 (or hybrid) to "
-                                 f"train in FP8, or remove precision.{given[0]}")
+    def _fp8_recipe_needs_fp8(self) -> "PrecisionConfig":
+        """precision.fp8_recipe given while precision.fp8 is null would be ignored: refuse (a dumped recipe
+        holds the default, delayed, with fp8 null: accepted). The BF16-layer keys: te_fp8.validate_fp8_recipe."""
+        if self.fp8 is None and "fp8_recipe" in self.model_fields_set and self.fp8_recipe != "delayed":
+            raise ValueError(f"precision.fp8_recipe={self.fp8_recipe!r} is set but precision.fp8 is null, so FP8 "
+                             "training is off and it would be ignored: set precision.fp8=e4m3 (or hybrid) to train "
+                             "in FP8, or remove precision.fp8_recipe")
         return self
 
 
