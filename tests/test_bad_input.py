@@ -226,7 +226,7 @@ CASES = [
     ("fp8-recipe-without-fp8", T, ["precision.fp8_recipe=blockwise"],
      ["precision.fp8_recipe='blockwise'", "precision.fp8 is null", "precision.fp8=e4m3"]),
     ("fp8-bf16-layers-without-fp8", T, ["precision.fp8_bf16_first_layers=1"],
-     ["precision.fp8_bf16_first_layers", "precision.fp8 is null"]),
+     ["precision.fp8_bf16_first_layers", "need precision.fp8"]),
     ("rollout-dtype-unknown", T, ["rollout.dtype=int8"], ["rollout.dtype", "'bfloat16'", "int8"]),
     ("export-dtype-fp16", T, ["model.export_dtype=fp16"], ["model.export_dtype", "'float16'"]),
     ("override-without-eq", T, ["num_steps"], ["'num_steps'", "dotted.key=value"]),
