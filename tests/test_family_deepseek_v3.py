@@ -514,3 +514,138 @@ def test_r3_replays_the_rollout_routing_of_the_sigmoid_bias_group_router(dist):
     replay.after_forward(mb)
     replay.remove()
     assert (forced - theirs).abs().max() <= ATOL
+
+
+# ----------------------------------------------------------------------------- multi-token prediction
+def _mtp_reference(seed=3, lam=0.3, tied=False):
+    """A DeepSeek-V3 with one MTP layer in DeepSeek's HF layout, and its hand-built training loss.
+
+    The weights come from a transformers DeepseekV3ForCausalLM with L + 1 layers (layer L is the MTP
+    layer's decoder layer, an MoE layer) plus random enorm / hnorm / eh_proj / shared_head.norm. The
+    reference loss is written out from the DeepSeek-V3 report (sec. 2.2) with transformers' modules:
+    h = norm(layers[:L](embed(t))); main = masked mean CE(lm_head(h), labels);
+    h' = layers[L](eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)])); mtp = masked mean CE(lm_head(shared_head.norm(h')),
+    labels_{i+1}) with the mask shifted too (the last position drops out); loss = main + lam * mtp (D = 1).
+    Returns (hf config with num_nextn_predict_layers=1, HF on-disk state dict, tokens, labels, mask, loss,
+    main, mtp, {hf key: grad})."""
+    L = 2
+    big = random_hf_model(seed, num_hidden_layers=L + 1, tie_word_embeddings=tied)
+    big.config._attn_implementation = "eager"
+    cfg = ds.make_hf_config({**FIELDS, "num_hidden_layers": L, "num_nextn_predict_layers": 1,
+                             "tie_word_embeddings": tied})
+    H, g = cfg.hidden_size, torch.Generator().manual_seed(seed + 5)
+    extra = {"enorm.weight": 1.0 + 0.3 * torch.randn(H, generator=g), "hnorm.weight": 1.0 + 0.3 * torch.randn(H, generator=g),
+             "eh_proj.weight": 0.08 * torch.randn(H, 2 * H, generator=g),
+             "shared_head.norm.weight": 1.0 + 0.3 * torch.randn(H, generator=g)}
+    extra = {k: v.requires_grad_() for k, v in extra.items()}
+    b, s = 3, 11
+    tokens = torch.randint(0, cfg.vocab_size, (b, s), generator=g)
+    labels = torch.roll(tokens, -1, dims=1)
+    mask = torch.ones(b, s)
+    mask[:, -1] = 0
+    mask[0, :3] = 0  # a prompt part
+    pos = torch.arange(s).unsqueeze(0).expand(b, s)
+    attn = torch.full((s, s), torch.finfo(torch.float32).min).triu(1)[None, None].expand(b, 1, s, s)
+
+    def rms(x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps))
+
+    def masked_ce(logits, y, m):
+        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
+        return (ce * m.reshape(-1)).sum() / m.sum()
+
+    def shift(x):  # Megatron-Core's roll_tensor: left by one, zero filled
+        out = torch.roll(x, -1, dims=1).clone()
+        out[:, -1] = 0
+        return out
+
+    m = big.model
+    h = m.embed_tokens(tokens)
+    pe = m.rotary_emb(h, pos)
+    for layer in m.layers[:L]:
+        h = layer(h, attention_mask=attn, position_ids=pos, position_embeddings=pe)
+    h = m.norm(h)
+    main = masked_ce(big.lm_head(h), labels, mask)
+    x = torch.cat([rms(m.embed_tokens(shift(tokens)), extra["enorm.weight"]), rms(h, extra["hnorm.weight"])], -1)
+    x = m.layers[L](x @ extra["eh_proj.weight"].T, attention_mask=attn, position_ids=pos, position_embeddings=pe)
+    mtp = masked_ce(big.lm_head(rms(x, extra["shared_head.norm.weight"])), shift(labels), shift(mask))
+    loss = main + lam * mtp
+    loss.backward()
+    grads = {k: p.grad for k, p in big.named_parameters() if p.grad is not None}
+    grads = fused_experts_to_per_expert(grads, big.config)
+    grads.update({f"model.layers.{L}.{k}": v.grad for k, v in extra.items()})
+    sd = on_disk(big)
+    sd.update({f"model.layers.{L}.{k}": v.detach() for k, v in extra.items()})
+    sd[f"model.layers.{L}.embed_tokens.weight"] = sd["model.embed_tokens.weight"]
+    sd[f"model.layers.{L}.shared_head.head.weight"] = sd["model.embed_tokens.weight" if tied else "lm_head.weight"]
+    return cfg, sd, tokens, labels, mask, loss.detach(), main.detach(), mtp.detach(), grads
+
+
+def test_mtp_loss_and_gradient_match_a_hand_built_reference(dist):
+    """Megatron-Core's MTP (built by the family from num_nextn_predict_layers=1, weights from DeepSeek's HF
+    layout) against the loss written out by hand with transformers' modules: the main loss, the MTP loss
+    (Megatron's tracker) and every parameter's gradient of main + lambda * MTP (lambda = 0.3); the HF ->
+    Megatron -> HF round trip with the MTP layer is exact."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
+
+    lam = 0.3
+    cfg, sd, tokens, labels, mask, ref_loss, ref_main, ref_mtp, ref_grads = _mtp_reference(lam=lam)
+    model = build_gpt_model(cfg, mtp_loss_scaling_factor=lam)
+    assert model.config.mtp_num_layers == 1 and model.mtp_process
+    load_megatron_state_dict(model, hf_to_megatron(sd, cfg))
+    exported = megatron_to_hf(model.state_dict(), cfg)
+    assert set(exported) == set(sd)
+    for k, v in sd.items():
+        assert torch.equal(exported[k], v), k
+
+    model.train()
+    MTPLossLoggingHelper.tracker.clear()
+    MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    s = tokens.shape[1]
+    ce = model(tokens, torch.arange(s).unsqueeze(0).expand_as(tokens), causal_attention_mask(s),
+               labels=labels, loss_mask=mask)
+    main = (ce * mask).sum() / mask.sum()
+    main.backward()
+    mtp = MTPLossLoggingHelper.tracker["values"][0]
+    grads = {k: p.grad for k, p in model.named_parameters()}
+    grads.update({k: torch.zeros_like(v) for k, v in model.state_dict().items()
+                  if k.endswith("expert_bias")})
+    ours = megatron_to_hf(grads, cfg)
+    print(f"\nmain {main.item():.6f} vs {ref_main.item():.6f}, mtp {mtp.item():.6f} vs {ref_mtp.item():.6f}")
+    assert abs(main.item() - ref_main.item()) < 1e-5 and abs(mtp.item() - ref_mtp.item()) < 1e-5
+    assert ref_mtp.item() > 1.0 and abs((main + lam * mtp).item() - ref_loss.item()) < 1e-5
+    worst = max((ours[k] - g).abs().max().item() for k, g in ref_grads.items())
+    scale = max(g.abs().max().item() for g in ref_grads.values())
+    print(f"max |grad diff| {worst:.2e} (max |grad| {scale:.2e}) over {len(ref_grads)} tensors")
+    assert set(ref_grads) <= set(ours) and worst <= 1e-5
+    # the MTP term matters: the MTP-only weights have gradients, and without it the embedding's would differ
+    assert ref_grads["model.layers.2.eh_proj.weight"].abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_convert_tool_round_trips_mtp_layers(tmp_path, capsys, tied):
+    """tools/convert_checkpoint.py with an MTP layer in DeepSeek's HF layout (model.layers.{L}.enorm / hnorm /
+    eh_proj / shared_head.* / embed_tokens + a full MoE decoder layer): HF -> torch_dist -> HF is bit-identical
+    (the torch_dist checkpoint holds Megatron's mtp.layers.0.*); an MTP copy of the embedding that differs from
+    the main one is refused (Megatron shares it)."""
+    import importlib.util
+    from pathlib import Path
+
+    from moerl.checkpoint.hf_io import load_hf_state_dict, save_hf_checkpoint
+
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", Path(__file__).resolve().parents[1]
+                                                  / "tools" / "convert_checkpoint.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    cfg, sd = _mtp_reference(seed=8, tied=tied)[:2]
+    assert ("lm_head.weight" in sd) != tied and "model.layers.2.eh_proj.weight" in sd
+    save_hf_checkpoint(sd, cfg, str(tmp_path / "hf"))
+    assert tool.main(["hf-to-mcore", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 0
+    assert tool.main(["mcore-to-hf", "--ckpt", str(tmp_path / "ckpt"), "--config", str(tmp_path / "hf"),
+                      "--out", str(tmp_path / "back")]) == 0
+    back = load_hf_state_dict(tmp_path / "back")
+    assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+    bad = dict(sd, **{"model.layers.2.embed_tokens.weight": sd["model.embed_tokens.weight"] + 1})
+    with pytest.raises(ValueError, match="shares them"):
+        hf_to_megatron(bad, cfg)
+    capsys.readouterr()

@@ -112,7 +112,7 @@ def hf_tensor_shapes(path: Any, key: str) -> dict[str, tuple[int, ...]]:
 def expected_hf_shapes(hf_config) -> dict[str, tuple[int, ...]]:
     """On-disk HF tensor name -> shape of the model of ``hf_config`` (a registered family), from transformers'
     model class built on the meta device, mapped to the family's on-disk names (a tied model's
-    ``lm_head.weight`` left out)."""
+    ``lm_head.weight`` left out), plus DeepSeek-V3's MTP layers (deepseek_v3.mtp_hf_shapes)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -123,7 +123,12 @@ def expected_hf_shapes(hf_config) -> dict[str, tuple[int, ...]]:
     sd = fused_experts_to_per_expert(model.state_dict(), hf_config)
     if getattr(hf_config, "tie_word_embeddings", False):
         sd.pop("lm_head.weight", None)
-    return {k: tuple(v.shape) for k, v in sd.items()}
+    shapes = {k: tuple(v.shape) for k, v in sd.items()}
+    if getattr(hf_config, "model_type", None) == "deepseek_v3":  # MTP layers: not in transformers' model class
+        from moerl.models.families.deepseek_v3 import mtp_hf_shapes
+
+        shapes.update(mtp_hf_shapes(hf_config))
+    return shapes
 
 
 def check_hf_tensors(path: Any, hf_config, key: str) -> None:

@@ -65,10 +65,30 @@ Shards: the q/kv down projections (q_a_proj, kv_a_proj_with_mqa) are replicated 
 linear_proj is row-parallel (dim 1); norms, router and expert bias are replicated; routed experts
 split over EP (and expert-TP), shared experts over TP like a dense MLP.
 
-The Transformer Engine layer spec (MLA's fused TELayerNormColumnParallelLinear up projections) and
-multi-token prediction layers (``num_nextn_predict_layers``) are not built by this module yet: a
-TE spec is refused with a clear error, and MTP layers in an HF checkpoint are not converted
-(``num_nextn_predict_layers`` is ignored by transformers' forward too).
+Multi-token prediction (DeepSeek-V3 report sec. 2.2; ``num_nextn_predict_layers`` = D > 0): Megatron-Core's
+``MultiTokenPredictionBlock`` (``mtp_num_layers`` = D, ``mtp_loss_scaling_factor`` = lambda; built by
+:func:`gpt_model_kwargs` through ``get_gpt_mtp_block_spec`` from the last decoder layer's spec, which must be
+an MoE layer as DeepSeek's MTP layer is). MTP layer d (0-based) is HF layer ``L + d`` (L = num_hidden_layers)
+in DeepSeek's checkpoint layout, which transformers' DeepseekV3 forward ignores (export adds them, import
+reads them)::
+
+    model.layers.{L+d}.enorm.weight              [H]        mtp.layers.{d}.enorm.weight
+    model.layers.{L+d}.hnorm.weight              [H]        mtp.layers.{d}.hnorm.weight
+    model.layers.{L+d}.eh_proj.weight            [H, 2H]    mtp.layers.{d}.eh_proj.weight (input [enorm(emb); hnorm(h)])
+    model.layers.{L+d}.shared_head.norm.weight   [H]        mtp.layers.{d}.final_layernorm.weight
+    model.layers.{L+d}.embed_tokens.weight       [V, H]     = embedding.word_embeddings.weight (shared)
+    model.layers.{L+d}.shared_head.head.weight   [V, H]     = output_layer.weight (or the embedding when tied)
+    model.layers.{L+d}.{self_attn,mlp,...}.*                mtp.layers.{d}.transformer_layer.* (as a decoder layer)
+
+Megatron-Core shares the embedding and the output head with the main model, so the two per-layer copies
+are written from them and, on import, must equal them (else refused). The MTP layers need pp_size = 1 here.
+Megatron-Core's MTP loss needs ``labels`` in the forward (GPTModel adds lambda / D * its masked token-mean
+cross entropy to the gradient through ``MTPLossAutoScaler``); moerl's trainer does not pass them yet, so
+a recipe with num_nextn_predict_layers > 0 is still refused by ``moerl train`` (the model, the converter
+and the loss are built and tested: tests/test_family_deepseek_v3.py).
+
+The Transformer Engine layer spec (MLA's fused TELayerNormColumnParallelLinear up projections) is not
+built by this module yet: a TE spec is refused with a clear error.
 """
 
 from __future__ import annotations
@@ -78,7 +98,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from moerl.models.families import ModelFamily, ParamRule, RouterFacts, register
-from moerl.models.families.common import LAYER_SPECS, hf_config_from_fields, shared_moe_fields
+from moerl.models.families.common import LAYER_SPECS, hf_config_from_fields, register_packer, shared_moe_fields
 
 __all__ = [
     "FAMILY",
@@ -87,6 +107,8 @@ __all__ = [
     "check_hf_config",
     "conversion_rules",
     "mla_core_attention_class",
+    "mtp_hf_shapes",
+    "mtp_layers",
     "planner_shape",
     "router_facts",
     "shard_checks",
@@ -116,7 +138,8 @@ _REQUIRED_FIELDS = (
     "v_head_dim",
     "vocab_size",
 )
-_ALIASES = {"num_local_experts": "n_routed_experts", "num_experts": "n_routed_experts"}
+_ALIASES = {"num_local_experts": "n_routed_experts", "num_experts": "n_routed_experts",
+            "num_nextn_predict_layers": "num_mtp_layers"}  # transformers 5 field: num_mtp_layers
 _EXTRA_FIELDS = {"rope_theta", "head_dim", "torch_dtype", "dtype", "architectures", "model_type"}  # besides the class fields
 
 
@@ -162,6 +185,8 @@ def make_hf_config(fields: Mapping[str, Any]):
     for name in ("n_group", "topk_group"):
         kw.setdefault(name, 1)
     kw.setdefault("first_k_dense_replace", 0)
+    if "num_nextn_predict_layers" not in kw:  # transformers' default is 1 MTP layer; a recipe asks for them
+        kw.setdefault("num_mtp_layers", 0)
     cfg = hf_config_from_fields(hf_config_cls(), kw, family="DeepSeek-V3", required=_REQUIRED_FIELDS,
                                 aliases=_ALIASES, extra_fields=_EXTRA_FIELDS, experts_field="n_routed_experts",
                                 int_fields=("q_lora_rank", "n_shared_experts", "n_group", "topk_group",
@@ -171,6 +196,9 @@ def make_hf_config(fields: Mapping[str, Any]):
                          f"n_group={cfg.n_group}")
     if cfg.topk_group > cfg.n_group:
         raise ValueError(f"model.hf_config.topk_group={cfg.topk_group} exceeds n_group={cfg.n_group}")
+    d = cfg.num_mtp_layers
+    if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+        raise ValueError(f"model.hf_config.num_nextn_predict_layers must be an int >= 0, got {d!r}")
     k = cfg.first_k_dense_replace
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= cfg.num_hidden_layers:
         raise ValueError(f"model.hf_config.first_k_dense_replace must be an int in [0, num_hidden_layers], got {k!r}")
@@ -186,6 +214,39 @@ def moe_layer_pattern(hf_config) -> list[int]:
     """Per layer 1 (MoE) / 0 (dense MLP): transformers' rule ``layer_idx >= first_k_dense_replace``."""
     k = int(getattr(hf_config, "first_k_dense_replace", 0) or 0)
     return [int(i >= k) for i in range(hf_config.num_hidden_layers)]
+
+
+def mtp_layers(hf_config) -> int:
+    """Multi-token prediction depth D (HF ``num_nextn_predict_layers``, transformers 5 ``num_mtp_layers``; 0 = none)."""
+    return int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0)
+
+
+def mtp_hf_shapes(hf_config) -> dict[str, tuple[int, ...]]:
+    """On-disk HF tensor name -> shape of the MTP layers (DeepSeek's layout, module docstring), which
+    transformers' DeepseekV3ForCausalLM does not hold: each is a decoder layer ``L + d`` (shapes from
+    transformers' model with L + D layers, built on the meta device) plus enorm / hnorm / shared_head.norm
+    [H], eh_proj [H, 2H], embed_tokens and shared_head.head [V, H]. Empty without MTP layers."""
+    depth = mtp_layers(hf_config)
+    if not depth:
+        return {}
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from moerl.checkpoint.hf_convert import fused_experts_to_per_expert
+
+    L, H, V = int(hf_config.num_hidden_layers), int(hf_config.hidden_size), int(hf_config.vocab_size)
+    longer = copy.deepcopy(hf_config)
+    longer.num_hidden_layers, longer.num_nextn_predict_layers = L + depth, 0
+    with torch.device("meta"):
+        sd = AutoModelForCausalLM.from_config(longer).state_dict()
+    layers = tuple(f"model.layers.{L + d}." for d in range(depth))
+    out = {k: tuple(v.shape) for k, v in fused_experts_to_per_expert(sd, longer).items() if k.startswith(layers)}
+    for prefix in layers:
+        out.update({prefix + "enorm.weight": (H,), prefix + "hnorm.weight": (H,), prefix + "eh_proj.weight": (H, 2 * H),
+                    prefix + "shared_head.norm.weight": (H,), prefix + "embed_tokens.weight": (V, H),
+                    prefix + "shared_head.head.weight": (V, H)})
+    return out
 
 
 def rope_settings(hf_config) -> dict[str, Any]:
@@ -309,6 +370,17 @@ def transformer_config_from_hf(
                             tp_size=tp_size, pp_size=pp_size, ep_size=ep_size, etp_size=etp_size,
                             sequence_parallel=sequence_parallel),
     )
+    depth = mtp_layers(hf_config)
+    if depth:
+        if (pp_size or kwargs.get("pipeline_model_parallel_size") or 1) > 1:
+            raise ValueError(f"model.hf_config.num_nextn_predict_layers={depth}: moerl builds DeepSeek-V3's MTP "
+                             "layers with parallel.pp_size=1 only; set parallel.pp_size=1 or num_nextn_predict_layers=0")
+        if not pattern[-1]:
+            raise ValueError(f"model.hf_config.num_nextn_predict_layers={depth} needs an MoE last decoder layer "
+                             "(DeepSeek's MTP layer is an MoE layer; Megatron-Core copies the last layer's spec): "
+                             "set first_k_dense_replace < num_hidden_layers")
+        kwargs["mtp_num_layers"] = depth
+        kwargs["mtp_loss_scaling_factor"] = 0.1  # Megatron-Core's default lambda; overridable
     _check_router_overrides(kwargs, overrides)
     kwargs.update(overrides)
     return MLATransformerConfig(**kwargs)
@@ -434,12 +506,13 @@ def conversion_rules(hf_config, expert_bias: bool = True, head: str = "lm",
         layer_spec: "local" only (the names in the module docstring).
 
     Returns:
-        list of ``moerl.checkpoint.hf_convert.ParamRule`` (kinds "copy" and "gate_up"; ``tp_dim``
+        list of ``moerl.checkpoint.hf_convert.ParamRule`` (kinds "copy", "gate_up" and, with MTP layers,
+        "shared": the embedding / lm_head with their MTP copies, see the module docstring; ``tp_dim``
         0 for column-parallel tensors, 1 for row-parallel, None for replicated (incl. MLA's down
         projections); ``layer`` / ``expert`` the global indices).
 
     Raises:
-        ValueError: an unknown head or a layer spec other than "local".
+        ValueError: an unknown head, a layer spec other than "local", or a value head with MTP layers.
     """
     del expert_bias  # always present for this family
     if head not in ("lm", "value"):
@@ -447,7 +520,15 @@ def conversion_rules(hf_config, expert_bias: bool = True, head: str = "lm",
     if layer_spec != "local":
         raise ValueError(f"layer_spec={layer_spec!r}: DeepSeek-V3 (MLA) has local-spec names only; use 'local'")
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-    rules = [ParamRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "copy", tp_dim=0)]
+    L, depth = int(hf_config.num_hidden_layers), mtp_layers(hf_config)
+    if depth and head != "lm":
+        raise ValueError(f"model.hf_config.num_nextn_predict_layers={depth}: a value head (critic) of a model with "
+                         "MTP layers is not built; set num_nextn_predict_layers=0 for the critic")
+    mtp_embeds = tuple(f"model.layers.{L + d}.embed_tokens.weight" for d in range(depth))
+    mtp_heads = tuple(f"model.layers.{L + d}.shared_head.head.weight" for d in range(depth))
+    embed_keys = ("model.embed_tokens.weight",) + mtp_embeds + (mtp_heads if tied and head == "lm" else ())
+    rules = [ParamRule("embedding.word_embeddings.weight", embed_keys, "copy" if len(embed_keys) == 1 else "shared",
+                       tp_dim=0)]
 
     def copy(mc: str, hf: str, layer: int, tp_dim: Optional[int] = None, expert: Optional[int] = None):
         rules.append(ParamRule(mc, (hf,), "copy", tp_dim=tp_dim, layer=layer, expert=expert))
@@ -457,8 +538,7 @@ def conversion_rules(hf_config, expert_bias: bool = True, head: str = "lm",
                                "gate_up", tp_dim=0, layer=layer, expert=expert))
         copy(mc + "linear_fc2.weight", hf + "down_proj.weight", layer, tp_dim=1, expert=expert)
 
-    for l, is_moe in enumerate(moe_layer_pattern(hf_config)):
-        hf, mc = f"model.layers.{l}.", f"decoder.layers.{l}."
+    def decoder_layer(hf: str, mc: str, l: Optional[int], is_moe: bool):
         ha, ma = hf + "self_attn.", mc + "self_attention."
         copy(mc + "input_layernorm.weight", hf + "input_layernorm.weight", l)
         if hf_config.q_lora_rank is None:
@@ -474,20 +554,50 @@ def conversion_rules(hf_config, expert_bias: bool = True, head: str = "lm",
         copy(mc + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight", l)
         if not is_moe:
             swiglu(mc + "mlp.", hf + "mlp.", l)
-            continue
+            return
         copy(mc + "mlp.router.weight", hf + "mlp.gate.weight", l)
         copy(mc + "mlp.router.expert_bias", hf + "mlp.gate.e_score_correction_bias", l)
         for e in range(num_experts(hf_config)):
             swiglu(mc + f"mlp.experts.local_experts.{e}.", hf + f"mlp.experts.{e}.", l, expert=e)
         if hf_config.n_shared_experts:
             swiglu(mc + "mlp.shared_experts.", hf + "mlp.shared_experts.", l)
+
+    for l, is_moe in enumerate(moe_layer_pattern(hf_config)):
+        decoder_layer(f"model.layers.{l}.", f"decoder.layers.{l}.", l, is_moe)
     rules.append(ParamRule("decoder.final_layernorm.weight", ("model.norm.weight",), "copy"))
+    for d in range(depth):  # MTP layers (pp = 1 only, so no layer index: every stage-0 shard holds them)
+        hf, mc = f"model.layers.{L + d}.", f"mtp.layers.{d}."
+        for mc_name, hf_name in (("enorm", "enorm"), ("hnorm", "hnorm"), ("final_layernorm", "shared_head.norm")):
+            copy(mc + mc_name + ".weight", hf + hf_name + ".weight", None)
+        copy(mc + "eh_proj.weight", hf + "eh_proj.weight", None, tp_dim=0)
+        decoder_layer(hf, mc + "transformer_layer.", None, True)
     if head == "value":
         rules += [ParamRule("output_layer.weight", ("score.weight",), "copy"),
                   ParamRule("output_layer.bias", ("score.bias",), "copy")]
     elif not tied:
-        rules.append(ParamRule("output_layer.weight", ("lm_head.weight",), "copy", tp_dim=0))
+        keys = ("lm_head.weight",) + mtp_heads
+        rules.append(ParamRule("output_layer.weight", keys, "copy" if len(keys) == 1 else "shared", tp_dim=0))
     return rules
+
+
+def _shared_to_mcore(tensors, hf_config):
+    """Packer "shared": one Megatron tensor stored under several HF keys (the embedding / head and their MTP
+    copies); the copies must be equal (Megatron-Core's MTP shares them)."""
+    for t in tensors[1:]:
+        if not torch.equal(t, tensors[0]):
+            raise ValueError("DeepSeek-V3 MTP layer's embed_tokens / shared_head.head differ from the main model's "
+                             "embed_tokens / lm_head; Megatron-Core's MTP shares them (num_nextn_predict_layers)")
+    return tensors[0]
+
+
+def _shared_to_hf(tensor, hf_config):
+    """Inverse of :func:`_shared_to_mcore`: the embedding (plus each MTP layer's embed_tokens, plus its
+    shared_head.head when tied) or the untied lm_head (plus each MTP layer's shared_head.head)."""
+    depth = mtp_layers(hf_config)
+    return [tensor] * (1 + depth + (depth if bool(getattr(hf_config, "tie_word_embeddings", False)) else 0))
+
+
+register_packer("shared", _shared_to_mcore, _shared_to_hf)
 
 
 def router_facts(hf_config) -> RouterFacts:
@@ -582,8 +692,16 @@ def planner_shape(hf_config) -> dict:
 
 def gpt_model_kwargs(hf_config, transformer_config) -> dict:
     """GPTModel arguments: ``position_embedding_type="rope"``; MLA builds its own rotary embedding from the
-    MLATransformerConfig (GPTModel builds none when ``multi_latent_attention``)."""
-    return dict(position_embedding_type="rope")
+    MLATransformerConfig (GPTModel builds none when ``multi_latent_attention``). With
+    ``transformer_config.mtp_num_layers`` also ``mtp_block_spec``: Megatron-Core's
+    ``get_gpt_mtp_block_spec`` (local backend) around the last decoder layer's spec of :func:`layer_spec`."""
+    kw: dict[str, Any] = dict(position_embedding_type="rope")
+    if getattr(transformer_config, "mtp_num_layers", None):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        block = layer_spec(hf_config, transformer_config)
+        kw["mtp_block_spec"] = get_gpt_mtp_block_spec(transformer_config, block, use_transformer_engine=False)
+    return kw
 
 
 FAMILY = register(ModelFamily(
