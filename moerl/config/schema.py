@@ -1067,7 +1067,7 @@ class RecipeConfig(_Section):
         Raises:
             ConfigError-compatible ValueError naming the parallel.* / *.global_batch_size key.
         """
-        dp = self.layout_dp_size(world_size)
+        dp = self.layout_dp_size(world_size, launch_hint=trainable)
         for name, sec in (("train", self.train), ("sft", self.sft)):
             if sec.global_batch_size % (sec.micro_batch_size * dp):
                 raise ConfigError(
@@ -1099,9 +1099,10 @@ class RecipeConfig(_Section):
             )
         return dp
 
-    def layout_dp_size(self, world_size: int) -> int:
+    def layout_dp_size(self, world_size: int, launch_hint: bool = False) -> int:
         """The tiling rules of ``check_world_size`` only (no batch or trainability rules);
-        returns dp_size. Used by ``moerl plan``.
+        returns dp_size. Used by ``moerl plan``. ``launch_hint`` (``moerl train``): a broken rule also says
+        how to launch the layout (``torchrun --nproc-per-node N``, N the fewest processes it tiles).
 
         Raises:
             ConfigError naming the parallel.* keys and the rule.
@@ -1118,7 +1119,7 @@ class RecipeConfig(_Section):
         expert_mp = p.expert_tp_size * p.ep_size * p.pp_size
         n = math.lcm(mp, expert_mp)  # the fewest processes the layout runs on
         launch = (f"; launch with torchrun --nproc-per-node {n} -m moerl.cli train <recipe> (any multiple of "
-                  f"{n} processes in all)")
+                  f"{n} processes in all)") if launch_hint else ""
         if world_size % mp:
             raise ConfigError(
                 f"world_size ({world_size}) must be divisible by parallel.tp_size * parallel.pp_size "
