@@ -198,11 +198,12 @@ def test_moerl_train_dualpipev_matches_1f1b(tmp_path):
     # A: 1F1B reference (SFT warm start from its random init, one RL step)
     a = tmp_path / "a_1f1b"
     _train(a, "1f1b", "train.num_steps=1")
-    # B: DualPipeV, whole recipe from A's initial weights: SFT's first step is A's; RL and saves run
+    # B: DualPipeV, whole recipe from A's initial weights: SFT's first steps are A's (5 of A's 40: CI time); RL
+    # and saves run
     b = tmp_path / "b_dualpipev"
-    out_b = _train(b, "dualpipev", f"model.init_from={a / 'weights' / 'init'}", "train.num_steps=2")
+    out_b = _train(b, "dualpipev", f"model.init_from={a / 'weights' / 'init'}", "train.num_steps=2", "sft.max_steps=5")
     sft_a, sft_b = _scalars(a, "sft/loss"), _scalars(b, "sft/loss")
-    assert sorted(sft_a) == sorted(sft_b) == list(range(1, 41))
+    assert sorted(sft_a) == list(range(1, 41)) and sorted(sft_b) == list(range(1, 6))
     # the first steps agree to float32 rounding (measured: step 1 bitwise, steps 2-8 within 3e-7); the
     # ulp differences of the updates then grow through 40 steps at lr 1e-3 (about 1e-2 by step 40)
     for step in range(1, 6):
