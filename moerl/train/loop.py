@@ -124,6 +124,9 @@ def _train(ctx, t_start: float) -> dict:
 
         ckpt.before_save = save_cursor
         t_rl, first = time.time(), state.rl_step + 1
+        if "stopped_at_step" in state.summary:  # a resumed run that eval.stop_at_gain already ended
+            first = cfg.train.num_steps + 1
+        metrics: dict = {}
         if telemetry is not None:
             telemetry.enabled = True
         if cfg.moe.routing_replay != "none":  # R2/R3 in the RL passes only (not SFT)
@@ -142,14 +145,22 @@ def _train(ctx, t_start: float) -> dict:
                     ckpt(step)
                 if (cfg.eval.every_steps and step % cfg.eval.every_steps == 0) or step == cfg.train.num_steps:
                     with timers("eval"):
-                        metrics["eval/accuracy"] = evaluate(ctx, client, eval_rows)
+                        metrics["eval/accuracy"] = acc_rl = evaluate(ctx, client, eval_rows)
+                stop = _stop_at_gain(cfg, metrics, state.summary)  # eval.stop_at_gain (same on every rank)
                 metrics.update(timers.end(step, metrics))  # time/, memory/, perf/, straggler/ (collective)
                 if logger is not None:
                     logger.log(step, metrics)
                 eta = (time.time() - t_rl) / (step - first + 1) * (cfg.train.num_steps - step)
                 log(step_line(step, cfg.train.num_steps, metrics, eta) + perf_line(metrics))
-            acc_rl = evaluate(ctx, client, eval_rows)
-            state.rl_step = max(state.rl_step, cfg.train.num_steps)
+                if stop:
+                    state.summary["stopped_at_step"] = step
+                    log(f"eval.stop_at_gain: greedy accuracy {metrics['eval/accuracy']:.4f} is >= "
+                        f"{cfg.eval.stop_at_gain:+.2f} over the warm start at step {step}: RL ends here")
+                    break
+            if "eval/accuracy" not in metrics:  # the last step's eval already measured these weights
+                acc_rl = evaluate(ctx, client, eval_rows)
+            if "stopped_at_step" not in state.summary:
+                state.rl_step = max(state.rl_step, cfg.train.num_steps)
             ckpt(state.rl_step, force=True)
     if telemetry is not None:
         telemetry.close()
@@ -167,6 +178,16 @@ def _train(ctx, t_start: float) -> dict:
     log(f"done in {summary['total_seconds']:.0f}s; Megatron checkpoint in {ctx.run_dir / 'checkpoints'}, "
         f"HF export in {ctx.run_dir / 'hf_export'}")
     return summary
+
+
+def _stop_at_gain(cfg, metrics: dict, summary: dict) -> bool:
+    """True when ``eval.stop_at_gain`` is set and this step's greedy eval (``metrics["eval/accuracy"]``, a
+    fraction of eval.num_prompts held-out prompts) is at least that much above
+    ``summary["accuracy_after_warm_start"]``; False on steps without an eval."""
+    gain = cfg.eval.stop_at_gain
+    if gain is None or "eval/accuracy" not in metrics:
+        return False
+    return metrics["eval/accuracy"] - summary["accuracy_after_warm_start"] >= gain - 1e-9
 
 
 def rl_step(ctx, step: int, actor, ref, manager, sync, timers, critic=None) -> dict:
