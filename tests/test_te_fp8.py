@@ -123,8 +123,10 @@ def test_te_layer_spec_flag_matches_the_model_builder():
     """TE_LAYER_SPEC_BUILT (which lets moerl train accept FP8) must say what build_gpt_model does: it calls
     get_gpt_decoder_block_spec with use_transformer_engine=True (the TE branch, never wrapped with moerl's
     packed core attention) as well as False (the local branch, wrapped)."""
-    tree = ast.parse((REPO / "moerl" / "models" / "qwen3_moe.py").read_text())
-    build = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "build_gpt_model")
+    # build_gpt_model (moerl.models.gpt) takes the layer spec from the model family; the GQA families
+    # (Qwen3-MoE, Mixtral) build it in moerl.models.families.common.gpt_block_spec (issue #16)
+    tree = ast.parse((REPO / "moerl" / "models" / "families" / "common.py").read_text())
+    build = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "gpt_block_spec")
     calls = [n for n in ast.walk(build) if isinstance(n, ast.Call) and getattr(n.func, "id", None) ==
              "get_gpt_decoder_block_spec"]
     assert calls, "build_gpt_model no longer calls get_gpt_decoder_block_spec: update te_fp8.TE_LAYER_SPEC_BUILT"
