@@ -226,6 +226,7 @@ def test_expert_bias_update_follows_the_loads_transformers_routes(dist):
     (dict(norm_topk_prob=False), "norm_topk_prob"),
     (dict(rope_interleave=False), "rope_interleave"),
     (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}, rope_theta=None), "rope_type"),
+    (dict(num_nextn_predict_layers=1, first_k_dense_replace=3), "num_nextn_predict_layers=1 needs an MoE last"),
 ])
 def test_unmapped_features_are_refused_naming_the_key(changes, needle):
     fields = {k: v for k, v in {**FIELDS, **changes}.items() if v is not None}
@@ -258,6 +259,22 @@ def test_make_hf_config_names_bad_fields():
     with pytest.raises(ValueError, match="n_routed_experts=8 is not divisible by n_group=3"):
         ds.make_hf_config({**FIELDS, "n_group": 3})
     assert ds.make_hf_config({**FIELDS, "num_local_experts": 8}).n_routed_experts == 8
+
+
+def test_mtp_layers_refused_where_not_built():
+    """MTP: a negative depth, pp_size > 1 and a critic's value head are refused naming the key; without the
+    key no MTP layer is built (transformers' DeepseekV3Config defaults to one)."""
+    with pytest.raises(ValueError, match="num_nextn_predict_layers must be an int >= 0"):
+        ds.make_hf_config({**FIELDS, "num_nextn_predict_layers": -1})
+    assert ds.mtp_layers(ds.make_hf_config(FIELDS)) == 0 and ds.mtp_hf_shapes(ds.make_hf_config(FIELDS)) == {}
+    cfg = ds.make_hf_config({**FIELDS, "num_nextn_predict_layers": 1})
+    with pytest.raises(ValueError, match="parallel.pp_size=1"):
+        ds.transformer_config_from_hf(cfg, tp_size=1, pp_size=2, ep_size=1)
+    with pytest.raises(ValueError, match="value head"):
+        ds.conversion_rules(cfg, head="value")
+    shapes = ds.mtp_hf_shapes(cfg)
+    assert shapes["model.layers.3.eh_proj.weight"] == (48, 96) and shapes["model.layers.3.mlp.gate.weight"] == (8, 48)
+    assert {k for r in ds.conversion_rules(cfg) for k in r.hf_keys if k.startswith("model.layers.3.")} == set(shapes)
 
 
 def test_mla_without_transformer_engine_needs_the_cpu_patch(dist):
