@@ -86,7 +86,7 @@ EXPECTED_TINY = {
         "enabled": True, "lr": 1.0e-3, "global_batch_size": 128, "micro_batch_size": 128, "max_steps": 3000,
         "eval_every": 25, "eval_prompts": 100, "target_accuracy": 0.3,
     },
-    "eval": {"num_prompts": 300, "every_steps": 50},
+    "eval": {"num_prompts": 300, "every_steps": 25, "stop_at_gain": 0.15},
     "log": {"tensorboard": True, "wandb_project": None, "log_every": 1, "samples": False},
     "hardware": {"gpu": None, "gpu_memory_gib": None, "peak_bf16_tflops": None, "nvlink_gbs": None,
                  "gpus_per_node": 8, "inter_node_gbs": 50.0, "mfu": 0.35, "reserved_fraction": 0.1,

@@ -127,6 +127,8 @@ def _train(ctx, t_start: float) -> dict:
         if "stopped_at_step" in state.summary:  # a resumed run that eval.stop_at_gain already ended
             first = cfg.train.num_steps + 1
         metrics: dict = {}
+        if cfg.eval.stop_at_gain is not None and not cfg.eval.every_steps:
+            log(f"eval.stop_at_gain={cfg.eval.stop_at_gain} has no effect: eval.every_steps=0 (no evals during RL)")
         if telemetry is not None:
             telemetry.enabled = True
         if cfg.moe.routing_replay != "none":  # R2/R3 in the RL passes only (not SFT)
