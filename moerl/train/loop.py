@@ -124,8 +124,11 @@ def _train(ctx, t_start: float) -> dict:
 
         ckpt.before_save = save_cursor
         t_rl, first = time.time(), state.rl_step + 1
-        if "stopped_at_step" in state.summary:  # a resumed run that eval.stop_at_gain already ended
-            first = cfg.train.num_steps + 1
+        if "stopped_at_step" in state.summary:  # a resumed run that eval.stop_at_gain ended
+            if cfg.eval.stop_at_gain is not None:
+                first = cfg.train.num_steps + 1
+            else:  # resumed with eval.stop_at_gain=null: RL goes on to train.num_steps
+                del state.summary["stopped_at_step"]
         metrics: dict = {}
         if cfg.eval.stop_at_gain is not None and not cfg.eval.every_steps:
             log(f"eval.stop_at_gain={cfg.eval.stop_at_gain} has no effect: eval.every_steps=0 (no evals during RL)")
@@ -148,7 +151,9 @@ def _train(ctx, t_start: float) -> dict:
                 if (cfg.eval.every_steps and step % cfg.eval.every_steps == 0) or step == cfg.train.num_steps:
                     with timers("eval"):
                         metrics["eval/accuracy"] = acc_rl = evaluate(ctx, client, eval_rows)
-                stop = _stop_at_gain(cfg, metrics, state.summary)  # eval.stop_at_gain (same on every rank)
+                # eval.stop_at_gain (the same on every rank); the last step is no early stop (a resume with
+                # more train.num_steps goes on)
+                stop = step < cfg.train.num_steps and _stop_at_gain(cfg, metrics, state.summary)
                 metrics.update(timers.end(step, metrics))  # time/, memory/, perf/, straggler/ (collective)
                 if logger is not None:
                     logger.log(step, metrics)
