@@ -719,3 +719,34 @@ def test_tiny_deepseek_v3_demo_rl_gain(tmp_path):
     assert summary["step0_check"]["logprob_pass"] and summary["step0_check"]["ratio_pass"]
     assert summary["accuracy_after_rl"] - summary["accuracy_after_warm_start"] >= 0.10, summary
     assert steps >= 100 and last < first
+
+
+def test_sft_step_trains_the_mtp_layers_with_the_weighted_loss(dist):
+    """MegatronActor.train_step with moerl's SFT loss on a DeepSeek-V3 with one MTP layer: the reported
+    sft_loss and mtp_loss equal the hand-built main and MTP losses, and the global gradient norm (before
+    clipping) equals the norm of the hand-built gradient of main + lambda * MTP (lambda = 0.3), not of the main
+    loss alone; the log-prob forward (no labels) runs without the MTP block and gives the main head's values."""
+    from moerl.train.actor import MegatronActor
+    from moerl.train.batching import MicroBatch
+    from moerl.train.losses import sft_loss
+
+    lam = 0.3
+    cfg, sd, tokens, labels, mask, ref_loss, ref_main, ref_mtp, ref_grads = _mtp_reference(lam=lam)
+    ref_norm = torch.sqrt(sum((g.double() ** 2).sum() for g in ref_grads.values())).item()
+    actor = MegatronActor(cfg, lr=1e-3, moe_aux_loss_coeff=0.0, moe_load_balancing_type="none",
+                          config_overrides={"mtp_loss_scaling_factor": lam})
+    actor.load_hf_state_dict(sd)
+    b = tokens.shape[0]
+    mb = MicroBatch(tokens=tokens, labels=labels, loss_mask=mask, advantages=torch.zeros(b),
+                    sample_indices=list(range(b)), response_starts=[0] * b, response_lengths=[tokens.shape[1]] * b)
+    lp = actor.compute_log_probs([mb], temperature=1.0)[0][1]
+    main_from_lp = -(lp * mask).sum() / mask.sum()
+    m = actor.train_step([mb], sft_loss(int(mask.sum())), temperature=1.0)
+    print(f"\nsft_loss {m['sft_loss']:.6f} (ref {ref_main.item():.6f}), mtp_loss {m['mtp_loss']:.6f} "
+          f"(ref {ref_mtp.item():.6f}), grad_norm {m['grad_norm']:.6f} (ref {ref_norm:.6f})")
+    assert abs(main_from_lp.item() - ref_main.item()) < 1e-5
+    assert abs(m["sft_loss"] - ref_main.item()) < 1e-5 and abs(m["mtp_loss"] - ref_mtp.item()) < 1e-5
+    assert abs(m["grad_norm"] - ref_norm) < 1e-5 * ref_norm
+    main_only = _mtp_reference(lam=0.0)[-1]  # the main loss alone gives another norm
+    main_norm = torch.sqrt(sum((g.double() ** 2).sum() for g in main_only.values())).item()
+    assert abs(m["grad_norm"] - main_norm) > 1e-3 * ref_norm, (main_norm, ref_norm)

@@ -144,6 +144,19 @@ def actor_parallel_kwargs(parallel_cfg) -> dict[str, Any]:
     )
 
 
+@contextlib.contextmanager
+def mtp_block_off(model):
+    """Run a Megatron-Core GPTModel with MTP layers (``config.mtp_num_layers``) without them for the block:
+    its forward then needs no labels and returns the main head's logits (the MTP layers' routers see no
+    tokens, so their expert bias does not move)."""
+    saved = (model.mtp_process, model.config.mtp_num_layers)
+    model.mtp_process, model.config.mtp_num_layers = False, None
+    try:
+        yield
+    finally:
+        model.mtp_process, model.config.mtp_num_layers = saved
+
+
 def _pad_micro_batch(mb: MicroBatch, batch_size: int, seq_len: int) -> MicroBatch:
     """Right-pad a micro-batch to [batch_size, seq_len]: token/label 0, loss mask 0, extras 0,
     advantage 0 for the added rows. sample_indices / response_starts / response_lengths are
@@ -546,6 +559,15 @@ class MegatronActor:
         # MoE routing replay (moerl.moe.routing_replay.RoutingReplay, set by the RL loop when
         # moe.routing_replay is r2/r3): force mb.routed_experts, or record (r2 first pass)
         replay = getattr(self, "routing_replay", None)
+        # multi-token prediction layers (DeepSeek-V3, tf_config.mtp_num_layers): a loss marked ``trains_mtp``
+        # (moerl.train.losses.sft_loss) on padded micro-batches passes the labels, so Megatron-Core's GPTModel
+        # returns the main head's per-token cross entropy (= -log-prob at temperature 1) and adds
+        # mtp_loss_scaling_factor * the MTP loss to the gradient (MTPLossAutoScaler); every other forward
+        # runs without the MTP block, which needs labels
+        has_mtp = bool(getattr(self.tf_config, "mtp_num_layers", None)) and not self.dual
+        train_mtp = has_mtp and bool(getattr(loss_fn, "trains_mtp", False))
+        if train_mtp and temperature != 1.0:
+            raise ValueError(f"training MTP layers needs temperature 1 (the SFT loss), got {temperature}")
 
         def forward_step(data_iterator, model, return_schedule_plan: bool = False):
             mb: MicroBatch = next(data_iterator)
@@ -554,6 +576,7 @@ class MegatronActor:
             # sequence-parallel slice of the padding mask
             is_first = bool(get_attr_wrapped_model(model, "pre_process")) if self.dual else first_stage
             args, kwargs = stage_model_args(mb, is_first, self.tf_config)
+            with_labels = train_mtp and not isinstance(mb, PackedMicroBatch) and not return_schedule_plan
             if return_schedule_plan:  # train.pipeline_overlap: Megatron's plan, run later by the executor
                 if replay is not None:
                     raise ValueError("moe.routing_replay does not support train.pipeline_overlap")
@@ -561,15 +584,23 @@ class MegatronActor:
             else:
                 if replay is not None:
                     replay.before_forward(mb)
-                # train.fused_logprob: the model hands back hidden states, the loss forms the log-probs
-                with skip_output_layer(self.model) if self.fused_logprob else contextlib.nullcontext() as skipped:
-                    output = model(*args, **kwargs)
+                if with_labels:  # [B, S] cross entropy of the main head; the MTP loss is in the graph
+                    output = model(*args, **kwargs, labels=mb.labels, loss_mask=mb.loss_mask)
+                else:
+                    # train.fused_logprob: the model hands back hidden states, the loss forms the log-probs
+                    with mtp_block_off(self.model) if has_mtp else contextlib.nullcontext(), \
+                            skip_output_layer(self.model) if self.fused_logprob else contextlib.nullcontext() as skipped:
+                        output = model(*args, **kwargs)
                 if replay is not None:
                     replay.after_forward(mb)
-            weight = skipped.weight if self.fused_logprob and not return_schedule_plan else None
+            weight = skipped.weight if self.fused_logprob and not return_schedule_plan and not with_labels else None
 
             def loss_func(logits):  # runs on the last stage only
-                log_probs, entropy = self._token_log_probs(logits, model_labels(mb), temperature, weight)
+                if with_labels:
+                    log_probs = -logits.float()
+                    log_probs, entropy = log_probs, torch.zeros_like(log_probs)
+                else:
+                    log_probs, entropy = self._token_log_probs(logits, model_labels(mb), temperature, weight)
                 log_probs, entropy = to_label_layout(mb, log_probs), to_label_layout(mb, entropy)
                 tag = {} if index is None else {"_mb": index[id(mb)]}
                 if loss_fn is None:
@@ -667,7 +698,10 @@ class MegatronActor:
         :func:`moerl.train.losses.combine_micro_batch_metrics`),
         grad_norm (global, after DP reduction, before clipping), aux_loss (mean per MoE layer of
         Megatron's load-balancing loss, before the coefficient, averaged over micro-batches and DP
-        ranks) and update_successful.
+        ranks) and update_successful. A model with multi-token prediction layers trains them on a loss
+        marked ``trains_mtp`` (moerl.train.losses.sft_loss; padded micro-batches): the gradient gets
+        ``mtp_loss_scaling_factor`` times Megatron-Core's MTP loss (its token mean per micro-batch,
+        averaged over micro-batches and DP ranks) and ``mtp_loss`` reports this rank's value.
 
         Raises:
             RuntimeError: if called on a frozen actor.
@@ -681,6 +715,11 @@ class MegatronActor:
         self.ddp_model.zero_grad_buffer()
         self.optimizer.zero_grad()
         clear_aux_losses_tracker()
+        train_mtp = bool(getattr(self.tf_config, "mtp_num_layers", None)) and getattr(loss_fn, "trains_mtp", False)
+        if train_mtp and not self.dual:
+            from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+            MTPLossLoggingHelper.tracker.pop("values", None)  # this step's MTP losses only
         n = len(padded)
         out = self._run_schedule(padded, self._forward_step(temperature, loss_fn, n, self._index(padded)),
                                  forward_only=False)
@@ -692,6 +731,10 @@ class MegatronActor:
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["update_successful"] = float(bool(update_successful))
         metrics["aux_loss"] = self._aux_loss(n)
+        if train_mtp and not self.dual:
+            values = MTPLossLoggingHelper.tracker.pop("values", None)
+            if values is not None:  # this rank's MTP loss, mean over the MTP layers and micro-batches
+                metrics["mtp_loss"] = float(values.sum()) / (n * len(values))
         return metrics
 
     def _set_balancing_normalisers(self, micro_batches: Sequence[MicroBatch]) -> None:

@@ -51,6 +51,9 @@ def sft_loss(global_num_tokens: int):
         loss = -(log_probs * mask).sum() / global_num_tokens
         return loss, {"sft_loss": loss.detach(), "entropy": (entropy * mask).sum() / global_num_tokens}
 
+    # a model with multi-token prediction layers trains them on this loss (MegatronActor passes the labels;
+    # the entropy is then not computed: 0)
+    loss_fn.trains_mtp = True
     return loss_fn
 
 
