@@ -750,3 +750,25 @@ def test_sft_step_trains_the_mtp_layers_with_the_weighted_loss(dist):
     main_only = _mtp_reference(lam=0.0)[-1]  # the main loss alone gives another norm
     main_norm = torch.sqrt(sum((g.double() ** 2).sum() for g in main_only.values())).item()
     assert abs(m["grad_norm"] - main_norm) > 1e-3 * ref_norm, (main_norm, ref_norm)
+
+
+def test_recipe_with_mtp_layers_and_what_the_servers_get():
+    """A tiny_deepseek_v3 recipe with num_nextn_predict_layers=1 loads (MTP trained in SFT); with a critic or
+    pp_size 2 it is refused naming the keys. The rollout servers get the weights without the MTP
+    layer (model.layers.{L}.*) and a config with num_nextn_predict_layers=0; the HF export keeps them."""
+    from pathlib import Path
+
+    from moerl.config.loader import ConfigError, load_config
+    from moerl.train.weight_sync import rollout_weights
+
+    recipe = Path(__file__).resolve().parents[1] / "configs" / "tiny_deepseek_v3.yaml"
+    cfg = load_config(recipe, ["model.hf_config.num_nextn_predict_layers=1"])
+    assert cfg.model.hf_config.num_nextn_predict_layers == 1
+    for extra in (["algorithm.advantage_estimator=gae", "algorithm.policy_loss=ppo"], ["parallel.pp_size=2"]):
+        with pytest.raises(ConfigError, match="num_nextn_predict_layers=1"):
+            load_config(recipe, ["model.hf_config.num_nextn_predict_layers=1", *extra])
+    hf_cfg, sd = _mtp_reference(seed=4)[:2]
+    sent, sent_cfg = rollout_weights(cfg.rollout, sd, hf_cfg)
+    assert set(sent) == {k for k in sd if not k.startswith("model.layers.2.")} and len(sent) < len(sd)
+    assert sent_cfg.num_nextn_predict_layers == 0 and hf_cfg.num_nextn_predict_layers == 1
+    assert all(sent[k] is sd[k] for k in sent)

@@ -93,7 +93,7 @@ class HFModelConfig(_Section):
     topk_group: Optional[int] = Field(None, ge=1)  # groups chosen per token
     routed_scaling_factor: Optional[float] = Field(None, gt=0)  # scale of the routed experts' gates
     first_k_dense_replace: Optional[int] = Field(None, ge=0)  # the first k layers have a dense MLP
-    num_nextn_predict_layers: Optional[int] = Field(None, ge=0)  # MTP layers (not trained by moerl yet: 0)
+    num_nextn_predict_layers: Optional[int] = Field(None, ge=0)  # DeepSeek-V3 MTP layers (trained in SFT)
 
     @model_serializer(mode="wrap")
     def _drop_unused_family_keys(self, handler):
@@ -139,9 +139,6 @@ class HFModelConfig(_Section):
             why = recipe_problem(self.model_dump())
             if why:
                 raise ValueError(why)
-        if self.model_type == "deepseek_v3" and self.num_nextn_predict_layers:
-            raise ValueError(f"{p}.num_nextn_predict_layers={self.num_nextn_predict_layers}: moerl does not train "
-                             "multi-token prediction layers yet; set it to 0")
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
         if bad or len(set(self.mlp_only_layers)) != len(self.mlp_only_layers):
             raise ValueError(
@@ -942,6 +939,12 @@ class RecipeConfig(_Section):
             raise ValueError(
                 f"sft.eval_prompts ({self.sft.eval_prompts}) must be <= eval.num_prompts ({self.eval.num_prompts})"
             )
+        mtp = self.model.hf_config.num_nextn_predict_layers
+        if mtp and (self.algorithm.advantage_estimator == "gae" or self.parallel.pp_size > 1
+                    or self.train.pipeline_schedule != "1f1b"):
+            raise ValueError(f"model.hf_config.num_nextn_predict_layers={mtp} (MTP layers) needs parallel.pp_size=1, "
+                             "train.pipeline_schedule=1f1b and no critic (algorithm.advantage_estimator != gae); "
+                             "change those or set num_nextn_predict_layers=0")
         if self.algorithm.advantage_estimator == "gae" and self.train.pipeline_schedule != "1f1b":
             raise ValueError(f"algorithm.advantage_estimator=gae trains a critic, which runs Megatron's 1F1B schedule "
                              f"only: set train.pipeline_schedule=1f1b (got {self.train.pipeline_schedule})")

@@ -51,9 +51,12 @@ def run_sft(ctx: RunContext, actor, client, sync, logger, state,
             acc = evaluate(ctx, client, eval_rows)
             state.sft_accuracy = acc
             rate = (step - start) / max(1e-9, time.time() - t_proc)
+            mtp = {"sft/mtp_loss": m["mtp_loss"]} if "mtp_loss" in m else {}  # DeepSeek-V3 MTP layers (rank 0's)
             if logger is not None:
-                logger.log(step, {"sft/loss": m["sft_loss"], "sft/eval_accuracy": acc, "sft/grad_norm": m["grad_norm"]})
-            log(f"sft step {step}/{sft.max_steps} loss {m['sft_loss']:.4f} greedy acc {acc:.3f} "
+                logger.log(step, {"sft/loss": m["sft_loss"], "sft/eval_accuracy": acc, "sft/grad_norm": m["grad_norm"],
+                                  **mtp})
+            log(f"sft step {step}/{sft.max_steps} loss {m['sft_loss']:.4f}"
+                + (f" mtp_loss {m['mtp_loss']:.4f}" if mtp else "") + f" greedy acc {acc:.3f} "
                 f"({rate:.1f} steps/s, elapsed {time.time() - t0:.0f}s, target {sft.target_accuracy})")
             state.sft_done = acc >= sft.target_accuracy or step == sft.max_steps
         state.sft_seconds = time.time() - t0

@@ -32,9 +32,14 @@ if TYPE_CHECKING:  # annotations only (no import at run time)
 def rollout_weights(rollout_cfg, hf_state_dict, hf_config):
     """``(state dict, config)`` as the rollout servers receive them for ``rollout.weight_dtype``
     (``rollout_cfg`` = the recipe's rollout section): also the layout of the initial checkpoint the
-    servers start from, so SGLang builds its FP8 layers when weight_dtype=fp8.
+    servers start from, so SGLang builds its FP8 layers when weight_dtype=fp8. DeepSeek-V3's MTP layers
+    are left out (deepseek_v3.without_mtp: the servers run the main model).
     Raises: ValueError from quantisation (a NaN/inf weight, named)."""
     wd = rollout_cfg.weight_dtype
+    if getattr(hf_config, "num_nextn_predict_layers", 0) and getattr(hf_config, "model_type", None) == "deepseek_v3":
+        from moerl.models.families.deepseek_v3 import without_mtp  # servers run the main model, no MTP layers
+
+        hf_state_dict, hf_config = without_mtp(hf_state_dict, hf_config)
     return rollout_state_dict(hf_state_dict, wd), rollout_hf_config(hf_config, wd)
 
 

@@ -83,9 +83,10 @@ reads them)::
 Megatron-Core shares the embedding and the output head with the main model, so the two per-layer copies
 are written from them and, on import, must equal them (else refused). The MTP layers need pp_size = 1 here.
 Megatron-Core's MTP loss needs ``labels`` in the forward (GPTModel adds lambda / D * its masked token-mean
-cross entropy to the gradient through ``MTPLossAutoScaler``); moerl's trainer does not pass them yet, so
-a recipe with num_nextn_predict_layers > 0 is still refused by ``moerl train`` (the model, the converter
-and the loss are built and tested: tests/test_family_deepseek_v3.py).
+cross entropy to the gradient through ``MTPLossAutoScaler``): moerl's SFT step passes them
+(moerl.train.actor, a loss marked ``trains_mtp``), every other forward (log-probs, RL updates) runs with the
+MTP block off; the rollout servers get the weights without the MTP layers (:func:`without_mtp`), the HF
+exports keep them.
 
 The Transformer Engine layer spec (MLA's fused TELayerNormColumnParallelLinear up projections) is not
 built by this module yet: a TE spec is refused with a clear error.
@@ -119,6 +120,7 @@ __all__ = [
     "num_experts",
     "rope_settings",
     "transformer_config_from_hf",
+    "without_mtp",
 ]
 
 MODEL_TYPE = "deepseek_v3"
@@ -247,6 +249,25 @@ def mtp_hf_shapes(hf_config) -> dict[str, tuple[int, ...]]:
                     prefix + "shared_head.norm.weight": (H,), prefix + "embed_tokens.weight": (V, H),
                     prefix + "shared_head.head.weight": (V, H)})
     return out
+
+
+def without_mtp(hf_state_dict: Mapping[str, Any], hf_config):
+    """``(state dict, config)`` without the MTP layers: what the rollout servers get (they run the main model;
+    transformers' DeepseekV3 has no MTP parameters). Tensors of HF layers >= num_hidden_layers are dropped and
+    the config is a copy with num_nextn_predict_layers = 0; both are returned as given without MTP layers."""
+    if not mtp_layers(hf_config):
+        return hf_state_dict, hf_config
+    import copy
+
+    L = int(hf_config.num_hidden_layers)
+
+    def is_mtp(key: str) -> bool:
+        parts = key.split(".")
+        return len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= L
+
+    config = copy.deepcopy(hf_config)
+    config.num_nextn_predict_layers = 0
+    return {k: v for k, v in hf_state_dict.items() if not is_mtp(k)}, config
 
 
 def rope_settings(hf_config) -> dict[str, Any]:
