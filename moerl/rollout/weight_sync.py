@@ -720,7 +720,7 @@ class DistributedWeightUpdater:
                 # (TORCHELASTIC_USE_AGENT_STORE=True in every worker's environment) only connects as a
                 # client to a store it assumes the elastic agent runs, so nobody listened and the first
                 # sync hung with more than one trainer rank
-                store = tdist.TCPStore(self.master_address, self.master_port, self.world_size, True,
+                store = tdist.TCPStore(self.master_address, int(self.master_port), self.world_size, True,
                                        timeout=timeout, multi_tenant=True)
                 dev = "cuda" if self.backend == "nccl" else "cpu"
                 store = PrefixStore(f"{dev}/", PrefixStore(f"{self.group_name}/", PrefixStore(self.group_name, store)))
