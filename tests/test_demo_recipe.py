@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from moerl.config.loader import ConfigError, load_config
-from moerl.train.loop import _stop_at_gain
+from moerl.train.stop_rule import stop_at_gain as _stop_at_gain
 
 RECIPE = Path(__file__).resolve().parents[1] / "configs" / "tiny_arith.yaml"
 

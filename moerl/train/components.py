@@ -106,6 +106,25 @@ def rollout_servers(ctx, model_path: str):
     return node_cm, cluster_cm
 
 
+def rollout_manager(ctx, cluster, sampler, sync, state):
+    """The RolloutManager of rank 0 (None on other ranks, where ``cluster`` is None): its own RolloutClient
+    (the producer runs its own event loop), resumed from ``state.rollout``; routing recorded for R3."""
+    if cluster is None:
+        return None
+    from moerl.rollout.client import RolloutClient
+    from moerl.rollout.manager import RolloutManager
+
+    cfg, ro = ctx.cfg, ctx.cfg.rollout
+    return RolloutManager(
+        client=RolloutClient(cluster.router_url, timeout_s=ro.request_timeout_s, max_retries=ro.max_retries,
+                             cluster=cluster),
+        cluster=cluster, sampler=sampler, encode=ctx.encode, decode=ctx.decode, reward_fn=ctx.rewards, cfg=cfg,
+        eos_id=ctx.eos_id, num_steps=cfg.train.num_steps, version=sync.version, steps_done=state.rl_step,
+        state=state.rollout or None, log=log,
+        routing_shape=((ctx.hf_config.num_hidden_layers, ctx.hf_config.num_experts_per_tok)
+                       if cfg.moe.routing_replay == "r3" else None))
+
+
 def reward_pool(ctx):
     """Context manager of the run's RewardPool (moerl.rewards.pool; reward.* keys): worker processes on
     global rank 0, which scores every rollout and evaluation; None on the other ranks."""

@@ -21,8 +21,6 @@ import os
 import time
 from pathlib import Path
 
-import torch
-
 from moerl.algorithms.off_policy import rollout_mismatch_metrics
 from moerl.checkpoint.hf_io import save_hf_checkpoint
 from moerl.checkpoint.run_state import Checkpointer, TrainState, load_checkpoint, resolve_resume
@@ -31,17 +29,18 @@ from moerl.observe.metrics import MetricsLogger, perf_line
 from moerl.observe.profiling import StepMonitor
 from moerl.observe.report import step0_check, step0_logprob_tolerance, step_line
 from moerl.rollout.client import RolloutClient
-from moerl.rollout.manager import RolloutManager
 from moerl.runtime import world
 from moerl.runtime.distributed import destroy_distributed, init_distributed
 from moerl.runtime.world import broadcast_from_main, log
 from moerl.train.advantages import needs_token_advantages, outcome_advantages, shape_rewards, token_advantages
 from moerl.train.components import (build_actor, build_critic, build_reference, export_final, reset_reference,
-                                    reward_pool, rollout_servers, train_critic, warm_start)
+                                    reward_pool, rollout_manager, rollout_servers, train_critic,
+                                    warm_start)
 from moerl.train.losses import policy_loss
 from moerl.train.micro_batches import attach_log_probs, attach_values, build_micro_batches
 from moerl.train.setup import prepare_run
 from moerl.train.sft import evaluate
+from moerl.train.stop_rule import first_rl_step, should_stop
 from moerl.train.weight_sync import WeightSync, rollout_weights
 
 
@@ -106,16 +105,7 @@ def _train(ctx, t_start: float) -> dict:
         ref = build_reference(ctx, actor, sync, pkw, resumed_rl, init_sd, rl_step=state.rl_step)
         ckpt.critic = critic = build_critic(ctx, actor, sync, pkw, resume_path if resumed_rl else None)  # gae
         eval_rows = ctx.eval_rows[: cfg.eval.num_prompts]
-        manager = None
-        if cluster is not None:  # rank 0: its own client (the producer runs its own event loop)
-            manager = RolloutManager(
-                client=RolloutClient(cluster.router_url, timeout_s=ro.request_timeout_s, max_retries=ro.max_retries,
-                                     cluster=cluster),
-                cluster=cluster, sampler=samplers["rl"], encode=ctx.encode, decode=ctx.decode,
-                reward_fn=ctx.rewards, cfg=cfg, eos_id=ctx.eos_id, num_steps=cfg.train.num_steps,
-                version=sync.version, steps_done=state.rl_step, state=state.rollout or None, log=log,
-                routing_shape=((ctx.hf_config.num_hidden_layers, ctx.hf_config.num_experts_per_tok)
-                               if cfg.moe.routing_replay == "r3" else None))
+        manager = rollout_manager(ctx, cluster, samplers["rl"], sync, state)  # rank 0 only (else None)
 
         def save_cursor() -> None:
             state.weight_version = sync.version
@@ -123,15 +113,8 @@ def _train(ctx, t_start: float) -> dict:
                 state.rollout = manager.state_dict()
 
         ckpt.before_save = save_cursor
-        t_rl, first = time.time(), state.rl_step + 1
-        if "stopped_at_step" in state.summary:  # a resumed run that eval.stop_at_gain ended
-            if cfg.eval.stop_at_gain is not None:
-                first = cfg.train.num_steps + 1
-            else:  # resumed with eval.stop_at_gain=null: RL goes on to train.num_steps
-                del state.summary["stopped_at_step"]
+        t_rl, first = time.time(), first_rl_step(cfg, state.summary, state.rl_step + 1)  # eval.stop_at_gain
         metrics: dict = {}
-        if cfg.eval.stop_at_gain is not None and not cfg.eval.every_steps:
-            log(f"eval.stop_at_gain={cfg.eval.stop_at_gain} has no effect: eval.every_steps=0 (no evals during RL)")
         if telemetry is not None:
             telemetry.enabled = True
         if cfg.moe.routing_replay != "none":  # R2/R3 in the RL passes only (not SFT)
@@ -151,18 +134,13 @@ def _train(ctx, t_start: float) -> dict:
                 if (cfg.eval.every_steps and step % cfg.eval.every_steps == 0) or step == cfg.train.num_steps:
                     with timers("eval"):
                         metrics["eval/accuracy"] = acc_rl = evaluate(ctx, client, eval_rows)
-                # eval.stop_at_gain (the same on every rank); the last step is no early stop (a resume with
-                # more train.num_steps goes on)
-                stop = step < cfg.train.num_steps and _stop_at_gain(cfg, metrics, state.summary)
+                stop = should_stop(cfg, step, metrics, state.summary)  # eval.stop_at_gain, same on every rank
                 metrics.update(timers.end(step, metrics))  # time/, memory/, perf/, straggler/ (collective)
                 if logger is not None:
                     logger.log(step, metrics)
                 eta = (time.time() - t_rl) / (step - first + 1) * (cfg.train.num_steps - step)
                 log(step_line(step, cfg.train.num_steps, metrics, eta) + perf_line(metrics))
                 if stop:
-                    state.summary["stopped_at_step"] = step
-                    log(f"eval.stop_at_gain: greedy accuracy {metrics['eval/accuracy']:.4f} is >= "
-                        f"{cfg.eval.stop_at_gain:+.2f} over the warm start at step {step}: RL ends here")
                     break
             if "eval/accuracy" not in metrics:  # the last step's eval already measured these weights
                 acc_rl = evaluate(ctx, client, eval_rows)
@@ -185,16 +163,6 @@ def _train(ctx, t_start: float) -> dict:
     log(f"done in {summary['total_seconds']:.0f}s; Megatron checkpoint in {ctx.run_dir / 'checkpoints'}, "
         f"HF export in {ctx.run_dir / 'hf_export'}")
     return summary
-
-
-def _stop_at_gain(cfg, metrics: dict, summary: dict) -> bool:
-    """True when ``eval.stop_at_gain`` is set and this step's greedy eval (``metrics["eval/accuracy"]``, a
-    fraction of eval.num_prompts held-out prompts) is at least that much above
-    ``summary["accuracy_after_warm_start"]``; False on steps without an eval."""
-    gain = cfg.eval.stop_at_gain
-    if gain is None or "eval/accuracy" not in metrics:
-        return False
-    return metrics["eval/accuracy"] - summary["accuracy_after_warm_start"] >= gain - 1e-9
 
 
 def rl_step(ctx, step: int, actor, ref, manager, sync, timers, critic=None) -> dict:
