@@ -11,10 +11,16 @@ dispatcher, SequentialMLP), so agreement is not by construction.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from moerl.checkpoint.hf_convert import (
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_hf_convert import randomize_weights_  # noqa: E402
+
+from moerl.checkpoint.hf_convert import (  # noqa: E402
     ShardLayout,
     fused_experts_to_per_expert,
     hf_to_megatron,
@@ -22,9 +28,9 @@ from moerl.checkpoint.hf_convert import (
     megatron_to_hf,
     merge_megatron_shards,
 )
-from moerl.models.families import deepseek_v3 as ds
-from moerl.models.families import get_family
-from moerl.models.gpt import build_gpt_model, causal_attention_mask
+from moerl.models.families import deepseek_v3 as ds  # noqa: E402
+from moerl.models.families import get_family  # noqa: E402
+from moerl.models.gpt import build_gpt_model, causal_attention_mask  # noqa: E402
 
 ATOL = 1e-4  # fp32; the measured floor is printed by the test (-s)
 
@@ -64,15 +70,8 @@ def random_hf_model(seed=0, **changes):
     config = ds.make_hf_config({**FIELDS, **changes})
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(config).float().eval()
-    g = torch.Generator().manual_seed(seed + 1)
+    g = randomize_weights_(model, seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
-                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
-            elif name.endswith("mlp.gate.weight"):
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.08 * torch.randn(p.shape, generator=g))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.2 * torch.randn(b.shape, generator=g))
@@ -376,12 +375,10 @@ def run_ds_layout(case: str, out_dir) -> None:
     import torch.distributed as tdist
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from test_parallel_layouts import ADAM_EPS, ALGO, MICRO_BATCH, global_samples, hf_log_probs
+    from test_parallel_layouts import ADAM_EPS, rank_log_probs_and_ppo_step
 
     from moerl.runtime.distributed import destroy_distributed, init_distributed
     from moerl.train.actor import MegatronActor
-    from moerl.train.batching import split_micro_batches
-    from moerl.train.losses import policy_loss
 
     spec = DS_LAYOUTS[case]
     info = init_distributed(tp_size=spec.get("tp", 1), pp_size=spec.get("pp", 1), ep_size=spec.get("ep", 1),
@@ -392,17 +389,7 @@ def run_ds_layout(case: str, out_dir) -> None:
                               moe_load_balancing_type="none", config_overrides={"moe_router_bias_update_rate": 0.05},
                               pipeline_schedule=spec.get("schedule", "1f1b"))
         actor.load_hf_state_dict(hf_state(hf))
-        samples = global_samples()
-        per_rank = len(samples) // info.dp_size
-        mine = samples[info.dp_rank * per_rank:(info.dp_rank + 1) * per_rank]
-        lp = {}
-        for mb, logp, _ in actor.compute_log_probs(split_micro_batches(mine, MICRO_BATCH, 0), 1.0):
-            for i, resp in zip(mb.sample_indices, mb.gather_response(logp)):
-                lp[mine[i].index] = resp.tolist()
-        old = [[x + 0.25 * ((s.index + j) % 3 - 1) for j, x in enumerate(hf_log_probs(hf, s))] for s in mine]
-        n_tok = sum(sum(s.loss_mask) for s in samples)
-        metrics = actor.train_step(split_micro_batches(mine, MICRO_BATCH, 0, {"old_log_probs": old}),
-                                   policy_loss(ALGO, global_num_tokens=n_tok, global_num_seqs=len(samples)), 1.0)
+        lp, metrics = rank_log_probs_and_ppo_step(actor, hf, info)
         export = actor.export_hf_state_dict(dst=0)
         everything = [None] * info.world_size
         tdist.all_gather_object(everything, dict(rank=info.rank, lp=lp, metrics=metrics))

@@ -47,16 +47,24 @@ def random_hf_model(seed=0, **changes):
     config = make_hf_config({**FIELDS, **changes})
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(config).float().eval()
+    randomize_weights_(model, seed)
+    return model
+
+
+def randomize_weights_(model, seed: int, router_suffix: str = "mlp.gate.weight") -> torch.Generator:
+    """Non-trivial weights, in place, for a transformers MoE model: norms 1 + 0.3 N(0, 1), router weights
+    (names ending in ``router_suffix``) 0.5 N(0, 1) so routing logits are spread out, everything else
+    0.08 N(0, 1), drawn from a generator seeded ``seed + 1``; returns that generator (for buffers)."""
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
-            elif name.endswith("mlp.gate.weight"):
+            elif name.endswith(router_suffix):
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(0.08 * torch.randn(p.shape, generator=g))
-    return model
+    return g
 
 
 def batch(vocab, b=3, s=11, seed=7):

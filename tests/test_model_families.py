@@ -14,7 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_hf_convert import batch, hf_logits, megatron_logits  # noqa: E402
+from test_hf_convert import batch, hf_logits, megatron_logits, randomize_weights_  # noqa: E402
 
 from moerl.checkpoint.hf_convert import (  # noqa: E402
     ShardLayout,
@@ -43,15 +43,7 @@ def random_mixtral(seed=0, **changes):
     config = get_family("mixtral").make_hf_config({**MIXTRAL, **changes})
     torch.manual_seed(seed)
     model = MixtralForCausalLM(config).float().eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
-            elif name.endswith("mlp.gate.weight"):
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.08 * torch.randn(p.shape, generator=g))
+    randomize_weights_(model, seed, router_suffix="block_sparse_moe.gate.weight")
     return model
 
 

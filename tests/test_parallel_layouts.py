@@ -89,14 +89,33 @@ def hf_log_probs(hf_model, sample) -> list[float]:
     return [float(logp[start + t, tok]) for t, tok in enumerate(sample.response_ids)]
 
 
+def rank_log_probs_and_ppo_step(actor, hf_model, info) -> tuple[dict[int, list[float]], dict]:
+    """This DP rank's share of :func:`global_samples` through ``actor`` (a MegatronActor of any layout):
+    its response log-probs (sample index -> [response tokens] floats) before the update, and the metrics of
+    one PPO step (:data:`ALGO`, global token / sequence denominators) whose old log-probs come from the
+    transformers ``hf_model`` (layout-independent), shifted so that some token ratios leave the clip range."""
+    from moerl.train.batching import split_micro_batches
+    from moerl.train.losses import policy_loss
+
+    samples = global_samples()
+    per_rank = GLOBAL_SAMPLES // info.dp_size
+    mine = samples[info.dp_rank * per_rank:(info.dp_rank + 1) * per_rank]
+    lp = {}
+    for mb, logp, _ in actor.compute_log_probs(split_micro_batches(mine, MICRO_BATCH, 0), 1.0):
+        for i, resp in zip(mb.sample_indices, mb.gather_response(logp)):
+            lp[mine[i].index] = resp.tolist()
+    old = [[x + 0.25 * ((s.index + j) % 3 - 1) for j, x in enumerate(hf_log_probs(hf_model, s))] for s in mine]
+    mbs = split_micro_batches(mine, MICRO_BATCH, 0, {"old_log_probs": old})
+    n_tok = sum(sum(s.loss_mask) for s in samples)
+    return lp, actor.train_step(mbs, policy_loss(ALGO, global_num_tokens=n_tok, global_num_seqs=len(samples)), 1.0)
+
+
 # ----------------------------------------------------------------------------- torchrun worker
 def run_layout(case: str, out_dir: Path) -> None:
     import torch.distributed as dist
 
     from moerl.runtime.distributed import destroy_distributed, init_distributed
     from moerl.train.actor import MegatronActor
-    from moerl.train.batching import split_micro_batches
-    from moerl.train.losses import policy_loss
 
     spec = LAYOUTS[case]
     info = init_distributed(tp_size=spec.get("tp", 1), pp_size=spec.get("pp", 1), ep_size=spec.get("ep", 1),
@@ -117,19 +136,7 @@ def run_layout(case: str, out_dir: Path) -> None:
         export0 = actor.export_hf_state_dict()
         export0_ok = set(export0) == set(reference) and all(torch.equal(export0[k], reference[k]) for k in reference)
 
-        samples = global_samples()
-        per_rank = GLOBAL_SAMPLES // info.dp_size
-        mine = samples[info.dp_rank * per_rank:(info.dp_rank + 1) * per_rank]
-        lp = {}
-        for mb, logp, _ in actor.compute_log_probs(split_micro_batches(mine, MICRO_BATCH, 0), 1.0):
-            for i, resp in zip(mb.sample_indices, mb.gather_response(logp)):
-                lp[mine[i].index] = resp.tolist()
-        # old log-probs from the transformers model (layout-independent), shifted so that some
-        # token ratios leave the clip range
-        old = [[x + 0.25 * ((s.index + j) % 3 - 1) for j, x in enumerate(hf_log_probs(hf, s))] for s in mine]
-        mbs = split_micro_batches(mine, MICRO_BATCH, 0, {"old_log_probs": old})
-        n_tok = sum(sum(s.loss_mask) for s in samples)
-        metrics = actor.train_step(mbs, policy_loss(ALGO, global_num_tokens=n_tok, global_num_seqs=len(samples)), 1.0)
+        lp, metrics = rank_log_probs_and_ppo_step(actor, hf, info)
         export1 = actor.export_hf_state_dict(dst=0)
         precision = mixed_precision_facts(actor)
 
