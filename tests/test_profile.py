@@ -98,8 +98,9 @@ def test_step_monitor_counts_flops_and_times_only_the_step(tmp_path):
 
     cfg = NS(hardware=NS(peak_bf16_tflops=4.0, gpu=None), profile=NS(steps=None, ranks=[0]), train=NS(mode="sync"),
              rollout=NS(backend="reference", num_servers=2, server_tp_size=1, server_dp_size=1))
-    hf = NS(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=4,
-            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=6, intermediate_size=12, vocab_size=16)
+    hf = NS(model_type="qwen3_moe", hidden_size=8, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+            head_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=6, intermediate_size=12,
+            vocab_size=16)
     samples = [NS(tokens=[1] * 5), NS(tokens=[1] * 3)]
     timers = StepMonitor(cfg, tmp_path)
     with timers("checkpoint"):  # before the RL steps (the SFT warm start's checkpoints)
