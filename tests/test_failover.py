@@ -324,7 +324,8 @@ def test_trainer_weight_sync_with_every_server_restarting_records_the_version(tm
     closed = []
     if mode == "distributed":  # the group of the last push, to the servers that have since died
         ws.updater = SimpleNamespace(server_urls=[u0, u1], close=lambda: closed.append(True))
-    actor = SimpleNamespace(export_hf_state_dict=lambda dst: sd)
+    actor = SimpleNamespace(export_hf_state_dict=lambda dst, out_alloc=None: sd if out_alloc is None else {
+        n: out_alloc(n, t.shape, t.dtype).copy_(t) for n, t in sd.items()})  # tensor mode: into the arena
     assert c.live_server_urls() == []
     assert ws(actor) == "3"
     assert c.current_weight_version == "3" and c._restorer is not None

@@ -144,7 +144,9 @@ def _logprobs(c: httpx.Client) -> torch.Tensor:
 def test_repeated_syncs_to_a_server_process_reuse_the_same_shm_files(ckpts, ref_models, tmp_path):
     """A real server process on 127.0.0.1: 6 syncs (alternating two weight sets, several buckets)
     use the same two /dev/shm files; the served log-probs equal transformers' forward of the weights
-    sent last; after the trainer drops its buffers, the next sync's end unlinks the old files."""
+    sent last; after the trainer drops its buffers, the old files are unlinked at the end of the second
+    sync that does not use them (the server keeps the last two syncs' mappings: the export arena
+    alternates two slots)."""
     sds = [dict(load_safetensors_dir(p)) for p in ckpts]
     port = free_port_block(1)
     url = f"http://127.0.0.1:{port}"
@@ -173,6 +175,9 @@ def test_repeated_syncs_to_a_server_process_reuse_the_same_shm_files(ckpts, ref_
         torch.testing.assert_close(lps, want, atol=1e-4, rtol=0)
         bufs.release()
         sync_weights_from_tensor([url], sds[1], "v6", bucket_bytes=40_000, buffers=bufs)
+        now = {f for f in _my_shm_files() if f not in before}
+        assert now >= set(seen[0]) and len(now) == 4  # the server still maps v5's files
+        sync_weights_from_tensor([url], sds[1], "v7", bucket_bytes=40_000, buffers=bufs)
         now = {f for f in _my_shm_files() if f not in before}
         assert not (now & set(seen[0])) and len(now) == 2  # old files unlinked, two new ones
     finally:

@@ -81,7 +81,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
@@ -634,6 +634,7 @@ def gather_megatron_to_hf(
     *,
     dst: Optional[int] = None,
     head: str = "lm",
+    out_alloc: Optional[Callable[[str, tuple, torch.dtype], torch.Tensor]] = None,
 ) -> dict[str, torch.Tensor]:
     """Collective: gather every rank's shard into the full HF state dict (weight sync / export).
 
@@ -651,10 +652,16 @@ def gather_megatron_to_hf(
             pipeline split).
         dst: None (every rank gets the result) or the global rank that does.
         head: "lm" | "value" (see :func:`conversion_rules`).
+        out_alloc: where the returned tensors live: ``out_alloc(hf_key, shape, dtype)`` returns an
+            uninitialised CPU tensor of that shape and dtype (e.g. moerl.rollout.shm_arena.ArenaSlot.alloc,
+            shared memory) that the export copies the tensor into, instead of a private clone (the
+            same one copy, bitwise the same values); called once per key, in conversion order, only on
+            ranks that return tensors. None: private clones.
 
     Returns:
-        dict HF key -> detached CPU tensor (a copy), equal to ``megatron_to_hf`` of the
-        unsharded model, in conversion order; an empty dict on ranks other than ``dst``.
+        dict HF key -> detached CPU tensor (a copy; ``out_alloc``'s when given), equal to
+        ``megatron_to_hf`` of the unsharded model, in conversion order; an empty dict on ranks other
+        than ``dst``.
 
     Raises:
         ValueError: a local key the layout implies is missing, or ``dst`` is out of range.
@@ -667,7 +674,7 @@ def gather_megatron_to_hf(
     if not dist.is_initialized():
         if not layout.is_trivial:
             raise ValueError("a sharded layout needs torch.distributed to be initialised")
-        return {k: v.detach().cpu().clone() for k, v in megatron_to_hf(sd, hf_config, head=head).items()}
+        return {k: _exported(k, v, out_alloc) for k, v in megatron_to_hf(sd, hf_config, head=head).items()}
     spec = detect_layer_spec(sd)  # a stage without decoder layers has the same names under both specs
     world, me = dist.get_world_size(), dist.get_rank()
     if dst is not None and not 0 <= dst < world:
@@ -708,16 +715,34 @@ def gather_megatron_to_hf(
             raise ValueError(f"no rank holds {key}; the shards do not cover the model")
         shape, dtype = everyone[src][key]
         if dst is None:
-            buf = owned[key] if me == src else torch.empty(shape, dtype=dtype, device=device)
+            buf = owned[key] if me == src else _recv_buffer(key, shape, dtype, device, out_alloc)
             dist.broadcast(buf, src=src)
-            out[key] = buf.cpu().clone() if me == src else buf.cpu()
+            out[key] = _exported(key, buf, out_alloc) if me == src or buf.device.type != "cpu" else buf.cpu()
         elif src == dst:
             if me == dst:
-                out[key] = owned[key].cpu().clone()
+                out[key] = _exported(key, owned[key], out_alloc)
         elif me == src:
             dist.send(owned[key], dst=dst)
         elif me == dst:
-            buf = torch.empty(shape, dtype=dtype, device=device)
+            buf = _recv_buffer(key, shape, dtype, device, out_alloc)
             dist.recv(buf, src=src)
-            out[key] = buf.cpu()
+            out[key] = _exported(key, buf, out_alloc) if buf.device.type != "cpu" else buf
     return out
+
+
+def _exported(key: str, t: torch.Tensor, out_alloc) -> torch.Tensor:
+    """The exported copy of ``t``: a private CPU clone, or ``out_alloc``'s tensor filled with it."""
+    if out_alloc is None:
+        return t.detach().cpu().clone() if t.device.type == "cpu" else t.detach().cpu()
+    dst = out_alloc(key, tuple(t.shape), t.dtype)
+    with torch.no_grad():
+        dst.copy_(t.detach())
+    return dst
+
+
+def _recv_buffer(key: str, shape, dtype, device: torch.device, out_alloc) -> torch.Tensor:
+    """Where rank ``dst`` receives ``key``: ``out_alloc``'s tensor when the group's device is the CPU
+    (gloo receives straight into it: no second copy), else a fresh tensor on ``device``."""
+    if out_alloc is not None and device.type == "cpu":
+        return out_alloc(key, tuple(shape), dtype)
+    return torch.empty(shape, dtype=dtype, device=device)

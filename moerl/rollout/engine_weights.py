@@ -374,15 +374,17 @@ class WeightUpdater:
         """Keep the shared-memory storages of the buckets received (tensor_serde.serialize_shared
         handles) mapped until the end of the next complete sync, so a sender that reuses its
         buffers (moerl.rollout.weight_sync.SharedBucketBuffers) costs no mmap or page faults: torch's
-        shared_cache finds the live mapping by handle. At the end of a sync (a call carrying
-        weight_version) the mappings of the sync before are dropped (a released sender buffer's
-        file is then unlinked): at most two syncs' buffers stay mapped."""
+        shared_cache finds the live mapping by handle. The mappings of the last TWO complete syncs are
+        kept (a call carrying weight_version completes one), because the trainer's export arena
+        (moerl.rollout.shm_arena.SharedExportArena) alternates two slots sync after sync; a mapping
+        neither of them used is dropped (a released sender buffer's file is then unlinked at the end
+        of the second sync after its last use): at most three syncs' buffers stay mapped."""
         from moerl.rollout.tensor_serde import shared_storages
 
         cur = getattr(self, "_shm_cur", {})
         cur.update((st.data_ptr(), st) for st in shared_storages(named))
         if sync_done:
-            self._shm_prev, cur = cur, {}
+            self._shm_prev2, self._shm_prev, cur = getattr(self, "_shm_prev", {}), cur, {}
         self._shm_cur = cur
 
     # ------------------------------------------------------------------ distributed weight sync

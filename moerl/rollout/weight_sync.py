@@ -365,6 +365,29 @@ def _bytes_payload(bucket: Mapping[str, torch.Tensor]) -> tuple[str, Optional[st
     return serialize_named_tensors(bucket)[0], None
 
 
+def _sync_all_shared(server_urls: Sequence[str], hf_state_dict: Mapping[str, torch.Tensor], weight_version: str,
+                     timeout_s: float, client: httpx.Client) -> None:
+    """The one-request form of :func:`sync_weights_from_tensor` for a state dict whose every tensor is
+    already in shared memory, to servers that are all ``shm`` transport: per server ONE
+    /update_weights_from_tensor carrying every tensor's handle (one MultiprocessingSerializer payload
+    per TP rank, SGLang's format), weight_version and flush_cache=True, then /get_model_info checks
+    the version. Raises WeightSyncError naming the servers that refused or report another version."""
+    from moerl.rollout.tensor_serde import serialize_shared
+
+    named = list(hf_state_dict.items())
+    tp_of = dict(zip(server_urls, server_tp_sizes(server_urls, timeout_s=timeout_s, http_client=client)))
+    body = {"load_format": None, "flush_cache": True, "weight_version": weight_version}
+    with ThreadPoolExecutor(max_workers=len(server_urls)) as pool:
+        futures = [_post_async(pool, client, u, "/update_weights_from_tensor",
+                               {"serialized_named_tensors": [serialize_shared(named) for _ in range(tp_of[u])],
+                                **body}) for u in server_urls]
+        errors = [e for e in (f.result() for f in futures) if e]
+    if errors:
+        raise WeightSyncError(f"/update_weights_from_tensor failed on {len(errors)} of {len(futures)} "
+                              f"servers:\n" + "\n".join(errors))
+    verify_weight_version(server_urls, weight_version, http_client=client)
+
+
 def sync_weights_from_tensor(server_urls: Sequence[str], hf_state_dict: Mapping[str, torch.Tensor],
                              weight_version: str, bucket_bytes: int = 64 << 20, *, timeout_s: float = 600.0,
                              http_client: Optional[httpx.Client] = None, transport: str = "auto",
@@ -387,6 +410,10 @@ def sync_weights_from_tensor(server_urls: Sequence[str], hf_state_dict: Mapping[
     bucket, so a server reports the new version only with all of it applied. After a refused bucket
     the buckets already in flight (at most depth - 1) may still be applied, but no version is set.
     /get_server_info (tp sizes) is asked while bucket 0 is copied.
+    One request instead of buckets: when EVERY tensor of ``hf_state_dict`` is already in shared memory
+    (e.g. exported into a moerl.rollout.shm_arena.SharedExportArena) and every server is ``shm``,
+    each server gets one request carrying all the handles, weight_version and flush_cache=True (the
+    bucket size bounds staging memory, and nothing is staged); it counts as one bucket.
     The servers apply what they get (SGLang semantics): ``hf_state_dict`` must
     cover every weight the servers should change. Returns the number of buckets sent (0, nothing
     serialized, when ``server_urls`` is empty).
@@ -414,6 +441,13 @@ def sync_weights_from_tensor(server_urls: Sequence[str], hf_state_dict: Mapping[
     client = http_client or _plain_http_client(server_urls, timeout_s)  # one client per sync
     shm_urls = [u for u in server_urls if how[u] == "shm"]
     byte_urls = [u for u in server_urls if how[u] == "bytes"]
+    if not byte_urls and all(_already_shared(t) for t in hf_state_dict.values()):
+        try:  # every tensor by its own handle: one request per server, no staging buffer to bound
+            _sync_all_shared(server_urls, hf_state_dict, weight_version, timeout_s, client)
+        finally:
+            if http_client is None:
+                client.close()
+        return 1
     buffers = buffers if buffers is not None else SHARED_BUCKET_BUFFERS
 
     def body(blobs: list[str], last: bool, load_format: Optional[str] = None) -> dict:

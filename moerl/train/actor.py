@@ -466,19 +466,25 @@ class MegatronActor:
         if getattr(self, "optimizer", None) is not None:  # BF16: the FP32 main params follow the new weights
             self.optimizer.reload_model_params()
 
-    def export_hf_state_dict(self, dst: Optional[int] = None) -> dict[str, torch.Tensor]:
+    def export_hf_state_dict(self, dst: Optional[int] = None,
+                             out_alloc: Optional[Callable[[str, tuple, torch.dtype], torch.Tensor]] = None,
+                             ) -> dict[str, torch.Tensor]:
         """Full HF-named state dict of the current weights (CPU copies), for weight sync/export.
 
         Collective when world size > 1: every rank must call it. TP/EP/PP shards are gathered
         (moerl.checkpoint.hf_convert.gather_megatron_to_hf); ``dst=None`` returns the full dict
-        on every rank, ``dst=r`` only on global rank r (an empty dict elsewhere).
+        on every rank, ``dst=r`` only on global rank r (an empty dict elsewhere). ``out_alloc``
+        (gather_megatron_to_hf's: e.g. a shared-memory export arena slot's ``alloc``) receives the
+        copies instead of private clones; the dual-pipeline export (``self.dual``) ignores it and
+        returns private tensors.
         """
         if self.dual:
             from moerl.pipeline.megatron_stages import export_hf_from_stages, model_copy_group
 
             full = export_hf_from_stages(self._stages, self.hf_config, group=model_copy_group())
             return full if dst is None or dist.get_rank() == dst else {}
-        return gather_megatron_to_hf(self.model.state_dict(), self.hf_config, self.layout, dst=dst)
+        return gather_megatron_to_hf(self.model.state_dict(), self.hf_config, self.layout, dst=dst,
+                                     out_alloc=out_alloc)
 
     # ----------------------------------------------------------------- batching
     def _prepare(self, micro_batches: Sequence[MicroBatch]) -> list[MicroBatch]:

@@ -10,6 +10,15 @@ push, continue).
 every mode carries the same tensors (:func:`rollout_weights`, moerl.precision.fp8_checkpoint): fp8
 sends each quantised Linear weight as ``weight`` float8_e4m3fn + ``weight_scale_inv`` (128 x 128
 blocks) and disk mode writes the matching ``quantization_config`` in config.json.
+
+One copy (issue #14): with rollout.weight_sync=tensor, rollout.weight_dtype=auto (the tensors are
+sent as exported) and at least one server reached by shared memory (moerl.rollout.weight_sync
+.tensor_transports), rank 0 exports straight into a two-slot shared-memory arena
+(moerl.rollout.shm_arena.SharedExportArena) instead of private clones, and the sync then sends every
+tensor's handle in one request per server. The failover restorer keeps the slot of the version it
+restores; the next export goes into the other slot, and a slot is published (may be overwritten two
+exports later) only once its push succeeded. bf16 / fp8 make new private tensors, so they keep the
+bucketed path, as does a cluster with only remote servers.
 """
 
 from __future__ import annotations
@@ -20,7 +29,9 @@ from typing import TYPE_CHECKING, Optional
 from moerl.precision.fp8_checkpoint import rollout_hf_config, rollout_state_dict
 from moerl.rollout.launcher import RolloutCluster, failover_restorer
 from moerl.rollout.placement import RolloutPlacement
-from moerl.rollout.weight_sync import DistributedWeightUpdater, resolve_master_address, sync_weights
+from moerl.rollout.shm_arena import SharedExportArena
+from moerl.rollout.weight_sync import (DistributedWeightUpdater, resolve_master_address, sync_weights,
+                                       tensor_transports)
 from moerl.runtime import world
 from moerl.train.offload import ActorOffloader
 
@@ -78,6 +89,13 @@ class WeightSync:
             world.barrier()
             off.reload()
 
+        # rollout.weight_sync=tensor, weight_dtype=auto, some server on this machine: export into shared memory
+        self.arena: Optional[SharedExportArena] = None
+        if cluster is not None and ro.weight_sync == "tensor" and ro.weight_dtype == "auto":
+            urls = list(cluster.server_urls) + list(getattr(cluster, "extra_worker_urls", ()))
+            if "shm" in tensor_transports(urls).values():
+                self.arena = SharedExportArena()
+
         self.placement = RolloutPlacement(ro.placement,
                                           cluster.colocated_server_urls if cluster is not None else None,
                                           offload_trainer=offload if off else None,
@@ -103,8 +121,10 @@ class WeightSync:
     def __call__(self, actor: MegatronActor) -> str:
         self.version += 1
         version = str(self.version)
+        slot = self.arena.next() if self.arena is not None else None  # never the restorer's slot
         with self.trainer_loaded():
-            hf_sd = actor.export_hf_state_dict(dst=0)
+            hf_sd = (actor.export_hf_state_dict(dst=0) if slot is None
+                     else actor.export_hf_state_dict(dst=0, out_alloc=slot.alloc))
         self.placement.before_weight_sync()
         if self.cluster is not None:
             ro = self.ctx.cfg.rollout
@@ -136,5 +156,7 @@ class WeightSync:
             # A server that dies during the push (failover on) is restarted and restored later; the
             # cluster retries the push once on the survivors (RolloutCluster.update_weights).
             self.cluster.update_weights(version, push, restore=restore if ro.failover else None)
+            if slot is not None:  # the restorer now holds this slot's tensors: the next export avoids it
+                self.arena.publish(slot)
         self.placement.before_rollout()
         return version
