@@ -4,8 +4,10 @@ SGLang facts these tests pin (sglang 0.5.9: io_struct.PauseGenerationReqInput, h
 TokenizerManager / Scheduler .pause_generation): body {"mode": "abort" | "retract" | "in_place"},
 default "abort"; answer {"message": "Generation paused successfully.", "status": "ok"}; "abort" answers
 running requests with the tokens so far (finish_reason type "abort") and queued ones with none;
-new /generate requests wait while paused; weight updates run while paused. The reference server
-differs for "retract" / "in_place": it finishes the running batch instead of suspending it.
+new /generate requests wait while paused; weight updates run while paused; "in_place" suspends the
+running batch at its next step with its KV cache and continues it on the new weights. The reference server
+differs for "retract": it finishes the running batch instead of retracting it; and it reports a version
+per token (meta_info output_token_weight_versions) for a response that spanned an update.
 """
 
 from __future__ import annotations
@@ -149,7 +151,7 @@ def test_interrupt_after_exactly_k_steps_then_resubmit_the_partial(served, ref_m
 # ----------------------------------------------------------------------------- (c) requests wait while paused
 
 
-@pytest.mark.parametrize("mode", ["retract", "in_place"])
+@pytest.mark.parametrize("mode", ["retract"])
 def test_running_batch_finishes_and_new_requests_wait_until_continue(served, mode):
     engine, client = served
     hook, started = _started_hook(2)
@@ -237,3 +239,91 @@ def test_rollout_client_pauses_and_continues_one_server(served):
                 await client.aclose()
 
         asyncio.run(both())
+
+
+# ----------------------------------------------------------------------------- (f) in_place: suspend, update, go on
+
+
+def _greedy_with_switch(model_a, model_b, prompt, k, total):
+    """Independent reference of an in_place pause after k tokens with an update A -> B: greedy tokens 0..k-1
+    under A (KV cache of prompt + tokens 0..k-2 from A), then token k-1 is fed to B with A's cache and
+    tokens k..total-1 are greedy under B. Returns (tokens, log_softmax log-probs of each token)."""
+    with torch.no_grad():
+        out = model_a(input_ids=torch.tensor([prompt]), use_cache=True)
+        past, logits = out.past_key_values, out.logits[0, -1].float()
+        toks, lps = [], []
+        for t in range(total):
+            if t > 0:
+                model = model_a if t < k else model_b  # token t-1 is fed by the forward that yields token t
+                out = model(input_ids=torch.tensor([[toks[-1]]]), past_key_values=past, use_cache=True)
+                past, logits = out.past_key_values, out.logits[0, -1].float()
+            lp = torch.log_softmax(logits, -1)
+            toks.append(int(lp.argmax()))
+            lps.append(float(lp[toks[-1]]))
+    return toks, torch.tensor(lps)
+
+
+def test_in_place_pause_suspends_the_running_batch_and_continues_it_on_the_new_weights(served, ckpts, ref_models):
+    """pause_generation("in_place") at decode step 5 returns with the batch suspended (not answered);
+    a weight update to model B runs meanwhile; after continue the batch goes on under B with A's KV cache:
+    8 tokens whose values and log-probs equal a hand-built KV-cache loop (A for tokens 0-4, B from the
+    forward that feeds token 4 on), versions reported per token."""
+    engine, client = served
+    prompt, k, total = [4, 5, 13, 6], 5, 8
+    body = {"input_ids": prompt, "return_logprob": True,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": total, "ignore_eos": True}}
+    engine.pause_after_steps(k, "in_place")
+    th, box = _in_thread(lambda: client.post("/generate", json=body))
+    deadline = time.monotonic() + 30
+    while not engine._parked and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine._parked and engine.paused and th.is_alive()  # suspended, not answered
+    assert client.post("/pause_generation", json={"mode": "in_place"}).json() == PAUSED  # returns while suspended
+    r = client.post("/update_weights_from_disk", json={"model_path": ckpts[1], "weight_version": "v1"})
+    assert r.status_code == 200 and r.json()["success"], r.text  # the suspended batch holds no lock
+    time.sleep(0.1)
+    assert th.is_alive()
+    assert client.post("/continue_generation").json() == CONTINUED
+    th.join(30)
+    out = box["r"].json()
+    meta = out["meta_info"]
+    expect, expect_lps = _greedy_with_switch(ref_models[0], ref_models[1], prompt, k, total)
+    assert out["output_ids"] == expect and meta["finish_reason"] == {"type": "length", "length": total}
+    assert torch.allclose(_lps(out), expect_lps, atol=1e-5, rtol=0), (_lps(out) - expect_lps).abs().max()
+    assert meta["output_token_weight_versions"] == ["default"] * k + ["v1"] * (total - k)
+    assert meta["weight_version"] == "v1"
+    # a control: without the update the same pause changes nothing (one version, A's greedy tokens)
+    engine.pause_after_steps(k, "in_place")
+    th, box = _in_thread(lambda: client.post("/generate", json=body))
+    while not engine._parked and th.is_alive():
+        time.sleep(0.01)
+    assert client.post("/continue_generation").json() == CONTINUED
+    th.join(30)
+    again = box["r"].json()
+    ref_b, _ = _greedy_with_switch(ref_models[1], ref_models[1], prompt, k, total)
+    assert again["output_ids"] == ref_b and "output_token_weight_versions" not in again["meta_info"]
+
+
+def test_abort_pause_ends_a_suspended_batch_and_parse_reads_token_versions(served, ckpts):
+    """An "abort" pause after an "in_place" one ends the suspended batch's rows at the step they were
+    suspended at, with finish_reason abort and their tokens so far (nothing left hanging); the client
+    parses per-token versions."""
+    from moerl.rollout.client import RolloutRequestError, parse_generate_item
+
+    engine, client = served
+    body = {"input_ids": [4, 5, 13], "return_logprob": True,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 50, "ignore_eos": True}}
+    engine.pause_after_steps(3, "in_place")
+    th, box = _in_thread(lambda: client.post("/generate", json=body))
+    while not engine._parked and th.is_alive():
+        time.sleep(0.01)
+    assert client.post("/pause_generation", json={"mode": "abort"}).json() == PAUSED
+    th.join(30)
+    out = box["r"].json()
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and len(out["output_ids"]) == 3
+    assert "output_token_weight_versions" not in out["meta_info"]  # no update happened: one version
+    item = parse_generate_item({**out, "meta_info": {**out["meta_info"],
+                                                     "output_token_weight_versions": ["1", "1", "2"]}})
+    assert item.token_versions == ["1", "1", "2"] and item.status == "aborted"
+    with pytest.raises(RolloutRequestError, match="output_token_weight_versions"):
+        parse_generate_item({**out, "meta_info": {**out["meta_info"], "output_token_weight_versions": ["1"]}})

@@ -425,9 +425,10 @@ class RolloutConfig(_Section):
     cpu_affinity: list[int] = Field(default_factory=list)
     # train.mode=async: how a weight update pauses the servers (SGLang /pause_generation mode). abort cuts
     # the running responses, which resume from their prefix under the new weights (partial rollouts, exact
-    # per-token versions); in_place lets the reference server finish its running batch first (every
-    # response has one version, no resumes). Real SGLang's in_place would continue running requests on the
-    # new weights with the old KV cache and report one version for tokens of two: refused with sglang.
+    # per-token versions); in_place suspends the reference server's running batch at its next decode step
+    # and continues it on the new weights with the old KV cache after the push (no resumes; the server
+    # reports every token's version). Real SGLang's in_place does the same but reports one version for
+    # tokens of two: refused with sglang.
     # auto = in_place with the reference server, abort with sglang.
     pause_mode: Literal["auto", "abort", "in_place"] = "auto"
 

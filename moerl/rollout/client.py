@@ -312,8 +312,9 @@ class RolloutClient:
 
         Modes (SGLang PauseGenerationReqInput): "abort" (default) answers every running request with
         the tokens generated so far (finish_reason abort) and every queued one with none, then holds
-        scheduling; "retract" / "in_place" hold scheduling (SGLang suspends the running batch, the
-        moerl reference server lets it finish first). New /generate requests wait until
+        scheduling; "retract" / "in_place" hold scheduling ("in_place" suspends the running batch at its
+        next step, in SGLang and the reference server alike; "retract": the reference server lets it
+        finish first). New /generate requests wait until
         /continue_generation. The server answers once paused: returns its JSON ``{"message",
         "status": "ok"}``. Idempotent, so the retry policy of :meth:`post` applies.
 
@@ -436,6 +437,10 @@ class GenerateItem:
     response_ids: output_ids (include the stop token when status == "completed").
     rollout_log_probs: per response token, log_softmax(logits / temperature) of that token.
     status: "completed" (finish_reason stop), "truncated" (length) or "aborted" (abort).
+    weight_version: meta_info weight_version (the version of the last token).
+    token_versions: one weight_version per response token when the server reports them
+        (meta_info ``output_token_weight_versions``: the reference server, for a response that spanned a
+        weight update under an "in_place" pause), else None (every token has ``weight_version``).
     """
 
     response_ids: list[int]
@@ -444,6 +449,7 @@ class GenerateItem:
     weight_version: Optional[str]
     finish_reason: dict
     prompt_tokens: int
+    token_versions: Optional[list] = None
 
 
 _STATUS = {"stop": "completed", "length": "truncated", "abort": "aborted"}
@@ -469,6 +475,10 @@ def parse_generate_item(item: dict) -> GenerateItem:
         raise RolloutRequestError("output_token_logprobs missing: send return_logprob=True")
     if len(lps) != len(ids) or any(int(e[1]) != t for e, t in zip(lps, ids)):
         raise RolloutRequestError(f"output_token_logprobs ({len(lps)}) do not match output_ids ({len(ids)})")
+    tv = meta.get("output_token_weight_versions")
+    if tv is not None and (not isinstance(tv, list) or len(tv) != len(ids)):
+        raise RolloutRequestError(f"output_token_weight_versions ({len(tv) if isinstance(tv, list) else tv!r}) "
+                                  f"do not match output_ids ({len(ids)})")
     return GenerateItem(response_ids=ids, rollout_log_probs=[float(e[0]) for e in lps],
                         status=_STATUS[fr["type"]], weight_version=meta.get("weight_version"),
-                        finish_reason=fr, prompt_tokens=int(meta.get("prompt_tokens", 0)))
+                        finish_reason=fr, prompt_tokens=int(meta.get("prompt_tokens", 0)), token_versions=tv)

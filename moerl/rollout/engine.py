@@ -54,12 +54,17 @@ Semantics the trainer relies on:
     So one request per sample (what sglang-router can carry: it accepts ONE sampling_params dict
     and a string rid per request) still runs in large batches, and equal lengths mean no padding.
   * weight_version: a string, "default" at start, set by successful update calls, returned in every
-    /generate meta_info (the version whose weights produced the whole response).
+    /generate meta_info (the version that produced the response's last token). A response that
+    spans a weight update (an "in_place" pause, below) also carries
+    ``meta_info["output_token_weight_versions"]``: one version per output token (a moerl extension;
+    SGLang reports only the one version).
   * abort: ``rid`` matches an item id or the ``rid`` a batched request was sent with; aborted
     running items return finish_reason abort with the tokens generated so far (and their log-probs).
   * pause / continue (SGLang /pause_generation {"mode": "abort" | "retract" | "in_place"},
     /continue_generation): no batch starts while paused; "abort" first aborts everything running or
-    queued; "retract" / "in_place" let the running batch finish (SGLang suspends it instead; see
+    queued; "in_place" suspends the running batch at its next decode step (KV cache kept; weights may
+    be updated meanwhile; after continue it goes on with the new weights, as in SGLang); "retract"
+    lets the running batch finish (SGLang retracts it instead; see
     :meth:`ReferenceEngine.pause_generation`). New requests queue up meanwhile; weight updates run.
     A partial response (finish_reason abort, k tokens) is continued by sending prompt + its k tokens
     with max_new_tokens = the remaining budget; :meth:`ReferenceEngine.pause_after_steps` interrupts
@@ -485,6 +490,7 @@ class _Row:
     finish: Optional[dict]
     top: Optional[list] = None  # per token: [(logprob, id)] * top_n
     tokid: Optional[list] = None  # per token: [(logprob, id)] for token_ids_logprob
+    versions: Optional[list] = None  # per token: weight_version (only when the row spans several)
 
 
 @dataclass(eq=False)
@@ -620,6 +626,11 @@ class ReferenceEngine(WeightUpdater):
         self._running: list[_Item] = []
         self._closed = False
         self._paused = False  # pause_generation() .. continue_generation(): no batch starts
+        # "in_place" pause: the running batch parks at its next decode step (model lock released) until
+        # continue_generation; _marks = [(tokens generated before, weight_version)] of the running batch
+        self._suspend = False
+        self._parked = False
+        self._marks: list[tuple[int, str]] = []
         self.step_hook = step_hook
         self._sysrand = secrets.SystemRandom()
         self._warned_fields: set[str] = set()
@@ -871,6 +882,8 @@ class ReferenceEngine(WeightUpdater):
         }
         if latency is not None:
             meta["e2e_latency"] = latency
+        if row.versions is not None and finish is not None:
+            meta["output_token_weight_versions"] = list(row.versions)
         if it.return_routed_experts and finish is not None:
             from moerl.moe.routing_replay import encode_routed_experts
 
@@ -987,12 +1000,12 @@ class ReferenceEngine(WeightUpdater):
             try:
                 t_batch = time.monotonic()
                 with self._model_lock:
-                    version = self.weight_version
+                    self._marks = [(0, self.weight_version)]
                     rows = self._generate_rows(batch)
                 logger.debug("batch of %d rows (prompt length %d, %d queued) in %.1f ms", len(batch), length,
                              len(self._pending), 1000 * (time.monotonic() - t_batch))
                 for it, row in zip(batch, rows):
-                    it.result = (row, version)
+                    it.result = (row, self._versions_of(row))
             except BaseException as e:  # report to the waiting requests, keep serving
                 logger.exception("generate batch failed")
                 error = e
@@ -1005,6 +1018,37 @@ class ReferenceEngine(WeightUpdater):
                     with self._cv:
                         self._running = []
                         self._cv.notify_all()
+
+    def _versions_of(self, row: _Row) -> str:
+        """The weight_version of ``row``'s last token (the batch's first version for an empty row); sets
+        ``row.versions`` (one per token) when the row's tokens come from more than one version (the batch
+        was suspended by an "in_place" pause and the weights were updated meanwhile)."""
+        marks = self._marks
+        n = len(row.tokens)
+        live = [(k, v) for k, v in marks if k < n] or marks[:1]  # the versions that made some token
+        if len({v for _, v in live}) > 1:
+            ends = [k for k, _ in live[1:]] + [n]
+            row.versions = [v for (k, v), end in zip(live, ends) for _ in range(end - k)]
+        return live[-1][1]
+
+    def _park(self, step: int) -> None:
+        """Scheduler thread, inside a generate batch after decode step ``step``: an "in_place" pause is
+        pending, so release the model lock (weight updates may run), wait for continue_generation (or
+        close, or a later "abort" / "retract" pause, which let the batch go on), take the lock back and
+        note the weight_version the tokens after ``step`` come from."""
+        with self._cv:
+            if not self._suspend or self._closed:
+                return
+            self._model_lock.release()
+            self._parked = True
+            self._cv.notify_all()
+            try:
+                self._cv.wait_for(lambda: not self._suspend or self._closed)
+            finally:
+                self._parked = False
+        self._model_lock.acquire()
+        if self.weight_version != self._marks[-1][1]:
+            self._marks.append((step, self.weight_version))
 
     def close(self) -> None:
         """Stop the scheduler thread (queued requests fail with RuntimeError)."""
@@ -1172,21 +1216,26 @@ class ReferenceEngine(WeightUpdater):
             "message": "Aborted"}; every queued item is answered at once with no tokens and
             finish_reason {"type": "abort", "message": "Abort in waiting queue"}. Then scheduling
             stays held. (SGLang: abort_all repeatedly until no request is in flight.)
-          * "retract" / "in_place": no new batch starts; queued items wait. DIFFERENCE FROM SGLANG:
-            SGLang suspends its running batch at the next step (in_place keeps its KV cache,
-            retract moves its requests back to the waiting queue and recomputes their KV cache
-            after continue; either way they finish after continue, possibly under new weights).
-            This engine cannot suspend a running transformers ``generate`` call, so the running
-            batch runs to its end (with the weights it started with) and is answered before this
-            returns; both modes are therefore the same here.
+          * "in_place": no new batch starts; queued items wait; the running batch is suspended at its
+            next decode step with its KV cache, as in SGLang: the model lock is released, so weight
+            updates run, and after :meth:`continue_generation` the batch goes on under the new
+            weights (its KV cache from the old ones). Each response then reports one
+            weight_version per token (``output_token_weight_versions``, see the module docstring);
+            its log-probs are those of the weights that sampled each token.
+          * "retract": no new batch starts; queued items wait. DIFFERENCE FROM SGLANG: SGLang moves
+            the running requests back to the waiting queue and recomputes their KV cache after
+            continue; this engine lets the running batch run to its end (with the weights it started
+            with) and answers it before this returns.
         While paused, new /generate requests are accepted and queued (SGLang holds them before its
         scheduler), :meth:`abort` answers queued items at once, and weight updates run (nothing holds
         the model lock). Idempotent: pausing a paused engine is allowed ("abort" then aborts what is
         queued; "retract" / "in_place" change nothing).
 
-        Returns once no batch is running (for "abort": after the aborted items were answered), so a
-        weight update right after it cannot race a running batch. Called from the scheduler thread
-        itself (a :attr:`step_hook`), it returns at once and the running batch stops at this step.
+        Returns once no batch is running or the running one is suspended ("in_place"; for "abort":
+        after the aborted items were answered), so a weight update right after it cannot race a
+        decode step. A later "abort" or "retract" pause lets a suspended batch go on (abort: its rows
+        end at the next step). Called from the scheduler thread itself (a :attr:`step_hook`), it
+        returns at once and the running batch stops (abort) or is suspended (in_place) at this step.
 
         Raises:
             ValueError: ``mode`` is not one of PAUSE_MODES (the message names ``mode`` and them).
@@ -1194,18 +1243,20 @@ class ReferenceEngine(WeightUpdater):
         check_pause_mode(mode)
         with self._cv:
             self._paused = True
+            self._suspend = mode == "in_place"
             queued = self._abort_locked(lambda it: True) if mode == "abort" else []
             self._cv.notify_all()
         self._answer_aborted_in_queue(queued)
         if threading.current_thread() is self._scheduler:
             return
         with self._cv:
-            self._cv.wait_for(lambda: not self._running or self._closed)
+            self._cv.wait_for(lambda: not self._running or self._closed or (self._suspend and self._parked))
 
     def continue_generation(self) -> None:
         """SGLang's /continue_generation: resume scheduling (queued items start); no-op when not paused."""
         with self._cv:
             self._paused = False
+            self._suspend = False
             self._cv.notify_all()
 
     def pause_after_steps(self, k: int, mode: str = DEFAULT_PAUSE_MODE) -> None:
@@ -1239,6 +1290,8 @@ class ReferenceEngine(WeightUpdater):
         hook = self.step_hook
         if hook is not None:
             hook(step, rids)
+        if self._suspend:  # an "in_place" pause: suspend here until continue_generation
+            self._park(step)
 
     # ------------------------------------------------------------------ info
 

@@ -742,8 +742,8 @@ class RolloutCluster:
         Each server answers once it is paused (see moerl.rollout.client.RolloutClient
         .apause_generation for the modes): with "abort" its running requests have been answered
         (the tokens so far, finish_reason abort) and its queued ones aborted; with "retract" /
-        "in_place" no new batch starts (SGLang suspends the running one; the reference server
-        finishes it first). New /generate requests wait on every server until
+        "in_place" no new batch starts and the running one is suspended at its next step
+        (in_place; "retract": SGLang retracts it, the reference server finishes it first). New /generate requests wait on every server until
         :meth:`continue_generation`, so a weight update in between cannot race a generation.
         Idempotent. A server that died (failover on) is skipped the way :meth:`update_weights`
         skips it: it is restarted later and comes back UNPAUSED (restored to the current weights
@@ -751,7 +751,8 @@ class RolloutCluster:
 
         Args:
             mode: "abort" (default) | "retract" | "in_place".
-            timeout_s: per server (a pause waits for the running batch of "retract" / "in_place").
+            timeout_s: per server (a pause waits for the running batch of "retract", for the next
+                decode step with "in_place").
         Returns: the URLs that were paused.
         Raises:
             ValueError: a bad ``mode`` (nothing is sent).

@@ -187,10 +187,11 @@ class RolloutManager:
         self.routing_shape = routing_shape
         self._direct: dict[str, RolloutClient] = {}  # R3: one client per server URL (closed with the producer)
         # how a weight update pauses the servers in async mode (rollout.pause_mode): abort cuts running
-        # responses (resumed from their prefix: partial rollouts); in_place lets the reference server
-        # finish its running batch first (every response then has one version; SGLang's in_place would
-        # mix versions inside a response unseen, so the schema refuses it with backend sglang); auto =
-        # in_place with the reference backend, abort with sglang
+        # responses (resumed from their prefix: partial rollouts); in_place suspends the reference server's
+        # running batch at its next decode step and goes on under the new weights after the push (the
+        # server reports each token's version; SGLang's in_place would mix versions inside a response
+        # unseen, so the schema refuses it with backend sglang); auto = in_place with the reference
+        # backend, abort with sglang
         self.pause_mode = getattr(ro, "pause_mode", "abort")
         if self.pause_mode == "auto":
             self.pause_mode = "in_place" if getattr(ro, "backend", "reference") == "reference" else "abort"
@@ -408,7 +409,10 @@ class RolloutManager:
             item = parse_generate_item(out)
             tokens += item.response_ids
             lps += item.rollout_log_probs
-            versions += [_version_int(item.weight_version, self.version)] * len(item.response_ids)
+            if item.token_versions is not None:  # the response spanned a weight update (in_place pause)
+                versions += [_version_int(v, self.version) for v in item.token_versions]
+            else:
+                versions += [_version_int(item.weight_version, self.version)] * len(item.response_ids)
             if segment and len(tokens) > len(item.response_ids):  # continued a response that had tokens
                 self._counters["resumed_segments"] += 1
             if item.status != "aborted":

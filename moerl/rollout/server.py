@@ -35,11 +35,12 @@ Endpoints (SGLang names; see http_server.py / io_struct.py of sglang):
     POST /release_memory_occupation, /resume_memory_occupation {tags: null | [weights, kv_cache,
         cuda_graph]}  (CPU: nothing is freed; /generate answers 503 while any tag is released)
     POST /pause_generation {mode?: "abort" (default) | "retract" | "in_place"} -> {"message":
-        "Generation paused successfully.", "status": "ok"} once no batch runs (an empty body means
+        "Generation paused successfully.", "status": "ok"} once no batch runs or, for "in_place", the
+        running one is suspended (an empty body means
         the default; a bad mode: HTTP 400 naming ``mode`` and the allowed values, where SGLang's
         pydantic body answers 422); POST /continue_generation -> {"message": "Generation continued
-        successfully.", "status": "ok"}. Semantics (and the difference from SGLang for "retract" /
-        "in_place": the running batch finishes instead of being suspended):
+        successfully.", "status": "ok"}. Semantics (and the difference from SGLang for "retract":
+        the running batch finishes instead of being retracted):
         :meth:`ReferenceEngine.pause_generation`. While paused /generate requests wait in the queue,
         weight updates and /abort_request work, /health_generate answers 200 without generating
         (SGLang's waits until its health-check timeout, then answers 503). sglang-router does not forward these two
