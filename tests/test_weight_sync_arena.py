@@ -58,7 +58,7 @@ def _count_updates(engine: ReferenceEngine) -> list:
 def test_arena_alternates_reuses_its_files_and_grows():
     """Slots alternate before any publish; next() never returns the published slot (an unpublished
     export's slot is reused); a slot grows past its first storage, settles into ONE storage of the
-    bytes used on its next use, and from then on every tensor lands at the same offset of the same
+    bytes used on its next use (the other slot starts at that size), and from then on every tensor lands at the same offset of the same
     /dev/shm file; 64-byte alignment; bad allocations are refused by name."""
     g = torch.Generator().manual_seed(0)
     sd = {"b": torch.randn(7, 3, generator=g).to(torch.bfloat16),  # 42 B -> 64 B span, in the 1 MiB first storage
@@ -77,6 +77,7 @@ def test_arena_alternates_reuses_its_files_and_grows():
     s1 = arena.next()
     assert s1.index == 1 and arena.next().index == 1  # s1 never published (a failed push): reused
     out1 = _fill(s1, sd)
+    assert len(s1.storages) == 1 and s1.nbytes == 2 * MiB  # sized from slot 0's export: one file at once
     arena.publish(s1)
     s0b = arena.next()
     assert s0b is s0 and torch.equal(out0["a"], sd["a"])  # begun again: one storage of the bytes used last time

@@ -7,15 +7,24 @@ the trainer side (this process) holds a second random copy of the weights as an 
 pushes it with moerl.rollout.weight_sync in every mode:
 
 * ``disk``        sharded HF safetensors written (fsynced) per version, /update_weights_from_disk.
-* ``tensor``      /update_weights_from_tensor per bucket (SGLang's serialized named tensors): shared-memory
-                  handles for servers on this host (``--tensor-transport auto``, the servers here are on
-                  127.0.0.1), tensors inline as base64 in the JSON with ``--tensor-transport bytes``.
-                  ``--trainer-shm`` keeps the trainer's tensors in shared memory (``share_memory_``), so
-                  they travel by their own handles with no copy into bucket buffers (one copy in all).
+* ``tensor``      what ``moerl train`` does with rollout.weight_sync=tensor, weight_dtype=auto and servers
+                  on this host (the servers here are on 127.0.0.1): the HF state dict lives in the
+                  trainer's shared-memory export arena (moerl.rollout.shm_arena.SharedExportArena, two
+                  slots alternating, as WeightSync uses it), so every tensor travels by its own handle,
+                  all of them in ONE /update_weights_from_tensor per server; the only copy is the server's
+                  into its parameters. Filling the arena is the export's own copy (the export clones into
+                  private memory without the arena), which every mode pays and no mode times: it is done
+                  before the timer starts.
+* ``tensor private`` the trainer's tensors in private memory (weight_dtype bf16 / fp8, or an export
+                  without the arena): /update_weights_from_tensor per bucket, each bucket copied into a
+                  reusable shared-memory buffer and applied by the server (two copies). With
+                  ``--tensor-transport bytes`` this is the only tensor row and the tensors travel inline
+                  (base64 in the JSON), as to a server on another host.
 * ``distributed`` /init_weights_update_group once (not timed), then per bucket
                   /update_weights_from_distributed + a gloo broadcast from the trainer.
 
-``--weight-dtypes`` adds rows per rollout.weight_dtype (default ``auto fp8``): ``fp8`` times the
+``--weight-dtypes`` adds rows per rollout.weight_dtype (default ``auto fp8``; the arena row is for
+``auto`` only, as in ``moerl train``): ``fp8`` times the
 trainer's blockwise FP8 quantisation (moerl.precision.fp8_checkpoint.rollout_state_dict, 128x128
 blocks, router / norms / embeddings kept) plus the sync of the quantised state dict (about a quarter
 of the fp32 bytes) and the servers' dequantisation; its MB/s still counts the fp32 model bytes, so
@@ -27,10 +36,12 @@ bytes once. It is timed before the syncs and again after every timed sync (its m
 them is the reference), so the ratio compares the same stretch of time on a shared machine.
 Columns: median wall seconds over ``--runs`` runs, bytes/s (model bytes / seconds; with several
 servers every server receives all of them, the figure counts them once), and the ratio to
-memcpy's bytes/s. The first sync of each mode is a warm-up and is not timed.
+memcpy's bytes/s. The first sync of each mode is a warm-up and is not timed (the first three of the
+arena row: its slots settle into one /dev/shm file each by the third export, and the server maps and
+faults in each new file once; moerl.rollout.shm_arena).
 
 Usage: python tools/bench_weight_sync.py [--params 100e6] [--bucket-mb 64] [--runs 3] [--servers 1]
-       [--weight-dtypes auto fp8] [--tensor-transport auto] [--trainer-shm] [--json OUT.json]
+       [--weight-dtypes auto fp8] [--tensor-transport auto] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -92,9 +103,6 @@ def main(argv=None) -> int:
                    help="rollout.weight_dtype variants of every mode (fp8: blockwise quantisation timed too)")
     p.add_argument("--tensor-transport", default="auto", choices=["auto", "shm", "bytes"],
                    help="tensor mode: shm handles (auto: for servers on this host) or inline bytes")
-    p.add_argument("--trainer-shm", action="store_true",
-                   help="keep the trainer's tensors in shared memory (Tensor.share_memory_): the tensor mode "
-                        "then passes their own handles without copying them into bucket buffers")
     args = p.parse_args(argv)
     if args.runs < 1 or args.servers < 1 or args.bucket_mb <= 0:
         p.error("--runs and --servers must be >= 1 and --bucket-mb > 0")
@@ -103,6 +111,7 @@ def main(argv=None) -> int:
     from moerl.rollout.server import load_safetensors_dir
     from moerl.rollout.testing import make_tiny_moe_checkpoint
     from moerl.precision.fp8_checkpoint import rollout_hf_config, rollout_state_dict
+    from moerl.rollout.shm_arena import SharedExportArena
     from moerl.rollout.weight_sync import DistributedWeightUpdater, sync_weights, tensor_transports
 
     torch.set_num_threads(1)
@@ -113,9 +122,7 @@ def main(argv=None) -> int:
         make_tiny_moe_checkpoint(served, seed=0, **ov)
         make_tiny_moe_checkpoint(trainer, seed=1, **ov)
         sd = dict(load_safetensors_dir(trainer))
-        if args.trainer_shm:
-            for t in sd.values():
-                t.share_memory_()
+        arena = SharedExportArena()
         nbytes = sum(t.numel() * t.element_size() for t in sd.values())
         n_params = sum(t.numel() for t in sd.values())
         from transformers import AutoConfig
@@ -138,29 +145,47 @@ def main(argv=None) -> int:
                 wait_healthy(u, pr, timeout_s=600.0, what=f"server {i}", interval_s=0.5,
                              log_path=os.path.join(tmp, f"server{i}.log"))
             version = 0
-            for wd, mode in [(wd, mode) for wd in args.weight_dtypes for mode in args.modes]:
+            shm = "shm" in tensor_transports(urls, args.tensor_transport).values()
+            rows = []
+            for wd in args.weight_dtypes:
+                for mode in args.modes:
+                    if mode == "tensor" and wd == "auto" and shm:
+                        rows.append((wd, mode, True))  # the export arena (what moerl train does)
+                    rows.append((wd, mode, False))
+            for wd, mode, in_arena in rows:
                 if mode == "distributed" and updater is None:
                     updater = DistributedWeightUpdater(urls, backend="gloo", timeout_s=600)
                     updater.init_group()
                 if mode == "tensor":
                     used = sorted(set(tensor_transports(urls, args.tensor_transport).values()))
                     print(f"  tensor transport: {'+'.join(used)} (shm = shared-memory handles, bytes = inline "
-                          f"base64 in the JSON)", flush=True)
+                          f"base64 in the JSON); trainer tensors {'in the export arena' if in_arena else 'private'}",
+                          flush=True)
                 times = []
-                for k in range(args.runs + 1):
+                label = mode + ("" if in_arena or mode != "tensor" or not shm else " private")
+                label = label if wd == "auto" else f"{label} {wd}"
+                warm = 3 if in_arena else 1  # the arena settles into one file per slot by its third export
+                for k in range(args.runs + warm):
                     version += 1
+                    slot = None
+                    if in_arena:  # the export's own copy, into shared memory (untimed, as every mode's export)
+                        slot = arena.next()
+                        src = {n: slot.alloc(n, t.shape, t.dtype).copy_(t) for n, t in sd.items()}
+                    else:
+                        src = sd
                     t0 = time.perf_counter()
-                    sent = rollout_state_dict(sd, wd)  # rollout.weight_dtype (fp8: quantised here, timed)
+                    sent = rollout_state_dict(src, wd)  # rollout.weight_dtype (fp8: quantised here, timed)
                     sync_weights(mode, urls, sent, f"bench{version}", bucket_bytes=bucket_bytes,
                                  hf_config=rollout_hf_config(hf_config, wd),
                                  out_root=os.path.join(tmp, "weights"), updater=updater,
                                  tensor_transport=args.tensor_transport)
                     dt = time.perf_counter() - t0
-                    if k > 0:
+                    if slot is not None:
+                        arena.publish(slot)  # as WeightSync: the next export goes into the other slot
+                    if k >= warm:
                         times.append(dt)
                         results["memcpy"] += bench_memcpy(sd, 1)  # interleaved: same moments of a shared machine
-                    label = mode if wd == "auto" else f"{mode} {wd}"
-                    print(f"  {label:<16} run {k}{' (warm-up)' if k == 0 else ''}: {dt:.2f} s", flush=True)
+                    print(f"  {label:<16} run {k}{' (warm-up)' if k < warm else ''}: {dt:.3f} s", flush=True)
                 results[label] = times
         finally:
             if updater is not None:

@@ -13,7 +13,10 @@ sequence of (name, shape, dtype) is unchanged every tensor lands at the same off
 so a server that keeps the files mapped (moerl.rollout.engine_weights.WeightUpdater._keep_shared_mappings)
 maps nothing and takes no page fault on the next sync. When a slot runs out of room it adds a storage
 (``grow``); the next time that slot is begun, a slot made of several storages is replaced by ONE
-storage of the bytes last used (one more new file, then stable again).
+storage of the bytes last used (one more new file, then stable again); an empty slot begun after the
+other slot was filled starts with one storage of that export's size. So the first export grows slot 0
+(several files), the second fills slot 1 (one file), the third re-makes slot 0 as one file, and from
+the third export on no new file is made while the layout stays the same.
 
 Lifetimes (exactly):
   * The tensors :meth:`ArenaSlot.alloc` returned stay valid and unchanged until the same slot is
@@ -73,11 +76,14 @@ class ArenaSlot:
         self.names: list[str] = []  # names allocated since the slot was begun, in order
         self._seen: set[str] = set()
 
-    def _reset(self) -> None:
+    def _reset(self, size_hint: int = 0) -> None:
         """Start over (called by :meth:`SharedExportArena.next`): a slot of several storages becomes one
-        storage of the bytes used last time, so the layout settles into a single file."""
+        storage of the bytes used last time, so the layout settles into a single file; an empty slot
+        starts with one storage of ``size_hint`` bytes (the other slot's last export) when given."""
         if len(self._chunks) > 1:
             self._chunks = [_shared_bytes(_round_mib(self.used))]
+        elif not self._chunks and size_hint > 0:
+            self._chunks = [_shared_bytes(_round_mib(size_hint))]
         self._chunk, self._at, self.used, self.names, self._seen = 0, 0, 0, [], set()
 
     def alloc(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -160,7 +166,7 @@ class SharedExportArena:
         i = 0 if avoid is None else 1 - avoid
         self._last = i
         slot = self.slots[i]
-        slot._reset()
+        slot._reset(size_hint=self.slots[1 - i].used)
         return slot
 
     def publish(self, slot: ArenaSlot) -> None:
