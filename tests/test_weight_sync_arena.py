@@ -240,3 +240,52 @@ def test_failover_restore_after_the_next_export_sends_the_published_version(ckpt
     finally:
         live.close()
         fresh.close()
+
+
+_TWO_RANK_WORKER = r"""
+import json, sys
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[4])
+from moerl.checkpoint.hf_convert import ShardLayout, gather_megatron_to_hf, hf_to_megatron, megatron_to_hf
+from moerl.rollout.shm_arena import SharedExportArena
+from test_hf_convert import random_hf_model
+rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+ref = random_hf_model(tie_word_embeddings=False)
+sd = hf_to_megatron(ref.state_dict(), ref.config)  # both ranks hold every tensor: rank 0 sends each one
+want = megatron_to_hf(sd, ref.config)
+arena, facts = SharedExportArena(initial_bytes=1 << 20), {}
+for case, dst in (("p2p", 1), ("broadcast", None)):
+    slot = arena.next()
+    got = gather_megatron_to_hf(sd, ref.config, ShardLayout(), dst=dst, out_alloc=slot.alloc)
+    if rank == 1:
+        storages = {s.data_ptr() for s in slot.storages}
+        facts[case] = dict(n=len(got), same_keys=list(got) == list(want),
+                           bitwise=all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in want),
+                           in_arena=all(t.untyped_storage().data_ptr() in storages for t in got.values()),
+                           allocated=slot.names == list(want))
+if rank == 1:
+    json.dump(facts, open(out, "w"))
+dist.destroy_process_group()
+"""
+
+
+def test_rank_dst_receives_straight_into_the_arena(tmp_path):
+    """Two gloo ranks: rank 1 (dst=1, and the broadcast path dst=None) receives every tensor rank 0
+    sends straight into its arena slot; bitwise megatron_to_hf of the same weights."""
+    import json
+    import subprocess
+    import sys
+
+    from _mp_helpers import free_port_block
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    port, out = free_port_block(1), str(tmp_path / "facts.json")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(here)}
+    procs = [subprocess.Popen([sys.executable, "-c", _TWO_RANK_WORKER, str(r), str(port), out, here], env=env)
+             for r in (0, 1)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    facts = json.load(open(out))
+    for case in ("p2p", "broadcast"):
+        f = facts[case]
+        assert f["n"] > 20 and f["same_keys"] and f["bitwise"] and f["in_arena"] and f["allocated"], (case, f)
