@@ -264,7 +264,10 @@ def disk_restorer(model_path: str, weight_version: str, timeout_s: float = 600.0
 def tensor_restorer(hf_state_dict, weight_version: str, bucket_bytes: int = 64 << 20) -> Callable[[str], None]:
     """A failover restorer that re-sends ``hf_state_dict`` ({HF name: tensor}, kept referenced, so
     one CPU copy of the weights stays alive until the next update) through
-    moerl.rollout.weight_sync.sync_weights_from_tensor to one server."""
+    moerl.rollout.weight_sync.sync_weights_from_tensor to one server. The tensors must stay unchanged
+    while this restorer is registered: moerl.train.weight_sync.WeightSync's export arena
+    (moerl.rollout.shm_arena) keeps the slot they live in until another slot is published, and such
+    an all-shared dict is re-sent in one request."""
     if not isinstance(weight_version, str) or not weight_version:
         raise ValueError(f"weight_version must be a non-empty string, got {weight_version!r}")
 
