@@ -351,3 +351,25 @@ def test_reward_pool_in_the_manager_counts_a_hanging_verifier_and_group_function
             assert [s.metadata["reward_metrics"]["position"] for s in g] == [0.0, 1.0, 2.0, 3.0]
             assert {s.metadata["reward_metrics"]["label"] for s in g} == {float(g[0].label)}
         assert b.metrics["reward/position"] == 1.5
+
+
+def test_weight_update_phases_are_timed_into_the_next_batch():
+    """rollout/pause_s, push_s, continue_s: wall seconds of the updates since the previous batch; a push
+    that sleeps 50 ms shows at least that in push_s of the next batch (none in the first: no update yet)."""
+    servers = FakeServers()
+    mgr = _manager(servers, _cfg(mode="async", max_staleness=1), num_steps=3)
+
+    def slow_push() -> int:
+        time.sleep(0.05)
+        return servers.push()
+
+    with mgr:
+        first = mgr.get_batch(1)
+        mgr.update_weights(slow_push, 1)
+        second = mgr.get_batch(2)
+        mgr.update_weights(None, 2)  # a skipped update: nothing timed
+        third = mgr.get_batch(3)
+    assert first.metrics["rollout/push_s"] == 0.0 == first.metrics["rollout/pause_s"]
+    assert 0.05 <= second.metrics["rollout/push_s"] < 5.0
+    assert second.metrics["rollout/pause_s"] >= 0.0 and second.metrics["rollout/continue_s"] >= 0.0
+    assert third.metrics["rollout/push_s"] == 0.0

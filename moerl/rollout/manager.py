@@ -482,7 +482,9 @@ class RolloutManager:
         rollout/{drawn_groups, dropped_stale_groups, dropped_no_signal_groups, failed_groups,
         resumed_segments, reward_s (wall seconds spent scoring the groups finished since the previous batch), reward_errors
         (samples whose verifier timed out, raised or crashed: scored reward.error_value), waited_groups, wait_s,
-        trainer_wait_s, server_busy_frac, buffer_groups}; reward/<name>: means of a reward function's extra
+        trainer_wait_s, server_busy_frac, buffer_groups, pause_s / push_s / continue_s (wall seconds of the
+        weight updates since the previous batch: pausing the servers (one_step_off: waiting until nothing
+        is in flight), the push, continuing)}; reward/<name>: means of a reward function's extra
         metrics;
         staleness/{mean, max, tokens_<v>} over trained tokens (tokens_<v>: how many are v versions old); token versions per sample are in
         ``Sample.token_versions``.
@@ -546,7 +548,8 @@ class RolloutManager:
             failed_groups=failed, resumed_segments=counters["resumed_segments"], reward_s=counters["reward_s"],
             waited_groups=counters["waited_groups"], wait_s=counters["wait_s"],
             trainer_wait_s=time.monotonic() - t0, server_busy_frac=busy / max(wall, 1e-9),
-            buffer_groups=buffered))
+            buffer_groups=buffered, pause_s=counters["pause_s"], push_s=counters["push_s"],
+            continue_s=counters["continue_s"]))
 
     def _trained_versions(self, s: Sample) -> list[int]:
         return [v for v, m in zip(s.token_versions, s.loss_mask) if m]
@@ -593,6 +596,7 @@ class RolloutManager:
         is in flight, then pushes; async pauses every server (abort: running requests return what they
         have, and resume after continue), pushes, continues. Marks ``step`` done either way."""
         if push is not None:
+            t0 = time.monotonic()
             if self.mode == "one_step_off":
                 with self._cv:
                     while self._inflight and self._error is None:
@@ -602,7 +606,9 @@ class RolloutManager:
                 if paused:
                     self._loop.call_soon_threadsafe(self._unpaused.clear)
                     self.cluster.pause_generation(self.pause_mode)
+                t1 = time.monotonic()
                 version = push()
+                t2 = time.monotonic()
             except BaseException:
                 if paused:  # best effort: the push's error is the one to report
                     try:
@@ -618,6 +624,9 @@ class RolloutManager:
                     self._resume_producer()
             with self._cv:
                 self.version = _version_int(version, self.version + 1)
+                self._counters["pause_s"] += t1 - t0
+                self._counters["push_s"] += t2 - t1
+                self._counters["continue_s"] += time.monotonic() - t2
         with self._cv:
             self.steps_done = max(self.steps_done, step)
             self._cv.notify_all()
