@@ -110,6 +110,17 @@ def test_arena_alternates_reuses_its_files_and_grows():
         arena.publish(SharedExportArena().next())
     with pytest.raises(ValueError, match="initial_bytes"):
         SharedExportArena(initial_bytes=0)
+    with pytest.raises(ValueError, match="slots must be 1 or 2"):
+        SharedExportArena(slots=3)
+
+    single = SharedExportArena(initial_bytes=MiB, slots=1)  # no restorer: one slot, reused every export
+    one = single.next()
+    _fill(one, sd)  # grows over two storages
+    assert single.next() is one and len(one.storages) == 1  # settled into one
+    keep = _handle(_fill(one, sd)["a"])
+    assert single.next() is one and _handle(_fill(one, sd)["a"]) == keep and single.nbytes == 2 * MiB
+    with pytest.raises(ValueError, match="cannot publish"):
+        single.publish(one)
 
 
 def test_export_into_the_arena_equals_the_private_export_bitwise(dist, monkeypatch):
@@ -237,6 +248,13 @@ def test_failover_restore_after_the_next_export_sends_the_published_version(ckpt
             assert _served_equal(fresh, weights[0]) == []
             assert fresh.weight_version == "4" and live.weight_version == "4"
             assert live_calls == ["1", "2", "4"]  # one request per sync
+
+            # without failover there is no restorer to protect: one slot, overwritten by every export
+            ctx.cfg.rollout = RolloutConfig(weight_sync="tensor", failover=False, weight_sync_bucket_mb=0.03)
+            ws = loop.WeightSync(ctx, cluster, version=4)
+            current.update(weights[2])
+            assert len(ws.arena.slots) == 1 and ws(actor) == "5" and cluster.restore is None
+            assert live_calls[-1:] == ["5"] and len(live_calls) == 4 and _served_equal(live, weights[2]) == []
     finally:
         live.close()
         fresh.close()

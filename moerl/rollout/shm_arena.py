@@ -31,7 +31,9 @@ Lifetimes (exactly):
   * The servers copy the tensors while they answer the update request, so a slot may be refilled as
     soon as the sync that sent it returned (and it is not the published slot).
 Memory: up to two exported state dicts in /dev/shm (the restorer used to keep one private copy while
-the next was exported, so the peak is the same two copies; /dev/shm must have room for them).
+the next was exported, so the peak is the same two copies; /dev/shm must have room for them). With
+``slots=1`` (no failover restorer to protect) one: :meth:`SharedExportArena.next` then always returns
+slot 0, and :meth:`SharedExportArena.publish` is refused.
 Not thread-safe: one trainer thread exports and publishes.
 """
 
@@ -148,20 +150,27 @@ class SharedExportArena:
     Args:
         initial_bytes: size of a slot's first storage (default 64 MiB; a slot grows as needed and
             settles into one storage of the export's size on its second use).
+        slots: 2 (double buffer, for a failover restorer that keeps the published slot) or 1 (no
+            restorer: every export overwrites the one slot, after the sync that sent it returned).
     Raises:
-        ValueError: initial_bytes < 1.
+        ValueError: initial_bytes < 1 or slots not 1 or 2.
     """
 
-    def __init__(self, initial_bytes: int = 64 << 20):
+    def __init__(self, initial_bytes: int = 64 << 20, slots: int = 2):
         if initial_bytes < 1:
             raise ValueError(f"initial_bytes must be >= 1, got {initial_bytes}")
-        self.slots = [ArenaSlot(0, initial_bytes), ArenaSlot(1, initial_bytes)]
+        if slots not in (1, 2):
+            raise ValueError(f"slots must be 1 or 2, got {slots!r}")
+        self.slots = [ArenaSlot(i, initial_bytes) for i in range(slots)]
         self.published: Optional[int] = None  # the slot the current restorer holds
         self._last: Optional[int] = None  # the slot last returned by next()
 
     def next(self) -> ArenaSlot:
         """Begin the slot the next export writes into: the one that is not published (before any
         publish: the other one than last time). Its earlier tensors are overwritten from now on."""
+        if len(self.slots) == 1:
+            self.slots[0]._reset()
+            return self.slots[0]
         avoid = self.published if self.published is not None else self._last
         i = 0 if avoid is None else 1 - avoid
         self._last = i
@@ -171,14 +180,18 @@ class SharedExportArena:
 
     def publish(self, slot: ArenaSlot) -> None:
         """Mark ``slot`` as holding the weights the restorer re-sends: :meth:`next` avoids it until
-        another slot is published. Raises ValueError for a slot of another arena."""
+        another slot is published. Raises ValueError for a slot of another arena, or in a one-slot
+        arena (its slot is overwritten by the next export: nothing can be kept for a restorer)."""
         if not any(slot is s for s in self.slots):
             raise ValueError("publish() got a slot of another arena")
+        if len(self.slots) == 1:
+            raise ValueError("a one-slot SharedExportArena cannot publish (the next export overwrites it); "
+                             "use slots=2 when a failover restorer keeps the exported tensors")
         self.published = slot.index
 
     @property
     def nbytes(self) -> int:
-        """Bytes of shared memory held by both slots."""
+        """Bytes of shared memory held by every slot."""
         return sum(s.nbytes for s in self.slots)
 
     def release(self) -> None:

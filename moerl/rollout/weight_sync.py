@@ -14,7 +14,8 @@ and all ending with every server reporting the new ``weight_version`` on /get_mo
             shared-memory buffer and the HTTP body carries only torch.multiprocessing handles, as
             SGLang's trainers pass CUDA IPC handles; ``bytes`` for a server on another host: the
             tensors travel inline in the pickle (base64 in the JSON). weight_version rides on the
-            last bucket (SGLang sets it on that call).
+            last bucket (SGLang sets it on that call). A state dict already in shared memory (the
+            trainer's export arena, moerl.rollout.shm_arena) goes to shm servers in ONE request.
   * distributed: SGLang's NCCL/gloo path. Once: POST /init_weights_update_group {master_address,
             master_port, rank_offset, world_size, group_name, backend} to every server while the
             trainer joins the same group as rank 0 (:class:`DistributedWeightUpdater`). Per bucket:

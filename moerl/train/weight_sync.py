@@ -17,7 +17,8 @@ sent as exported) and at least one server reached by shared memory (moerl.rollou
 (moerl.rollout.shm_arena.SharedExportArena) instead of private clones, and the sync then sends every
 tensor's handle in one request per server. The failover restorer keeps the slot of the version it
 restores; the next export goes into the other slot, and a slot is published (may be overwritten two
-exports later) only once its push succeeded. bf16 / fp8 make new private tensors, so they keep the
+exports later) only once its push succeeded. Without rollout.failover (no restorer) the arena has
+one slot, overwritten by each export. bf16 / fp8 make new private tensors, so they keep the
 bucketed path, as does a cluster with only remote servers.
 """
 
@@ -93,8 +94,8 @@ class WeightSync:
         self.arena: Optional[SharedExportArena] = None
         if cluster is not None and ro.weight_sync == "tensor" and ro.weight_dtype == "auto":
             urls = list(cluster.server_urls) + list(getattr(cluster, "extra_worker_urls", ()))
-            if "shm" in tensor_transports(urls).values():
-                self.arena = SharedExportArena()
+            if "shm" in tensor_transports(urls).values():  # two slots only when a restorer keeps one
+                self.arena = SharedExportArena(slots=2 if ro.failover else 1)
 
         self.placement = RolloutPlacement(ro.placement,
                                           cluster.colocated_server_urls if cluster is not None else None,
@@ -156,7 +157,7 @@ class WeightSync:
             # A server that dies during the push (failover on) is restarted and restored later; the
             # cluster retries the push once on the survivors (RolloutCluster.update_weights).
             self.cluster.update_weights(version, push, restore=restore if ro.failover else None)
-            if slot is not None:  # the restorer now holds this slot's tensors: the next export avoids it
+            if slot is not None and ro.failover:  # the restorer holds this slot's tensors: the next export avoids it
                 self.arena.publish(slot)
         self.placement.before_rollout()
         return version
