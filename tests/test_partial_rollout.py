@@ -113,6 +113,9 @@ def test_response_cut_after_5_tokens_resumes_for_3_with_per_version_log_probs(ck
                 batch = manager.get_batch(1)
     finally:
         engine.close()
+    # async: the producer's requests went through its HTTP worker process (rollout.client_process null),
+    # closed with the producer
+    assert manager._worker is not None and manager._worker.starts == 1 and manager._worker.proc is None
     (s,) = batch.samples
     assert len(s.response_ids) == 8 and s.status == "truncated"
     assert s.token_versions == [0] * 5 + [1] * 3

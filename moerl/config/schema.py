@@ -431,6 +431,11 @@ class RolloutConfig(_Section):
     # tokens of two: refused with sglang.
     # auto = in_place with the reference server, abort with sglang.
     pause_mode: Literal["auto", "abort", "in_place"] = "auto"
+    # where the rollout producer's HTTP requests run (moerl.rollout.http_worker): true = a child process
+    # (pinned to rollout.cpu_affinity), so their CPU and interpreter-lock time stay out of the trainer process;
+    # false = the producer thread itself; null = a child process in train.mode one_step_off / async (where the
+    # producer runs while the trainer trains), the thread in sync
+    client_process: Optional[bool] = None
 
     @model_validator(mode="after")
     def _cross_fields(self) -> "RolloutConfig":

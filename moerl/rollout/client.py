@@ -132,6 +132,10 @@ class RolloutClient:
         failover_retries: extra attempts allowed when the cluster does failover (default
             4 * num_servers).
         max_connections: connections in all (spread over pools of connections_per_pool).
+    Attribute ``worker``: None (requests from this process, aiohttp) or a started
+        :class:`moerl.rollout.http_worker.HttpWorker`, which makes each attempt of :meth:`post` in its child
+        process (the retry policy and cluster checks stay here); the RolloutManager sets it in
+        one_step_off / async mode (``rollout.client_process``).
     Async use: ``await client.generate(...)`` / ``await client.agenerate_many(...)`` (pools are
     made per event loop and closed by ``await client.aclose()``). Sync use:
     ``client.generate_many(requests)`` runs its own event loop and pools for that call.
@@ -160,6 +164,7 @@ class RolloutClient:
         if failover_retries < 0:
             raise ValueError(f"failover_retries must be >= 0, got {failover_retries}")
         self.failover_retries = failover_retries
+        self.worker = None  # an HttpWorker: attempts made in its child process (see the class docstring)
 
     def _new_pools(self, connections: int) -> _Pools:
         per = min(self.connections_per_pool, connections)
@@ -194,7 +199,8 @@ class RolloutClient:
             RolloutRequestError: HTTP 4xx other than 408/429 (not retried; the server's message is
                 included), or still failing after max_retries retries.
         """
-        http = http or self._client()
+        if self.worker is None:
+            http = http or self._client()
         url = self.router_url + path
         last = ""
         retries = self.max_retries
@@ -202,13 +208,9 @@ class RolloutClient:
             retries += self.failover_retries
         for attempt in range(retries + 1):
             self._check_cluster()
-            status, body = None, None
-            try:
-                async with http.post(url, json=payload) as r:
-                    status = r.status
-                    body = await (r.json(content_type=None) if status < 400 else r.text())
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:  # connection, timeout, bad JSON
-                last = f"{type(e).__name__}: {e}"
+            status, body, err = await self._attempt(http, url, payload)
+            if err is not None:  # connection, timeout, bad JSON
+                last = err
             else:
                 if status < 400:
                     return body
@@ -221,6 +223,18 @@ class RolloutClient:
                 delay = min(10.0, self.backoff_s * (2 ** min(attempt, 8))) * (0.5 + random.random())
                 await asyncio.sleep(delay)
         raise RolloutRequestError(f"POST {url} failed after {retries + 1} attempts; last error: {last}")
+
+    async def _attempt(self, http, url: str, payload: dict) -> tuple[Optional[int], Any, Optional[str]]:
+        """One POST: (status, decoded JSON or error text, None), or (None, None, error) for a connection
+        error, timeout or undecodable body; through :attr:`worker` when set."""
+        if self.worker is not None:
+            return await self.worker.post(url, payload)
+        try:
+            async with http.post(url, json=payload) as r:
+                status = r.status
+                return status, await (r.json(content_type=None) if status < 400 else r.text()), None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            return None, None, f"{type(e).__name__}: {e}"
 
     async def generate(self, input_ids: Union[list[int], list[list[int]]],
                        sampling_params: Union[dict, list[dict]], return_logprob: bool = True,

@@ -198,6 +198,10 @@ class RolloutManager:
         # rollout.cpu_affinity: the producer thread runs on the rollout cores (the trainer's host CPU
         # work of the rollout side, kept off an emulated training device)
         self.cpu_affinity = list(getattr(ro, "cpu_affinity", None) or [])
+        # rollout.client_process: the producer's HTTP attempts in a child process (moerl.rollout.http_worker)
+        use = getattr(ro, "client_process", None)
+        self.client_process = tr.mode != "sync" if use is None else bool(use)
+        self._worker = None  # the HttpWorker while the producer runs
         self.num_steps = num_steps
         self.version = int(version)
         self.steps_done = steps_done  # steps trained and pushed (k_done)
@@ -243,9 +247,18 @@ class RolloutManager:
             self._loop = loop
             self._unpaused, self._wake = asyncio.Event(), asyncio.Event()
             self._unpaused.set()
+            try:
+                if self.client_process and isinstance(self.client, RolloutClient):
+                    from moerl.rollout.http_worker import HttpWorker
+
+                    self._worker = HttpWorker(timeout_s=self.client.timeout_s, cpu_affinity=self.cpu_affinity).start()
+                    self.client.worker = self._worker
+            except BaseException as e:  # surfaces in get_batch
+                self._error = e
             ready.set()
             try:
-                loop.run_until_complete(self._produce())
+                if self._error is None:
+                    loop.run_until_complete(self._produce())
             except BaseException as e:  # surfaces in get_batch
                 with self._cv:
                     self._error = self._error or e
@@ -260,6 +273,10 @@ class RolloutManager:
                         closer = getattr(c, "aclose", None)
                         if closer is not None:
                             loop.run_until_complete(closer())
+                    if self._worker is not None:
+                        self._worker.close()
+                        if getattr(self.client, "worker", None) is self._worker:
+                            self.client.worker = None
                 finally:
                     loop.close()
 
@@ -386,6 +403,7 @@ class RolloutManager:
         if c is None:
             c = self._direct[url] = RolloutClient(url, timeout_s=self.client.timeout_s,
                                                   max_retries=self.client.max_retries, cluster=self.cluster)
+            c.worker = self._worker
         return await c.post("/generate", body)
 
     async def _run_sample(self, grp: _Group, k: int) -> Sample:

@@ -1,0 +1,119 @@
+"""moerl.rollout.http_worker: the producer's HTTP attempts made in a child process.
+
+Reference: the same requests made from this process by RolloutClient's own aiohttp path, against the real
+reference server (tiny model, served in a thread); failures are the ones RolloutClient already handles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+
+import pytest
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+from moerl.rollout.client import RolloutClient  # noqa: E402
+from moerl.rollout.errors import RolloutRequestError  # noqa: E402
+from moerl.rollout.http_worker import HttpWorker  # noqa: E402
+from moerl.rollout.inprocess import serve_in_thread  # noqa: E402
+from moerl.rollout.server import ReferenceEngine  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def served(ckpts):
+    engine = ReferenceEngine(ckpts[0])
+    with serve_in_thread(engine) as url:
+        yield engine, url
+    engine.close()
+
+
+def _body(i: int, max_new: int = 6) -> dict:
+    return {"input_ids": [4, 5, 13, 6], "return_logprob": True, "rid": f"r{i}",
+            "sampling_params": {"temperature": 1.0, "max_new_tokens": max_new, "sampling_seed": 100 + i}}
+
+
+def _strip(out: dict) -> dict:
+    out = dict(out, meta_info=dict(out["meta_info"]))
+    out["meta_info"].pop("e2e_latency", None)
+    return out
+
+
+def test_worker_answers_equal_the_in_process_client_and_errors_match(served):
+    _, url = served
+
+    async def run():
+        plain = RolloutClient(url, timeout_s=60, max_retries=0)
+        via = RolloutClient(url, timeout_s=60, max_retries=0)
+        via.worker = HttpWorker(timeout_s=60)
+        try:
+            a = await asyncio.gather(*(plain.post("/generate", _body(i)) for i in range(8)))
+            b = await asyncio.gather(*(via.post("/generate", _body(i)) for i in range(8)))
+            assert [_strip(x) for x in a] == [_strip(x) for x in b]
+            assert [x["meta_info"]["id"] for x in b] == [f"r{i}" for i in range(8)]
+            assert len({tuple(x["output_ids"]) for x in b}) > 1  # the seeds differ: not one answer repeated
+            # an HTTP 400 is refused, not retried, with the server's message, on both paths
+            for c in (plain, via):
+                with pytest.raises(RolloutRequestError, match="was refused: HTTP 400"):
+                    await c.post("/pause_generation", {"mode": "stop"})
+            assert via.worker.starts == 1
+        finally:
+            await plain.aclose()
+            await via.aclose()
+            via.worker.close()
+        assert via.worker.proc is None
+
+    asyncio.run(run())
+
+
+def test_connection_errors_are_retried_then_raised_naming_the_attempts():
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def run():
+        c = RolloutClient(f"http://127.0.0.1:{port}", timeout_s=5, max_retries=1, backoff_s=0.01)
+        c.worker = HttpWorker(timeout_s=5)
+        try:
+            with pytest.raises(RolloutRequestError, match=r"failed after 2 attempts; last error: ClientConnector"):
+                await c.post("/generate", _body(0))
+        finally:
+            c.worker.close()
+
+    asyncio.run(run())
+
+
+def test_a_killed_worker_fails_its_request_and_the_retry_restarts_it(served):
+    engine, url = served
+
+    def slow(step, rids):
+        time.sleep(0.02)
+
+    async def run():
+        c = RolloutClient(url, timeout_s=60, max_retries=2, backoff_s=0.01)
+        c.worker = HttpWorker(timeout_s=60)
+        try:
+            want = await c.post("/generate", _body(1, max_new=20))
+            first_pid = c.worker.proc.pid
+            engine.step_hook = slow  # the next request takes ~0.4 s: kill the worker meanwhile
+            task = asyncio.ensure_future(c.post("/generate", _body(1, max_new=20)))
+            await asyncio.sleep(0.15)
+            os.kill(first_pid, signal.SIGKILL)
+            got = await task
+            assert c.worker.starts == 2 and c.worker.proc.pid != first_pid  # restarted by the retry
+            assert _strip(got)["output_ids"] == _strip(want)["output_ids"]  # same rid and seed: same answer
+        finally:
+            engine.step_hook = None
+            c.worker.close()
+
+    asyncio.run(run())
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        HttpWorker(timeout_s=0)
+    with pytest.raises(ValueError, match="max_connections must be >= 1"):
+        HttpWorker(max_connections=0)
