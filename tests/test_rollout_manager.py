@@ -51,6 +51,7 @@ class FakeServers:
         self.requests: list[str] = []
         self.abort_first = abort_first  # answer the first N segments of every response with an abort ...
         self.abort_after = abort_after  # ... after this many tokens
+        self.max_running = 0  # most requests generating at once
 
     async def post(self, path: str, body: dict) -> dict:
         assert path == "/generate"
@@ -62,6 +63,7 @@ class FakeServers:
             self.requests.append(rid)
             req = {"abort": False}
             self._running[id(req)] = req
+            self.max_running = max(self.max_running, len(self._running))
             version = self.version
         done = len(body["input_ids"]) - PROMPT_LEN
         total = 2 + _h(base) % (self.max_new - 1)
@@ -113,14 +115,14 @@ class FakeServers:
 
 
 def _cfg(mode="async", max_staleness=1, policy="wait", B=4, n=2, max_new=8, mask_old=False, dynamic=False,
-         factor=3.0):
+         factor=3.0, max_inflight=None):
     return SimpleNamespace(
         seed=7,
         train=SimpleNamespace(mode=mode, max_staleness=max_staleness, staleness_policy=policy,
                               partial_rollout_mask_old=mask_old),
         rollout=SimpleNamespace(n_samples_per_prompt=n, rollout_batch_size=B, dynamic_sampling=dynamic,
                                 max_oversample_factor=factor, max_new_tokens=max_new, temperature=1.0, top_p=1.0,
-                                top_k=-1, placement="disaggregated"),
+                                top_k=-1, placement="disaggregated", max_inflight_groups=max_inflight),
         data=SimpleNamespace(prompt_key="prompt", label_key="label"))
 
 
@@ -373,3 +375,20 @@ def test_weight_update_phases_are_timed_into_the_next_batch():
     assert 0.05 <= second.metrics["rollout/push_s"] < 5.0
     assert second.metrics["rollout/pause_s"] >= 0.0 and second.metrics["rollout/continue_s"] >= 0.0
     assert third.metrics["rollout/push_s"] == 0.0
+
+
+@pytest.mark.parametrize("cap", [None, 2, 8])
+def test_groups_in_flight_never_exceed_max_inflight_groups(cap):
+    """rollout.max_inflight_groups: at most cap groups (cap * n requests) generate at once (null = one batch,
+    rollout_batch_size groups); staleness 2 would let two batches run ahead, so 8 is reachable only uncapped;
+    the batches are the same groups in the same order whatever the cap."""
+    B, n = 4, 2
+    servers = FakeServers(token_s=0.004)
+    batches, _ = _run(servers, _cfg(max_staleness=2, B=B, n=n, max_inflight=cap), num_steps=6, train_s=0.03)
+    limit = (cap if cap is not None else B) * n
+    assert servers.max_running <= limit, (servers.max_running, limit)
+    if cap == 8:
+        assert servers.max_running > B * n  # the cap is not what bounds it here: the staleness gate is
+    uids = [[s.metadata["uid"] for s in b.samples] for b in batches]
+    ref, _ = _run(FakeServers(token_s=0.004), _cfg(mode="sync", B=B, n=n), num_steps=6, train_s=0.0)
+    assert uids == [[s.metadata["uid"] for s in b.samples] for b in ref]

@@ -436,6 +436,12 @@ class RolloutConfig(_Section):
     # false = the producer thread itself; null = a child process in train.mode one_step_off / async (where the
     # producer runs while the trainer trains), the thread in sync
     client_process: Optional[bool] = None
+    # groups generating at once in one_step_off / async (AReaL's max_concurrent_rollouts); null =
+    # rollout_batch_size. The servers batch every request they hold, so groups of the NEXT batch started while
+    # the current one runs share its decode steps and delay it; one batch's worth keeps each batch's
+    # latency that of a sync rollout (tools/bench_async.py: async s/step 0.671 -> 0.563 at staleness 1).
+    # Below rollout_batch_size a batch is generated in several waves (every mode, sync included).
+    max_inflight_groups: Optional[int] = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _cross_fields(self) -> "RolloutConfig":

@@ -179,6 +179,10 @@ class RolloutManager:
         self.dynamic = ro.dynamic_sampling
         # groups one batch may draw: dynamic sampling's cap, else room to replace stale / failed groups
         self.max_draw = max(self.B, int(ro.max_oversample_factor * self.B)) if self.dynamic else 4 * self.B
+        # rollout.max_inflight_groups (AReaL's max_concurrent_rollouts): groups generating at once, null =
+        # rollout_batch_size (every group in flight finishes, so a held group always starts eventually)
+        cap = getattr(ro, "max_inflight_groups", None)
+        self.max_inflight = self.B if cap is None else int(cap)
         self.prompt_key, self.label_key = cfg.data.prompt_key, cfg.data.label_key
         self.seed, self.max_new = cfg.seed, ro.max_new_tokens
         self.sampling_params = dict(temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
@@ -331,6 +335,8 @@ class RolloutManager:
         bound = self._next_batch_bound()
         if bound > self.num_steps:
             return demand
+        if self._inflight >= self.max_inflight:  # rollout.max_inflight_groups (a finishing group frees a slot)
+            return False
         return bound <= self._limit() or demand
 
     async def _produce(self) -> None:
