@@ -12,10 +12,12 @@ uses it for single attempts (``RolloutClient.worker``); its retry policy, failov
 (``cluster.check_alive``) and result-id checks stay in the trainer process, unchanged.
 
 Wire: ``multiprocessing.connection.Connection`` framing over ``socket.socketpair()``. Parent -> child:
-``(request_id, url, payload)`` (POST JSON) or None (exit). Child -> parent: ``(request_id, status,
-body, error)``: status and the decoded JSON (text for HTTP >= 400), or status None and an error string
-("ClientConnectorError: ...") for a connection error, timeout or undecodable body, exactly the failures
-RolloutClient retries. The child exits when the socket closes (the parent closed it or died) and gets
+``(request_id, url, payload)`` (POST JSON) or None (exit). Child -> parent: a list of ``(request_id,
+status, body, error)``: status and the decoded JSON (text for HTTP >= 400), or status None and an error
+string ("ClientConnectorError: ...") for a connection error, timeout or undecodable body, exactly the
+failures RolloutClient retries. Answers that arrive within ``REPLY_COALESCE_S`` of each other travel as one
+message, so a burst of answers wakes the producer (and takes the trainer's interpreter lock) once, not
+once per request. The child exits when the socket closes (the parent closed it or died) and gets
 SIGKILL when the thread that started it ends (PR_SET_PDEATHSIG), so no worker outlives its trainer.
 """
 
@@ -30,6 +32,10 @@ import subprocess
 import sys
 from multiprocessing.connection import Connection
 from typing import Any, Optional, Sequence
+
+
+#: seconds the child waits after an answer for more answers to send with it (one wake-up of the parent)
+REPLY_COALESCE_S = 0.002
 
 
 class HttpWorkerError(RuntimeError):
@@ -159,10 +165,10 @@ class HttpWorker:
         conn = self._conn
         try:
             while conn is not None and conn.poll():
-                rid, status, body, err = conn.recv()
-                fut = self._pending.pop(rid, None)
-                if fut is not None and not fut.done():
-                    fut.set_result((status, body, err))
+                for rid, status, body, err in conn.recv():
+                    fut = self._pending.pop(rid, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result((status, body, err))
         except (EOFError, OSError) as e:  # the child exited: fail what was in flight, restart on the next post
             code = self.proc.poll() if self.proc is not None else None
             self._drop_conn(f"the HTTP worker process exited (status {code}): {type(e).__name__}")
@@ -185,6 +191,15 @@ async def _serve(conn: Connection, timeout_s: float, max_connections: int) -> No
     loop = asyncio.get_running_loop()
     done = asyncio.Event()
     tasks: set = set()
+    outbox: list = []
+
+    def flush() -> None:
+        batch = outbox[:]
+        outbox.clear()
+        try:
+            conn.send(batch)
+        except (OSError, ValueError):
+            done.set()
 
     async def one(rid: int, url: str, payload: Any) -> None:
         try:
@@ -196,10 +211,9 @@ async def _serve(conn: Connection, timeout_s: float, max_connections: int) -> No
             out = (rid, None, None, f"{type(e).__name__}: {e}")
         except Exception as e:  # noqa: BLE001 - reported to the parent, which retries or raises
             out = (rid, None, None, f"{type(e).__name__}: {e}")
-        try:
-            conn.send(out)
-        except (OSError, ValueError):
-            done.set()
+        if not outbox:
+            loop.call_later(REPLY_COALESCE_S, flush)
+        outbox.append(out)
 
     def on_readable() -> None:
         try:
