@@ -63,14 +63,15 @@ Targets (PASS / FAIL printed; the exit code stays 0): sync wall / async(s=1) wal
 greedy accuracy within 3 points of sync; the model's predicted sync / async(s=1) ratio within 20% of the
 measured one.
 
-Measured (defaults, 40 steps; the README's Async section has the table): sync 0.683 s/step,
-one_step_off 0.535 (1.28x), async s=1 0.555 (1.23x), s=2 0.506 (1.35x); across four runs async s=1 was
-1.21-1.47x sync, short of the 1.6x target. The producer thread (aiohttp client, reward scoring) costs
-25-35 ms of trainer-core CPU per step; what bounds the ratio is the phase split itself (overlapped step =
-push + max(rollout, train), which the time model puts at 1.47-1.49x for the sync run's phases) plus
-about 0.05 s per step of interpreter-lock contention and a push that waits for the running batch.
-(Before the client moved from httpx to aiohttp the producer needed 0.29 s CPU per step and async was
-0.87-0.96x sync.)
+Measured (40 steps, --set rollout.weight_sync=tensor, quiet; the README's Async section has the tables):
+two runs, sync 0.856 / 0.974 s/step, one_step_off 1.48x / 1.51x, async s=1 1.48x / 1.44x, s=2 1.45x / 1.43x,
+short of the 1.6x target (1.36x / 1.37x before the in_place suspension, the HTTP worker process and
+rollout.max_inflight_groups). What bounds it now: rollout and training take nearly the same time here
+(0.49 vs 0.45 s), so their variation leaves one side idle, and the overlapped trainer's log-prob + update
+run 12-20% slower than in sync (about 5% from the cores sharing caches and memory, the rest from the trainer
+process's own producer and reward-pool threads taking the interpreter lock), plus 0.07 s per step for the
+pause / push / continue. (Before the client moved from httpx to aiohttp the producer needed 0.29 s CPU per
+step and async was 0.87-0.96x sync.)
 
 Usage: python tools/bench_async.py [--steps 40] [--warm-start DIR] [--modes sync one_step_off async_s1
        async_s2] [--out DIR] [--keep] [--num-servers 1] [--eval-prompts 1000]
