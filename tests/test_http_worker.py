@@ -117,3 +117,31 @@ def test_bad_arguments_are_refused():
         HttpWorker(timeout_s=0)
     with pytest.raises(ValueError, match="max_connections must be >= 1"):
         HttpWorker(max_connections=0)
+
+
+def test_ctrl_c_is_the_trainers_the_worker_neither_dies_nor_prints_a_traceback(served, capfd):
+    """A terminal's Ctrl-C sends SIGINT to its whole foreground process group. The worker is not in the
+    trainer's group (its own session, as the servers), and a SIGINT sent to it anyway is ignored: it
+    keeps answering, and no KeyboardInterrupt traceback reaches the terminal (the trainer's SIGINT
+    handler stops the run; the worker then exits with its socket). Before: the worker shared the
+    group, died of the Ctrl-C and printed a traceback under the trainer's one-line exit message."""
+    engine, url = served
+
+    async def run():
+        c = RolloutClient(url, timeout_s=60, max_retries=0)
+        c.worker = HttpWorker(timeout_s=60)
+        try:
+            want = await c.post("/generate", _body(2))
+            proc = c.worker.proc
+            assert os.getpgid(proc.pid) != os.getpgid(0)  # not reached by the terminal's Ctrl-C
+            os.kill(proc.pid, signal.SIGINT)
+            await asyncio.sleep(0.5)
+            assert proc.poll() is None and c.worker.starts == 1  # still the first worker, alive
+            got = await c.post("/generate", _body(2))  # max_retries=0: the same worker answers
+            assert _strip(got)["output_ids"] == _strip(want)["output_ids"]
+        finally:
+            c.worker.close()
+        assert proc.poll() == 0  # exited by itself when its socket closed
+
+    asyncio.run(run())
+    assert "KeyboardInterrupt" not in capfd.readouterr().err

@@ -18,7 +18,9 @@ string ("ClientConnectorError: ...") for a connection error, timeout or undecoda
 failures RolloutClient retries. Answers that arrive within ``REPLY_COALESCE_S`` of each other travel as one
 message, so a burst of answers wakes the producer (and takes the trainer's interpreter lock) once, not
 once per request. The child exits when the socket closes (the parent closed it or died) and gets
-SIGKILL when the thread that started it ends (PR_SET_PDEATHSIG), so no worker outlives its trainer.
+SIGKILL when the thread that started it ends (PR_SET_PDEATHSIG), so no worker outlives its trainer. It runs
+in its own session and ignores SIGINT: a terminal's Ctrl-C is the trainer's (as for the servers and the
+reward workers), so it neither dies of it nor prints a KeyboardInterrupt traceback.
 """
 
 from __future__ import annotations
@@ -91,7 +93,8 @@ class HttpWorker:
         try:
             self.proc = subprocess.Popen([sys.executable, "-m", "moerl.rollout.http_worker", cfg],
                                          pass_fds=[theirs.fileno()], env=child_env(), stdin=subprocess.DEVNULL,
-                                         preexec_fn=pdeathsig_preexec(os.getpid()))
+                                         # own session (as the servers): a terminal's Ctrl-C is the trainer's
+                                         start_new_session=True, preexec_fn=pdeathsig_preexec(os.getpid()))
         except OSError as e:
             ours.close()
             raise HttpWorkerError(f"could not start the HTTP worker process ({sys.executable} -m "
@@ -241,6 +244,11 @@ async def _serve(conn: Connection, timeout_s: float, max_connections: int) -> No
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Child entry point: ``python -m moerl.rollout.http_worker '{"fd": N, "timeout_s": ..., ...}'``."""
+    import signal
+
+    # Ctrl-C is the trainer's (its handler stops the run; this process then exits with its socket); a
+    # KeyboardInterrupt here would only print a traceback under the trainer's exit message
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     cfg = json.loads((argv if argv is not None else sys.argv[1:])[0])
     if cfg.get("cpu_affinity") and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, set(cfg["cpu_affinity"]))
