@@ -86,7 +86,7 @@ def test_connection_errors_are_retried_then_raised_naming_the_attempts():
     asyncio.run(run())
 
 
-def test_a_killed_worker_fails_its_request_and_the_retry_restarts_it(served):
+def test_a_killed_worker_fails_its_request_and_the_retry_restarts_it(served, capfd):
     engine, url = served
 
     def slow(step, rids):
@@ -105,6 +105,9 @@ def test_a_killed_worker_fails_its_request_and_the_retry_restarts_it(served):
             got = await task
             assert c.worker.starts == 2 and c.worker.proc.pid != first_pid  # restarted by the retry
             assert _strip(got)["output_ids"] == _strip(want)["output_ids"]  # same rid and seed: same answer
+            err = capfd.readouterr().err  # the restart is said, naming both pids and the signal
+            assert (f"rollout HTTP worker (pid {first_pid}) died (signal SIGKILL); its requests in flight are "
+                    f"retried; restarted as pid {c.worker.proc.pid}") in err, err
         finally:
             engine.step_hook = None
             c.worker.close()

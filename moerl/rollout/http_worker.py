@@ -18,7 +18,9 @@ string ("ClientConnectorError: ...") for a connection error, timeout or undecoda
 failures RolloutClient retries. Answers that arrive within ``REPLY_COALESCE_S`` of each other travel as one
 message, so a burst of answers wakes the producer (and takes the trainer's interpreter lock) once, not
 once per request. The child exits when the socket closes (the parent closed it or died) and gets
-SIGKILL when the thread that started it ends (PR_SET_PDEATHSIG), so no worker outlives its trainer. It runs
+SIGKILL when the thread that started it ends (PR_SET_PDEATHSIG), so no worker outlives its trainer. A worker
+that died is restarted by the next request, with one line on stderr ("[moerl] rollout HTTP worker (pid N)
+died (signal SIGKILL); its requests in flight are retried; restarted as pid M"). It runs
 in its own session and ignores SIGINT: a terminal's Ctrl-C is the trainer's (as for the servers and the
 reward workers), so it neither dies of it nor prints a KeyboardInterrupt traceback.
 """
@@ -87,6 +89,8 @@ class HttpWorker:
         self._drop_conn("the HTTP worker was restarted")
         from moerl.runtime.procs import child_env, pdeathsig_preexec
 
+        old = self.proc
+
         ours, theirs = socket.socketpair()
         cfg = json.dumps({"fd": theirs.fileno(), "timeout_s": self.timeout_s,
                           "max_connections": self.max_connections, "cpu_affinity": self.cpu_affinity})
@@ -104,6 +108,9 @@ class HttpWorker:
         ours.setblocking(True)
         self._conn = Connection(ours.detach())
         self.starts += 1
+        if old is not None:  # a restart: say so (the retried requests are otherwise silent)
+            print(f"[moerl] rollout HTTP worker (pid {old.pid}) {_ended(old)}; its requests in flight are "
+                  f"retried; restarted as pid {self.proc.pid}", file=sys.stderr, flush=True)
         return self
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -175,6 +182,22 @@ class HttpWorker:
         except (EOFError, OSError) as e:  # the child exited: fail what was in flight, restart on the next post
             code = self.proc.poll() if self.proc is not None else None
             self._drop_conn(f"the HTTP worker process exited (status {code}): {type(e).__name__}")
+
+
+def _ended(proc: subprocess.Popen) -> str:
+    """How a worker process ended, for the restart line: 'died (signal SIGKILL)', 'exited (status 1)',
+    or 'lost its socket' while it still runs (it exits when it reads the close)."""
+    import signal
+
+    code = proc.poll()
+    if code is None:
+        return "lost its socket"
+    if code < 0:
+        try:
+            return f"died (signal {signal.Signals(-code).name})"
+        except ValueError:
+            return f"died (signal {-code})"
+    return f"exited (status {code})"
 
 
 def _set_result(fut: asyncio.Future, value) -> None:
