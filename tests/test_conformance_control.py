@@ -172,7 +172,12 @@ def test_verl_style(live, ckpts, ref_models):
     LocalSerializedTensor.__module__ = mod.__name__
     LocalSerializedTensor.__qualname__ = "LocalSerializedTensor"
     mod.LocalSerializedTensor = LocalSerializedTensor
-    saved = sys.modules.get(mod.__name__)
+    # pickle imports the class's module by name, which imports its parent packages first: register them
+    # too (stand-ins unless real ones are loaded), so the test does not depend on what ran before it
+    names = ["sglang", "sglang.srt", "sglang.srt.model_executor", mod.__name__]
+    saved_all = {n: sys.modules.get(n) for n in names}
+    for n in names[:-1]:
+        sys.modules.setdefault(n, types.ModuleType(n))
     sys.modules[mod.__name__] = mod
     try:
         sd_b = dict(load_safetensors_dir(ckpts[1]))
@@ -181,10 +186,11 @@ def test_verl_style(live, ckpts, ref_models):
             _ok(c.post("/update_weights_from_tensor", json={
                 "serialized_named_tensors": [_mp_serialize(named)], "load_format": None, "flush_cache": True}))
     finally:
-        if saved is None:
-            sys.modules.pop(mod.__name__, None)
-        else:
-            sys.modules[mod.__name__] = saved
+        for n, m in saved_all.items():
+            if m is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = m
     out, version = _greedy(c)
     assert out == _ref_greedy(ref_models[1]) and version == "reset"  # no version sent: the old one stays
     assert c.post("/release_memory_occupation", json={"tags": ["kv_cache", "weights"]}).status_code == 200
