@@ -433,10 +433,9 @@ class RolloutManager:
             item = parse_generate_item(out)
             tokens += item.response_ids
             lps += item.rollout_log_probs
-            if item.token_versions is not None:  # the response spanned a weight update (in_place pause)
-                versions += [_version_int(v, self.version) for v in item.token_versions]
-            else:
-                versions += [_version_int(item.weight_version, self.version)] * len(item.response_ids)
+            # per token when the response spanned a weight update (in_place pause), else one version for all
+            per_token = item.token_versions or [item.weight_version] * len(item.response_ids)
+            versions += [_version_int(v, self.version) for v in per_token]
             if segment and len(tokens) > len(item.response_ids):  # continued a response that had tokens
                 self._counters["resumed_segments"] += 1
             if item.status != "aborted":

@@ -382,11 +382,17 @@ def _sync_all_shared(server_urls: Sequence[str], hf_state_dict: Mapping[str, tor
         futures = [_post_async(pool, client, u, "/update_weights_from_tensor",
                                {"serialized_named_tensors": [serialize_shared(named) for _ in range(tp_of[u])],
                                 **body}) for u in server_urls]
-        errors = [e for e in (f.result() for f in futures) if e]
+        _raise_refused(futures)
+    verify_weight_version(server_urls, weight_version, http_client=client)
+
+
+def _raise_refused(futures) -> None:
+    """Wait for the /update_weights_from_tensor answers in ``futures`` (error text or None each).
+    Raises WeightSyncError naming every server that refused."""
+    errors = [e for e in (f.result() for f in futures) if e]
     if errors:
         raise WeightSyncError(f"/update_weights_from_tensor failed on {len(errors)} of {len(futures)} "
                               f"servers:\n" + "\n".join(errors))
-    verify_weight_version(server_urls, weight_version, http_client=client)
 
 
 def sync_weights_from_tensor(server_urls: Sequence[str], hf_state_dict: Mapping[str, torch.Tensor],
@@ -455,12 +461,6 @@ def sync_weights_from_tensor(server_urls: Sequence[str], hf_state_dict: Mapping[
         return {"serialized_named_tensors": blobs, "load_format": load_format, "flush_cache": last,
                 "weight_version": weight_version if last else None}
 
-    def wait(futures) -> None:
-        errors = [e for e in (f.result() for f in futures) if e]
-        if errors:
-            raise WeightSyncError(f"/update_weights_from_tensor failed on {len(errors)} of {len(futures)} "
-                                  f"servers:\n" + "\n".join(errors))
-
     try:
         with buffers.lock, ThreadPoolExecutor(max_workers=len(server_urls) * max(2, buffers.depth)) as pool:
             # the tp sizes are asked while bucket 0 is copied (one round trip off the critical path)
@@ -470,14 +470,14 @@ def sync_weights_from_tensor(server_urls: Sequence[str], hf_state_dict: Mapping[
             for k, bucket in enumerate(buckets):
                 last = k == len(buckets) - 1
                 if k >= buffers.depth:  # buffer k % depth held bucket k - depth: free once it was applied everywhere
-                    wait(sent[k - buffers.depth])
+                    _raise_refused(sent[k - buffers.depth])
                 span = _bucket_span(bucket) if shm_urls else 0
                 shared = _fill_shared(buffers.buffer(k, span) if span else None, bucket) if shm_urls else None
                 if tp_of is None:
                     tp_of = dict(zip(server_urls, tp_future.result()))
                 if last:  # weight_version goes last: every earlier bucket applied everywhere first
                     for f in sent:
-                        wait(f)
+                        _raise_refused(f)
                 futures = []
                 for u in shm_urls:
                     payload = body([serialize_shared(shared) for _ in range(tp_of[u])], last)
@@ -489,7 +489,7 @@ def sync_weights_from_tensor(server_urls: Sequence[str], hf_state_dict: Mapping[
                                                    body([blob] * tp_of[u], last, fmt)))
                 sent.append(futures)
             for f in sent:
-                wait(f)
+                _raise_refused(f)
         verify_weight_version(server_urls, weight_version, http_client=client)
     finally:
         if http_client is None:
