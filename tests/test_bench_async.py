@@ -74,17 +74,35 @@ def test_interp():
 
 def test_overlapped_step_pairs_and_buffered():
     R, T = [0.4, 0.8], [0.5, 0.5]
-    # pairs: max(0.4, 0.5) = 0.5 twice, max(0.8, 0.5) = 0.8 twice -> mean 0.65, plus W
-    assert ba.overlapped_step(R, T, 0.1, buffered=False) == pytest.approx(0.75)
-    # buffered: max(mean R 0.6, mean T 0.5) + W
-    assert ba.overlapped_step(R, T, 0.1, buffered=True) == pytest.approx(0.7)
+    # foreground push (both sides wait W = 0.1): pairs max(0.5, 0.6) = 0.6 twice, max(0.9, 0.6) = 0.9 twice
+    assert ba.overlapped_step(R, T, 0.1, 0.1, buffered=False) == pytest.approx(0.75)
+    # buffered: max(mean R 0.6 + 0.1, mean T 0.5 + 0.1)
+    assert ba.overlapped_step(R, T, 0.1, 0.1, buffered=True) == pytest.approx(0.7)
+    # background push: trainer pays 0.02 (export), rollout 0.08 (push): pairs max(0.48, 0.52) = 0.52 twice,
+    # max(0.88, 0.52) = 0.88 twice -> 0.70; buffered max(0.68, 0.52) = 0.68
+    assert ba.overlapped_step(R, T, 0.02, 0.08, buffered=False) == pytest.approx(0.70)
+    assert ba.overlapped_step(R, T, 0.02, 0.08, buffered=True) == pytest.approx(0.68)
     with pytest.raises(ValueError):
-        ba.overlapped_step([], T, 0.1, buffered=True)
+        ba.overlapped_step([], T, 0.1, 0.1, buffered=True)
+
+
+def test_push_phase_and_split():
+    steps = [dict(STEPS[0], **{"rollout/push_s": 0.0}),  # no update before step 1
+             dict(STEPS[1], **{"rollout/pause_s": 0.01, "rollout/push_s": 0.05, "rollout/continue_s": 0.01}),
+             dict(STEPS[2], **{"rollout/pause_s": 0.0, "rollout/push_s": 0.03, "rollout/continue_s": 0.0})]
+    assert ba.push_phase(steps) == pytest.approx((0.07 + 0.03) / 2)
+    assert ba.push_phase(STEPS) == 0.0
+    assert ba.weight_update_split({"W": 0.1}, 0.05, True) == pytest.approx((0.05, 0.05))
+    assert ba.weight_update_split({"W": 0.1}, 0.05, False) == (0.1, 0.1)
+    assert ba.weight_update_split({"W": 0.1}, 0.3, True) == (0.0, 0.1)  # never more than W
+    assert ba.background_push_of(["rollout.weight_sync=tensor"])
+    assert not ba.background_push_of(["rollout.background_push=false"])
+    assert ba.background_push_of(["rollout.background_push=false", "rollout.background_push=null"])
 
 
 def test_time_model_hand_worked():
-    # phases R 0.6, L 0.2, U 0.1, W 0.1, O 0.0333; sync step = 3.1 / 3 = 1.0333
-    m = ba.time_model(STEPS, producer_cpu_per_step=0.05)
+    # phases R 0.6, L 0.2, U 0.1, W 0.1, O 0.0333; sync step = 3.1 / 3 = 1.0333; foreground push
+    m = ba.time_model(STEPS, producer_cpu_per_step=0.05, background_push=False)
     O = 3.1 / 3 - 1.0
     assert m["sync_step"] == pytest.approx(3.1 / 3)
     T = 0.2 + 0.1 + O + 0.05  # 0.3833 < R = 0.6: the rollout side bounds the overlapped step
@@ -102,12 +120,20 @@ def test_time_model_hand_worked():
     assert w["push does not pause generation"] == pytest.approx((3.1 / 3) / 0.6)  # max(0.6, 0.4833)
     assert w["both"] == pytest.approx((3.1 / 3) / 0.6)
     # a trainer-bound case: producer CPU large enough to exceed R
-    m2 = ba.time_model(STEPS, producer_cpu_per_step=0.5)
+    m2 = ba.time_model(STEPS, producer_cpu_per_step=0.5, background_push=False)
     assert m2["steps"]["async_s2"] == pytest.approx(0.1 + 0.2 + 0.1 + O + 0.5)
+    # background push with Wp 0.04 of W 0.1: rollout side 0.6 + 0.04, trainer side 0.3333 + 0.5 + 0.06
+    steps = [dict(s, **{"rollout/push_s": 0.04}) for s in STEPS]
+    m3 = ba.time_model(steps, producer_cpu_per_step=0.5, background_push=True)
+    assert (m3["We"], m3["Wp"]) == pytest.approx((0.06, 0.04))
+    assert m3["steps"]["async_s2"] == pytest.approx(0.2 + 0.1 + O + 0.5 + 0.06)
+    m4 = ba.time_model(steps, producer_cpu_per_step=0.05, background_push=True)
+    assert m4["steps"]["async_s1"] == pytest.approx(0.64)  # rollout-bound: R + Wp
+    assert m4["what_if_ratios"]["push does not pause generation"] == pytest.approx((3.1 / 3) / 0.6)
 
 
 def test_own_producer_step():
-    m = ba.time_model(STEPS, producer_cpu_per_step=0.05)
+    m = ba.time_model(STEPS, producer_cpu_per_step=0.05, background_push=False)
     O = 3.1 / 3 - 1.0
     # the mode's own producer CPU 0.4: trainer side 0.2 + 0.1 + O + 0.4 = 0.7333 > R 0.6
     assert ba.own_producer_step(m, {"producer_cpu_per_step": 0.4}) == pytest.approx(0.1 + 0.7 + O)
@@ -133,6 +159,9 @@ def test_cluster_rows():
     assert r["async_step"] == pytest.approx(0.5 + 3.0) and r["sync_step"] == pytest.approx(3.0 + 2 / 6 + 0.5)
     # at least one device per side
     assert ba.cluster_row(1.0, 1.0, 0.0, 2, 0.9)["rollout_devices"] == 1
+    # background push: the push part 0.4 on the rollout side, the export 0.1 on the trainer's
+    r = ba.cluster_row(6.0, 2.0, 0.5, 8, 0.75, w_rollout=0.4)
+    assert r["async_step"] == pytest.approx(max(1.0 + 0.4, 1.0 + 0.1)) and r["sync_step"] == pytest.approx(2.5)
     assert ba.balanced_fraction(6.0, 2.0) == pytest.approx(0.75)
 
 

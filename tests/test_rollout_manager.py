@@ -392,3 +392,80 @@ def test_groups_in_flight_never_exceed_max_inflight_groups(cap):
     uids = [[s.metadata["uid"] for s in b.samples] for b in batches]
     ref, _ = _run(FakeServers(token_s=0.004), _cfg(mode="sync", B=B, n=n), num_steps=6, train_s=0.0)
     assert uids == [[s.metadata["uid"] for s in b.samples] for b in ref]
+
+
+def _cfg_bg(background, **kw):
+    cfg = _cfg(**kw)
+    cfg.rollout.background_push = background
+    return cfg
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2])
+def test_background_push_returns_at_once_and_the_bound_still_holds(eta):
+    """rollout.background_push: update_weights returns before a 60 ms push has landed; the next batch is
+    counted against the exported version (trainer_version = step - 1) and every trained token is at most
+    max_staleness versions older, although groups started while a push was in flight ran on the old
+    weights; with max_staleness 0 the trainer's demand does not start groups before the push has landed, so
+    every token is on-policy and the batches equal a foreground run's token for token. The servers take
+    30 ms to pause (an in_place pause waits for the next decode step), so a request sent right after
+    update_weights returned would run on the old weights."""
+    class SlowPause(FakeServers):
+        def pause_generation(self, mode: str = "abort"):
+            time.sleep(0.03)
+            return super().pause_generation(mode)
+
+    def run(background):
+        servers = SlowPause(token_s=0.002)
+        mgr = _manager(servers, _cfg_bg(background, max_staleness=eta), num_steps=8)
+        returned, batches = [], []
+
+        def slow_push() -> int:
+            time.sleep(0.06)
+            return servers.push()
+
+        with mgr:
+            for step in range(1, 9):
+                b = mgr.get_batch(step)
+                batches.append(b)
+                assert b.trainer_version == step - 1
+                t0 = time.monotonic()
+                mgr.update_weights(slow_push, step, version=step)
+                returned.append(time.monotonic() - t0)
+                time.sleep(0.25)  # training the next batch takes longer than the push
+        return batches, returned, servers
+
+    batches, returned, servers = run(True)
+    assert max(returned) < 0.06  # not the 90 ms pause + push: only the previous push's join (done by then)
+    assert servers.version == 8  # every push landed (close waits for the last one)
+    ages = [b.trainer_version - v for b in batches for s in b.samples
+            for v, m in zip(s.token_versions, s.loss_mask) if m]
+    assert max(ages) <= eta
+    assert sum(b.metrics["rollout/dropped_stale_groups"] for b in batches) == 0  # the gate alone keeps it
+    if eta == 0:
+        fg, returned_fg, _ = run(False)
+        assert min(returned_fg) >= 0.09  # the foreground path waits for the pause and the push
+        key = [[(s.metadata["uid"], s.response_ids, s.rollout_log_probs, s.token_versions) for s in b.samples]
+               for b in fg]
+        assert key == [[(s.metadata["uid"], s.response_ids, s.rollout_log_probs, s.token_versions)
+                        for s in b.samples] for b in batches]
+    else:
+        assert max(ages) >= 1  # it did run off-policy
+
+
+def test_a_failed_background_push_surfaces_in_wait_weights_and_get_batch():
+    """The error of a push on the background thread is raised by the next wait_weights (checkpoint, eval,
+    next export) or get_batch, never lost; the servers are continued (not left paused)."""
+    servers = FakeServers()
+    mgr = _manager(servers, _cfg_bg(None, max_staleness=1), num_steps=4)
+
+    def failing_push() -> int:
+        raise RuntimeError("server refused the weights")
+
+    with mgr:
+        mgr.get_batch(1)
+        mgr.update_weights(failing_push, 1, version=1)
+        with pytest.raises(RuntimeError, match="refused the weights"):
+            mgr.wait_weights()
+        assert not servers.paused
+        with pytest.raises(RuntimeError, match="refused the weights"):
+            mgr.get_batch(2)

@@ -38,26 +38,33 @@ Time model (from the sync run's per-step phase means; S = steps):
 
   R = time/rollout (generation + scoring as the trainer sees it), L = time/log_prob, U = time/update,
   W = time/weight_sync, O = RL wall / S - (R + L + U + W) (other trainer work), P = producer-thread CPU
-  per step (measured on the sync run's trainer core).
+  per step (measured on the sync run's trainer core). W splits into the push to the servers,
+  Wp = rollout/pause_s + push_s + continue_s (the manager's timing of the push itself), and the
+  trainer's own part We = W - Wp (the HF export).
   sync step   = R + L + U + W + O                                 (= the measured sync step)
-  overlapped  = W + max(R, L + U + O + P)
-  one_step_off and async both serialise W with generation (one_step_off pushes when nothing is in
-  flight; async pauses the servers for the push), so the rollout side needs R + W per step, the trainer
-  L + U + O + W plus the producer's CPU, which in sync hid inside R and now competes on core 0.
+  overlapped  = max(R + Wp, L + U + O + P + We)   (rollout.background_push: the default)
+              = W + max(R, L + U + O + P)         (--set rollout.background_push=false: Wp = We = W)
+  one_step_off and async both serialise the push with generation (one_step_off pushes when nothing is in
+  flight; async pauses the servers for it), so the rollout side needs R + Wp per step; with the
+  background push the trainer pays only the export We (the push runs on a thread while it trains the
+  next batch), without it the whole W; plus the producer's CPU, which in sync hid inside R and now
+  competes on core 0.
   With max_staleness 1 (and one_step_off) each step pairs one generation with one training phase, so the
-  step is the mean over all pairs (i, j) of sync steps of W + max(R_i, T_j) (independent draws; the
-  per-step variance makes this larger than max of the means); with max_staleness 2 the extra batch of
-  buffer absorbs the variance: W + max(mean R, mean T). Step 1 of every mode is a whole sync step
-  (nothing is buffered yet): predicted wall = sync_step + (S - 1) * overlapped. The report also gives
-  the steady-state ratio if an overhead went away (producer off the trainer core: P = 0; a push that
-  does not pause generation: max(R, T + P + W)), to say which overhead bounds the speed-up.
+  step is the mean over all pairs (i, j) of sync steps of max(R_i + Wp, T_j + We) (independent draws;
+  the per-step variance makes this larger than max of the means); with max_staleness 2 the extra batch
+  of buffer absorbs the variance: max(mean R + Wp, mean T + We). Step 1 of every mode is a whole sync
+  step (nothing is buffered yet): predicted wall = sync_step + (S - 1) * overlapped. The report also
+  gives the steady-state ratio if an overhead went away (producer off the trainer core: P = 0; a push
+  that does not pause generation: Wp = 0 on the rollout side), to say which overhead bounds the
+  speed-up.
 
 Cluster scale (the table): N devices, a fraction f for rollout (N_r = f N) and the rest for training
 (N_t = N - N_r); ASSUMPTION: the rollout and training phase times scale inversely with their device
 counts from the measured one-core ("one device") times R and T = L + U + O, and the weight push W stays
 as measured (it does not shrink with more devices); the producer's CPU is host CPU, not device time, so P
-is left out. sync (same split) = R / N_r + T / N_t + W; async = W + max(R / N_r, T / N_t); sync colocated
-(every device does both, no offload cost) = (R + T) / N + W.
+is left out. sync (same split) = R / N_r + T / N_t + W; async = max(R / N_r + Wp, T / N_t + We) (= W +
+max(R / N_r, T / N_t) without the background push); sync colocated (every device does both, no offload
+cost) = (R + T) / N + W.
 
 Targets (PASS / FAIL printed; the exit code stays 0): sync wall / async(s=1) wall >= 1.6; async(s=1)
 greedy accuracy within 3 points of sync; the model's predicted sync / async(s=1) ratio within 20% of the
@@ -211,52 +218,77 @@ def interp(samples: Sequence[tuple[float, float]], t: float) -> float:
     return samples[-1][1]
 
 
-def overlapped_step(R: Sequence[float], T: Sequence[float], W: float, buffered: bool) -> float:
+def push_phase(steps: Sequence[dict]) -> float:
+    """Mean push to the servers per weight update, Wp = rollout/pause_s + push_s + continue_s (the
+    manager times the push after step k into step k+1's batch, so steps[1:] carry one each); 0.0 when
+    the run logged none."""
+    later = [s for s in steps[1:] if "rollout/push_s" in s]
+    if not later:
+        return 0.0
+    return sum(s.get("rollout/pause_s", 0.0) + s["rollout/push_s"] + s.get("rollout/continue_s", 0.0)
+               for s in later) / len(later)
+
+
+def overlapped_step(R: Sequence[float], T: Sequence[float], w_trainer: float, w_rollout: float,
+                    buffered: bool) -> float:
     """Predicted step of an overlapped mode from per-step rollout times R and trainer-side times T
-    (without the push W): W + mean over all pairs of max(R_i, T_j) (one batch of slack: one_step_off,
-    async max_staleness 1), or W + max(mean R, mean T) (buffered: max_staleness >= 2)."""
+    (both without the weight update), the update's trainer part ``w_trainer`` and its rollout part
+    ``w_rollout`` (a foreground push: both = W): mean over all pairs of max(R_i + w_rollout, T_j +
+    w_trainer) (one batch of slack: one_step_off, async max_staleness 1), or max(mean R + w_rollout,
+    mean T + w_trainer) (buffered: max_staleness >= 2). Raises ValueError on empty R or T."""
     if not R or not T:
         raise ValueError("empty phase samples")
     if buffered:
-        return W + max(sum(R) / len(R), sum(T) / len(T))
-    return W + sum(max(r, t) for r, t in itertools.product(R, T)) / (len(R) * len(T))
+        return max(sum(R) / len(R) + w_rollout, sum(T) / len(T) + w_trainer)
+    return sum(max(r + w_rollout, t + w_trainer) for r, t in itertools.product(R, T)) / (len(R) * len(T))
 
 
-def time_model(sync_steps: Sequence[dict], producer_cpu_per_step: float = 0.0) -> dict:
+def weight_update_split(ph: dict, wp: float, background_push: bool) -> tuple[float, float]:
+    """(trainer part, rollout part) of the weight update W = ph["W"]: with the background push the
+    trainer pays the export W - Wp and generation the push Wp; without it both wait for all of W."""
+    if not background_push:
+        return ph["W"], ph["W"]
+    wp = min(wp, ph["W"])
+    return ph["W"] - wp, wp
+
+
+def time_model(sync_steps: Sequence[dict], producer_cpu_per_step: float = 0.0, background_push: bool = True) -> dict:
     """The module docstring's time model from the sync run's per-step records. Returns the phase means,
-    the sync step, the predicted overlapped steps (pairwise for one_step_off / async_s1, buffered for
-    async_s2), predicted walls (step 1 = a sync step) and the predicted sync / mode ratios."""
+    the sync step, the weight-update split (We, Wp), the predicted overlapped steps (pairwise for
+    one_step_off / async_s1, buffered for async_s2), predicted walls (step 1 = a sync step) and the
+    predicted sync / mode ratios."""
     S = len(sync_steps)
     ph = phase_means(sync_steps)
     sync_step = ph["R"] + ph["L"] + ph["U"] + ph["W"] + ph["O"]
+    We, Wp = weight_update_split(ph, push_phase(sync_steps), background_push)
     R = [s.get("time/rollout", 0.0) for s in sync_steps]
     T = [s.get("time/log_prob", 0.0) + s.get("time/update", 0.0) + ph["O"] + producer_cpu_per_step
          for s in sync_steps]
-    steps = {"one_step_off": overlapped_step(R, T, ph["W"], buffered=False),
-             "async_s1": overlapped_step(R, T, ph["W"], buffered=False),
-             "async_s2": overlapped_step(R, T, ph["W"], buffered=True)}
+    steps = {"one_step_off": overlapped_step(R, T, We, Wp, buffered=False),
+             "async_s1": overlapped_step(R, T, We, Wp, buffered=False),
+             "async_s2": overlapped_step(R, T, We, Wp, buffered=True)}
     sync_wall = sync_step * S
     walls = {m: sync_step + (S - 1) * st for m, st in steps.items()}
     # steady-state sync / overlapped ratios (means) if an overhead went away: the producer off the
-    # trainer's core, the push not pausing generation (only the trainer pays W), both
-    Rm, Tm, W, P = ph["R"], ph["L"] + ph["U"] + ph["O"], ph["W"], producer_cpu_per_step
-    what_if = {"as measured": W + max(Rm, Tm + P), "producer off the trainer core": W + max(Rm, Tm),
-               "push does not pause generation": max(Rm, Tm + P + W), "both": max(Rm, Tm + W)}
-    return {"phases": ph, "P": producer_cpu_per_step, "sync_step": sync_step, "steps": steps,
-            "sync_wall": sync_wall, "walls": walls,
+    # trainer's core, the push not pausing generation (only the trainer pays its part), both
+    Rm, Tm, P = ph["R"], ph["L"] + ph["U"] + ph["O"], producer_cpu_per_step
+    what_if = {"as measured": max(Rm + Wp, Tm + P + We), "producer off the trainer core": max(Rm + Wp, Tm + We),
+               "push does not pause generation": max(Rm, Tm + P + We), "both": max(Rm, Tm + We)}
+    return {"phases": ph, "P": producer_cpu_per_step, "We": We, "Wp": Wp, "background_push": background_push,
+            "sync_step": sync_step, "steps": steps, "sync_wall": sync_wall, "walls": walls,
             "ratios": {m: sync_wall / w for m, w in walls.items()},
             "steady_ratios": {m: sync_step / st for m, st in steps.items()},
             "what_if_ratios": {k: sync_step / v for k, v in what_if.items()}}
 
 
 def own_producer_step(model: dict, fig: dict) -> Optional[float]:
-    """Diagnostic: the overlapped step W + max(R, L + U + O + P') of the sync phases with P' = the
+    """Diagnostic: the overlapped step max(R + Wp, L + U + O + P' + We) of the sync phases with P' = the
     producer CPU per step measured in the mode itself (which includes its resumed segments and its
     contention overheads) instead of the sync run's P; None without CPU samples."""
     if "producer_cpu_per_step" not in fig:
         return None
     ph = model["phases"]
-    return ph["W"] + max(ph["R"], ph["L"] + ph["U"] + ph["O"] + fig["producer_cpu_per_step"])
+    return max(ph["R"] + model["Wp"], ph["L"] + ph["U"] + ph["O"] + fig["producer_cpu_per_step"] + model["We"])
 
 
 def rel_error(predicted: float, measured: float) -> float:
@@ -264,17 +296,32 @@ def rel_error(predicted: float, measured: float) -> float:
     return abs(predicted - measured) / abs(measured)
 
 
-def cluster_row(R: float, T: float, W: float, n_devices: int, rollout_fraction: float) -> dict:
+def cluster_row(R: float, T: float, W: float, n_devices: int, rollout_fraction: float,
+                w_rollout: Optional[float] = None) -> dict:
     """Predicted steps on N devices split rollout / trainer (module docstring, cluster scale): R and T
-    are one-device phase times, W the push (not scaled)."""
+    are one-device phase times, W the weight update (not scaled), ``w_rollout`` its push part with the
+    background push (the trainer then pays W - w_rollout; None: a foreground push, both pay W)."""
     n_r = max(1, min(n_devices - 1, round(rollout_fraction * n_devices)))
     n_t = n_devices - n_r
     sync = R / n_r + T / n_t + W
-    asyn = W + max(R / n_r, T / n_t)
+    wr = W if w_rollout is None else w_rollout
+    wt = W if w_rollout is None else W - w_rollout
+    asyn = max(R / n_r + wr, T / n_t + wt)
     coloc = (R + T) / n_devices + W
     return {"devices": n_devices, "rollout_devices": n_r, "trainer_devices": n_t, "sync_step": sync,
             "async_step": asyn, "colocated_sync_step": coloc, "speedup": sync / asyn,
             "speedup_vs_colocated": coloc / asyn}
+
+
+def background_push_of(overrides: Sequence[str]) -> bool:
+    """Whether the overlapped modes push in the background: rollout.background_push null (the default:
+    on in one_step_off / async) unless an override sets it false."""
+    value = None
+    for o in overrides:
+        key, _, v = o.partition("=")
+        if key.strip() == "rollout.background_push":
+            value = v.strip().lower()
+    return value not in ("false", "0", "no", "off")
 
 
 def balanced_fraction(R: float, T: float) -> float:
@@ -564,7 +611,9 @@ def report(res: dict) -> str:
         ph = model["phases"]
         out += ["", f"time model (sync phases): R {ph['R']:.3f}  L {ph['L']:.3f}  U {ph['U']:.3f}  W {ph['W']:.3f}  "
                     f"O {ph['O']:.3f}  P (producer CPU on core 0) {model['P']:.3f} s/step; sync step "
-                    f"{model['sync_step']:.3f} s; overlapped step = W + max(R, L+U+O+P)"]
+                    f"{model['sync_step']:.3f} s; W = export We {model['We']:.3f} + push Wp {model['Wp']:.3f}; "
+                    + ("overlapped step = max(R + Wp, L+U+O+P + We) (background push)"
+                       if model["background_push"] else "overlapped step = W + max(R, L+U+O+P) (foreground push)")]
         rows = []
         for m in modes:
             if m == "sync" or m not in model["walls"]:
@@ -581,7 +630,7 @@ def report(res: dict) -> str:
             f"{k} {v:.2f}" for k, v in model["what_if_ratios"].items()))
         cl = res["cluster"]
         out += ["", f"cluster scale (ASSUMPTION: rollout / training phase times scale as 1/devices from the "
-                    f"one-core R = {cl['R']:.3f} s and T = L+U+O = {cl['T']:.3f} s; push W = {cl['W']:.3f} s fixed; "
+                    f"one-core R = {cl['R']:.3f} s and T = L+U+O = {cl['T']:.3f} s; weight update W = {cl['W']:.3f} s (push Wp {cl.get('Wp', cl['W']):.3f}) fixed; "
                     f"balanced rollout fraction R/(R+T) = {cl['balanced_fraction']:.2f}):"]
         rows = [[str(r["devices"]), f"{r['rollout_devices']}/{r['trainer_devices']}", f"{1000 * r['sync_step']:.1f}",
                  f"{1000 * r['async_step']:.1f}", f"{r['speedup']:.2f}", f"{1000 * r['colocated_sync_step']:.1f}",
@@ -682,12 +731,14 @@ def main(argv=None) -> int:
            "off_policy_correction": args.off_policy_correction, "extra_overrides": args.extra, "figures": figs}
     if "sync" in figs:
         sync_steps = figs["sync"]["per_step"]
-        model = time_model(sync_steps, figs["sync"].get("producer_cpu_per_step", 0.0))
+        background = background_push_of(args.extra)
+        model = time_model(sync_steps, figs["sync"].get("producer_cpu_per_step", 0.0), background)
         res["model"] = model
         ph = model["phases"]
         R, T, W = ph["R"], ph["L"] + ph["U"] + ph["O"], ph["W"]
-        res["cluster"] = {"R": R, "T": T, "W": W, "balanced_fraction": balanced_fraction(R, T),
-                          "rows": [cluster_row(R, T, W, n, f) for n in args.devices for f in (0.25, 0.5, 0.75)]}
+        wr = model["Wp"] if background else None
+        res["cluster"] = {"R": R, "T": T, "W": W, "Wp": model["Wp"], "balanced_fraction": balanced_fraction(R, T),
+                          "rows": [cluster_row(R, T, W, n, f, wr) for n in args.devices for f in (0.25, 0.5, 0.75)]}
         if "async_s1" in figs:
             a = figs["async_s1"]
             res["targets"] = verdicts(figs["sync"]["rl_wall_s"], a["rl_wall_s"], figs["sync"]["accuracy_after_rl"],

@@ -442,6 +442,12 @@ class RolloutConfig(_Section):
     # latency that of a sync rollout (tools/bench_async.py: async s/step 0.671 -> 0.563 at staleness 1).
     # Below rollout_batch_size a batch is generated in several waves (every mode, sync included).
     max_inflight_groups: Optional[int] = Field(None, ge=1)
+    # one_step_off / async: the weight push after an update (pause, send, continue) runs on a background
+    # thread of rank 0 while the trainer takes and trains the next batch; the trainer only exports (and
+    # waits for the previous push before the next export, a checkpoint or an eval). The staleness gate counts
+    # an update as done when its push has landed, so the bound holds as before. null = on in one_step_off /
+    # async, false = the trainer waits for every push (sync always does).
+    background_push: Optional[bool] = None
 
     @model_validator(mode="after")
     def _cross_fields(self) -> "RolloutConfig":

@@ -206,6 +206,13 @@ class RolloutManager:
         use = getattr(ro, "client_process", None)
         self.client_process = tr.mode != "sync" if use is None else bool(use)
         self._worker = None  # the HttpWorker while the producer runs
+        # rollout.background_push: a weight update's pause / push / continue on a thread of its own while the
+        # trainer goes on (one at a time; wait_weights() joins it)
+        bg = getattr(ro, "background_push", None)
+        self.background_push = tr.mode != "sync" if bg is None else bool(bg) and tr.mode != "sync"
+        self._push_thread: Optional[threading.Thread] = None
+        self._push_error: Optional[BaseException] = None
+        self._pushing = False  # a background push has not landed yet (steps_done lags self.version)
         self.num_steps = num_steps
         self.version = int(version)
         self.steps_done = steps_done  # steps trained and pushed (k_done)
@@ -290,7 +297,12 @@ class RolloutManager:
         return self
 
     def close(self) -> None:
-        """Stop the producer (requests in flight are abandoned; their groups are never trained)."""
+        """Stop the producer (requests in flight are abandoned; their groups are never trained) after a
+        background push in flight has landed (its error, if any, is logged: the run is ending anyway)."""
+        try:
+            self.wait_weights()
+        except BaseException as e:
+            self.log(f"WARNING: the last weight push failed: {type(e).__name__}: {e}")
         with self._cv:
             self._closed = True
             self._cv.notify_all()
@@ -331,7 +343,8 @@ class RolloutManager:
 
     def _may_start(self) -> bool:
         """Called under self._cv."""
-        demand = self._waiting and len(self._fifo) < self._need  # the trainer waits for unstarted groups
+        # the trainer waits for unstarted groups: start them (under its weights: not while a push is in flight)
+        demand = self._waiting and len(self._fifo) < self._need and not self._pushing
         bound = self._next_batch_bound()
         if bound > self.num_steps:
             return demand
@@ -613,11 +626,56 @@ class RolloutManager:
                     m[f"staleness/tokens_{a}"] = float(sum(x == a for x in ages))
         return RolloutBatch(groups, self.version, m)
 
-    def update_weights(self, push: Optional[Callable[[], Any]], step: int) -> None:
-        """Wrap one weight update after ``step`` (push() returns the new version, int or str; None: the
-        update was skipped, the weights did not change): sync pushes; one_step_off waits until no group
-        is in flight, then pushes; async pauses every server (abort: running requests return what they
-        have, and resume after continue), pushes, continues. Marks ``step`` done either way."""
+    def update_weights(self, push: Optional[Callable[[], Any]], step: int, version: Optional[int] = None) -> None:
+        """Wrap one weight update after ``step`` (push() sends the exported weights and returns the new
+        version, int or str; None: the update was skipped, the weights did not change): sync pushes;
+        one_step_off waits until no group is in flight, then pushes; async pauses every server (abort:
+        running requests return what they have, and resume after continue), pushes, continues.
+
+        With rollout.background_push this runs on a thread of its own and returns at once: the trainer's
+        version is ``version`` (the exported one, int; None: the current version + 1) from now on (the
+        staleness of the batches it takes is counted against it), while ``step`` counts as done for the
+        staleness gate only once the push has landed. A previous background push is waited for first.
+        Marks ``step`` done either way.
+
+        Raises:
+            whatever the push (or a previous background push) raised.
+        """
+        self.wait_weights()
+        if push is None or not self.background_push:
+            self._update_now(push, step)
+            return
+        with self._cv:
+            self.version, self._pushing = self.version + 1 if version is None else int(version), True
+
+        def run() -> None:
+            try:
+                self._update_now(push, step)
+            except BaseException as e:  # surfaces in wait_weights and get_batch
+                with self._cv:
+                    self._push_error = e
+                    self._error = self._error or e
+            finally:
+                with self._cv:
+                    self._pushing = False
+                    self._cv.notify_all()
+                self._kick()
+
+        self._push_thread = threading.Thread(target=run, name="moerl-weight-push", daemon=True)
+        self._push_thread.start()
+
+    def wait_weights(self) -> None:
+        """Block until a background weight push has landed (no-op without one). Call before the next
+        export, a checkpoint or an eval. Raises what the push raised (once)."""
+        t = self._push_thread
+        if t is not None:
+            t.join()
+            self._push_thread = None
+        err, self._push_error = self._push_error, None
+        if err is not None:
+            raise err
+
+    def _update_now(self, push: Optional[Callable[[], Any]], step: int) -> None:
         if push is not None:
             t0 = time.monotonic()
             if self.mode == "one_step_off":
@@ -665,7 +723,9 @@ class RolloutManager:
 
     def state_dict(self) -> dict:
         """Resume cursor: the sampler state before the draw of the oldest group not yet taken, and that
-        group's index in its draw (the buffer and in-flight requests are regenerated on resume)."""
+        group's index in its draw (the buffer and in-flight requests are regenerated on resume). Waits
+        for a background weight push first (a checkpoint is taken with its weights on the servers)."""
+        self.wait_weights()
         with self._cv:
             if self._fifo:
                 head = self._fifo[0]

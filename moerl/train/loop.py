@@ -133,7 +133,7 @@ def _train(ctx, t_start: float) -> dict:
                     ckpt(step)
                 if (cfg.eval.every_steps and step % cfg.eval.every_steps == 0) or step == cfg.train.num_steps:
                     with timers("eval"):
-                        metrics["eval/accuracy"] = acc_rl = evaluate(ctx, client, eval_rows)
+                        metrics["eval/accuracy"] = acc_rl = evaluate(ctx, client, eval_rows, manager)
                 stop = should_stop(cfg, step, metrics, state.summary)  # eval.stop_at_gain, same on every rank
                 metrics.update(timers.end(step, metrics))  # time/, memory/, perf/, straggler/ (collective)
                 if logger is not None:
@@ -143,7 +143,7 @@ def _train(ctx, t_start: float) -> dict:
                 if stop:
                     break
             if "eval/accuracy" not in metrics:  # the last step's eval already measured these weights
-                acc_rl = evaluate(ctx, client, eval_rows)
+                acc_rl = evaluate(ctx, client, eval_rows, manager)
             if "stopped_at_step" not in state.summary:
                 state.rl_step = max(state.rl_step, cfg.train.num_steps)
             ckpt(state.rl_step, force=True)
@@ -182,7 +182,7 @@ def rl_step(ctx, step: int, actor, ref, manager, sync, timers, critic=None) -> d
         m["skipped_update"] = 1.0
         log(f"step {step}: no update: {len(kept)} of {len(batch.samples)} samples carry a learning signal (groups with "
             "equal rewards are dropped by algorithm.filter_uniform_groups; rollout.dynamic_sampling draws more)")
-        _push(manager, None, step)
+        _push(manager, sync, step)
         return m
     n_updates = max(1, int(m["num_samples"]) // cfg.train.global_batch_size)  # one per global batch
     chunk = math.ceil(len(kept) / n_updates)
@@ -229,18 +229,21 @@ def rl_step(ctx, step: int, actor, ref, manager, sync, timers, critic=None) -> d
     if ref is not None and algo.reference_reset_every and step % algo.reference_reset_every == 0:
         reset_reference(ctx, actor, ref, sync, step)  # the KL anchor moves to the current policy
     with timers("weight_sync"):
-        _push(manager, lambda: sync(actor), step)
+        _push(manager, sync, step, actor)
     if sync.offloader is not None:  # colocated: bytes moved to host / back this step
         m["train/offload_bytes"] = float(sync.offloader.last_offload_bytes)
         m["train/reload_bytes"] = float(sync.offloader.last_reload_bytes)
     return m
 
 
-def _push(manager, push, step: int) -> None:
-    """The weight update after ``step``: rank 0 lets the manager wrap it; other ranks join the
-    collective export (push) directly."""
+def _push(manager, sync, step: int, actor=None) -> None:
+    """The weight update after ``step`` (none: ``actor`` None, the update was skipped). Every rank joins the
+    collective export; rank 0's manager pushes it (pause / drain, push, continue), on a background thread
+    with rollout.background_push, after the previous push has landed (the export may reuse its memory)."""
     if manager is not None:
-        manager.update_weights(push, step)
+        manager.wait_weights()
+    push = sync.export(actor) if actor is not None else None
+    if manager is not None:
+        manager.update_weights(push, step, version=sync.version)
     elif push is not None:
         push()
-

@@ -15,8 +15,12 @@ if TYPE_CHECKING:  # annotations only (no import at run time)
     from moerl.train.setup import RunContext
 
 
-def evaluate(ctx: RunContext, client, rows) -> float:
-    """Greedy accuracy on ``rows``, computed by rank 0 (which holds the client) and broadcast."""
+def evaluate(ctx: RunContext, client, rows, manager=None) -> float:
+    """Greedy accuracy on ``rows``, computed by rank 0 (which holds the client) and broadcast; with the RL
+    ``manager`` (a RolloutManager), once its background weight push has landed (the servers hold the
+    weights being evaluated)."""
+    if manager is not None:
+        manager.wait_weights()
     acc = None
     if client is not None:
         acc = evaluate_accuracy(

@@ -25,7 +25,7 @@ bucketed path, as does a cluster with only remote servers.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from moerl.precision.fp8_checkpoint import rollout_hf_config, rollout_state_dict
 from moerl.rollout.launcher import RolloutCluster, failover_restorer
@@ -120,44 +120,63 @@ class WeightSync:
         return self(actor)
 
     def __call__(self, actor: MegatronActor) -> str:
+        """Export and push now (collective); returns the new weight_version."""
+        return self.export(actor)()
+
+    def export(self, actor: MegatronActor) -> Callable[[], str]:
+        """The collective half of a push: the next weight_version's HF export (gathered onto rank 0,
+        into the shared-memory arena when there is one). Returns ``push()``, which sends it to the
+        servers (rank 0; a no-op elsewhere) and returns the version string. ``push`` may run on
+        another thread (RolloutManager's background push, rollout.background_push) while the trainer
+        goes on; it must have returned before the next ``export`` (which may reuse the arena slot)."""
         self.version += 1
         version = str(self.version)
         slot = self.arena.next() if self.arena is not None else None  # never the restorer's slot
         with self.trainer_loaded():
             hf_sd = (actor.export_hf_state_dict(dst=0) if slot is None
                      else actor.export_hf_state_dict(dst=0, out_alloc=slot.alloc))
-        self.placement.before_weight_sync()
         if self.cluster is not None:
-            ro = self.ctx.cfg.rollout
-            bucket_bytes = int(ro.weight_sync_bucket_mb * (1 << 20))
-            out_root = self.ctx.run_dir / "weights"
-            hf_sd, hf_config = rollout_weights(ro, hf_sd, self.ctx.hf_config)  # rollout.weight_dtype
+            hf_sd, hf_config = rollout_weights(self.ctx.cfg.rollout, hf_sd, self.ctx.hf_config)  # weight_dtype
 
-            def push(urls: list[str]) -> None:
-                if ro.weight_sync == "distributed" and (self.updater is None or self.updater.server_urls != urls):
-                    if self.updater is not None:
-                        self.updater.close()
-                        self.updater = None
-                    if urls:  # [] (failover: every server restarting): nothing to push, the restorer catches up
-                        self.updater = DistributedWeightUpdater(urls, master_address=self.master_address,
-                                                                backend=ro.weight_sync_backend)
-                try:
-                    sync_weights(ro.weight_sync, urls, hf_sd, version, bucket_bytes=bucket_bytes,
-                                 hf_config=hf_config, out_root=out_root, updater=self.updater)
-                except Exception:
-                    if self.updater is not None:  # the group may be out of step: rebuild it next time
-                        self.updater.close()
-                        self.updater = None
-                    raise
+        def push() -> str:
+            self.placement.before_weight_sync()
+            if self.cluster is not None:
+                self._send(hf_sd, hf_config, version, slot)
+            self.placement.before_rollout()
+            return version
 
-            def restore(url: str) -> None:  # what a restarted server receives before it serves again;
-                # built when called, so disk mode finds (and reloads) the version directory push wrote
-                failover_restorer(ro.weight_sync, hf_sd, version, out_root, bucket_bytes=bucket_bytes)(url)
+        return push
 
-            # A server that dies during the push (failover on) is restarted and restored later; the
-            # cluster retries the push once on the survivors (RolloutCluster.update_weights).
-            self.cluster.update_weights(version, push, restore=restore if ro.failover else None)
-            if slot is not None and ro.failover:  # the restorer holds this slot's tensors: the next export avoids it
-                self.arena.publish(slot)
-        self.placement.before_rollout()
-        return version
+    def _send(self, hf_sd: dict, hf_config, version: str, slot) -> None:
+        """Rank 0: ``hf_sd`` (as the servers receive it) to every live server (failover-aware),
+        transport rollout.weight_sync."""
+        ro = self.ctx.cfg.rollout
+        bucket_bytes = int(ro.weight_sync_bucket_mb * (1 << 20))
+        out_root = self.ctx.run_dir / "weights"
+
+        def push(urls: list[str]) -> None:
+            if ro.weight_sync == "distributed" and (self.updater is None or self.updater.server_urls != urls):
+                if self.updater is not None:
+                    self.updater.close()
+                    self.updater = None
+                if urls:  # [] (failover: every server restarting): nothing to push, the restorer catches up
+                    self.updater = DistributedWeightUpdater(urls, master_address=self.master_address,
+                                                            backend=ro.weight_sync_backend)
+            try:
+                sync_weights(ro.weight_sync, urls, hf_sd, version, bucket_bytes=bucket_bytes,
+                             hf_config=hf_config, out_root=out_root, updater=self.updater)
+            except Exception:
+                if self.updater is not None:  # the group may be out of step: rebuild it next time
+                    self.updater.close()
+                    self.updater = None
+                raise
+
+        def restore(url: str) -> None:  # what a restarted server receives before it serves again;
+            # built when called, so disk mode finds (and reloads) the version directory push wrote
+            failover_restorer(ro.weight_sync, hf_sd, version, out_root, bucket_bytes=bucket_bytes)(url)
+
+        # A server that dies during the push (failover on) is restarted and restored later; the
+        # cluster retries the push once on the survivors (RolloutCluster.update_weights).
+        self.cluster.update_weights(version, push, restore=restore if ro.failover else None)
+        if slot is not None and ro.failover:  # the restorer holds this slot's tensors: the next export avoids it
+            self.arena.publish(slot)
