@@ -37,3 +37,17 @@ def ref_models(ckpts):
     from transformers import AutoModelForCausalLM
 
     return tuple(AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for p in ckpts)
+
+
+@pytest.fixture(scope="session")
+def fast_main_job(tmp_path_factory):
+    """One `moerl train` of the tiny recipe with tests/test_main_job.py's FAST overrides (sync, disaggregated:
+    the recipe's defaults), shared by the slow tests that check it or compare another run with it
+    (test_main_job's reproducibility test, test_offload's colocated-vs-disaggregated test): launched once
+    per session instead of once per test (CI time). Returns (stdout, run_dir); tests only read them."""
+    from test_main_job import FAST, RECIPE, moerl_train, port_args
+
+    tmp = tmp_path_factory.mktemp("fast_main_job")
+    r = moerl_train(RECIPE, *port_args(tmp), *FAST, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout, tmp / "run"

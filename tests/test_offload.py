@@ -143,10 +143,12 @@ def test_actor_offloader_idempotent_and_loaded_context(dist):
 
 
 @pytest.mark.slow
-def test_main_job_colocated_offloads_and_matches_disaggregated(tmp_path):
+def test_main_job_colocated_offloads_and_matches_disaggregated(tmp_path, fast_main_job):
     """`moerl train` with rollout.placement=colocated: the step-0 checks pass, the trainer really is
     offloaded every step (bytes reported, at least weights + grads + Adam moments of the policy), and
-    every per-step number equals a disaggregated run with the same seed (offload is bitwise)."""
+    every per-step number equals a disaggregated run with the same seed (offload is bitwise). The
+    disaggregated run is the session's shared FAST run (conftest.fast_main_job: the recipe's default
+    placement, asserted below)."""
     import json
     import re
 
@@ -154,10 +156,13 @@ def test_main_job_colocated_offloads_and_matches_disaggregated(tmp_path):
     from test_main_job import FAST, RECIPE, _step_lines, moerl_train, port_args
 
     outs = {}
-    for placement in ("colocated", "disaggregated"):
-        r = moerl_train(RECIPE, *port_args(tmp_path / placement), *FAST, f"rollout.placement={placement}", timeout=900)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        outs[placement] = r.stdout
+    r = moerl_train(RECIPE, *port_args(tmp_path / "colocated"), *FAST, "rollout.placement=colocated", timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    outs["colocated"] = r.stdout
+    outs["disaggregated"], ref_run = fast_main_job
+    import yaml
+
+    assert yaml.safe_load((ref_run / "recipe.yaml").read_text())["rollout"]["placement"] == "disaggregated"
     out = outs["colocated"]
     m = re.search(r"STEP-0 CHECK: .*: (PASS|FAIL); .*: (PASS|FAIL)", out)
     assert m and m.groups() == ("PASS", "PASS"), out[-3000:]
