@@ -190,8 +190,10 @@ def test_resume_with_changed_data_or_tokenizer_is_refused_before_any_work(tmp_pa
     evalf.write_text(rows(4))
     tok = tmp_path / "tok"
     build_tokenizer(tok)
+    # no SFT warm start: the refusals below happen before any model is built, the RL checkpoint's marker
+    # records the fingerprints either way
     data = ["data.task=jsonl", f"data.train_path={train}", f"data.eval_path={evalf}", f"data.tokenizer_path={tok}",
-            "train.num_steps=2"]
+            "train.num_steps=2", "sft.enabled=false"]
     run_dir = tmp_path / "run"
     _run(run_dir, *data)
     marker = json.loads((run_dir / "checkpoints" / "step_2" / "moerl_complete.json").read_text())
