@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import textwrap
 import threading
 import time
@@ -257,3 +258,24 @@ def test_closed_pool_refuses(user_file):
     with pytest.raises(RuntimeError, match="closed"):
         p.score_group("g", "q", ["a"], "a", {})
     assert all(proc.popen.poll() is not None for proc in procs)  # workers are gone
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable cores")
+def test_reward_workers_start_on_the_rollout_cores():
+    """rollout.cpu_affinity: the run's RewardPool (moerl.train.components.reward_pool) starts its workers and
+    dispatcher thread on the rollout cores (rollout-side host work, off an emulated training device; a worker
+    the dispatcher restarts after a timeout inherits them); the trainer's own affinity is left as it was."""
+    from types import SimpleNamespace
+
+    from moerl.config.schema import RecipeConfig
+    from moerl.train.components import reward_pool
+
+    mine = os.sched_getaffinity(0)
+    core = max(mine)
+    cfg = RecipeConfig().model_copy(update={"rollout": RecipeConfig().rollout.model_copy(update={"cpu_affinity": [core]})})
+    with reward_pool(SimpleNamespace(cfg=cfg)) as pool:
+        assert os.sched_getaffinity(0) == mine
+        assert [os.sched_getaffinity(p.popen.pid) for p in pool._procs] == [{core}] * cfg.reward.num_workers
+        assert os.sched_getaffinity(pool._thread.native_id) == {core}
+        (r,) = pool.score_group("u0", "1 + 1 =", ["2"], "2")  # the pinned workers score
+        assert r.error is None and r.score == 1.0

@@ -133,9 +133,18 @@ def reward_pool(ctx):
     from moerl.rewards.pool import RewardPool
 
     r = ctx.cfg.reward
-    return RewardPool(r.function, group=r.group, num_workers=r.num_workers, timeout_s=r.timeout_s,
-                      error_value=r.error_value, model_path=r.model_path, model_weight=r.model_weight,
-                      rule_weight=r.rule_weight, model_batch_size=r.model_batch_size, log=log)
+    # started on the rollout cores (rollout.cpu_affinity): the workers and the pool's dispatcher thread are
+    # rollout-side host work, kept off an emulated training device like the producer thread
+    cores, mine = ctx.cfg.rollout.cpu_affinity, os.sched_getaffinity(0)
+    if cores:
+        os.sched_setaffinity(0, set(cores))
+    try:
+        return RewardPool(r.function, group=r.group, num_workers=r.num_workers, timeout_s=r.timeout_s,
+                          error_value=r.error_value, model_path=r.model_path, model_weight=r.model_weight,
+                          rule_weight=r.rule_weight, model_batch_size=r.model_batch_size, log=log)
+    finally:
+        if cores:
+            os.sched_setaffinity(0, mine)
 
 
 @contextlib.contextmanager
