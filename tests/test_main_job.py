@@ -407,14 +407,21 @@ def test_async_demo_rl_gain(tmp_path):
     assert max(ages) <= 1, ages
 
 
+def warm_from(fast_main_job) -> list[str]:
+    """Overrides that start RL from the SFT warm start of the session's shared FAST run
+    (conftest.fast_main_job: FAST's 30-step SFT of this recipe and seed, which these tests would repeat
+    in every run) instead of running SFT again (CI time)."""
+    return [f"model.init_from={fast_main_job[1] / 'hf_warm_start'}", "sft.enabled=false"]
+
+
 @pytest.mark.slow
-def test_step0_check_reads_the_first_of_several_updates(tmp_path):
+def test_step0_check_reads_the_first_of_several_updates(tmp_path, fast_main_job):
     """16 samples per step with train.global_batch_size=8: two optimizer updates per step. The step-0
     check must read the first update's ratio (exactly 1), not the second's (after an optimizer step):
     issue #13 defect 4 printed 'sum |log ratio| = 0.973 ... FAIL' here."""
     fast = [a for a in FAST if not a.startswith(("rollout.rollout_batch_size", "train.global_batch_size",
                                                  "train.micro_batch_size"))]
-    r = moerl_train(RECIPE, *port_args(tmp_path), *fast, "rollout.rollout_batch_size=2",
+    r = moerl_train(RECIPE, *port_args(tmp_path), *fast, *warm_from(fast_main_job), "rollout.rollout_batch_size=2",
                     "rollout.n_samples_per_prompt=8", "train.global_batch_size=8", "train.micro_batch_size=8",
                     "train.num_steps=1", timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -435,9 +442,10 @@ def test_step0_check_reads_the_first_of_several_updates(tmp_path):
      "algorithm.overlong_buffer_len=4"],  # the 30-step SFT model scores ~0: a length penalty gives returns != 0
 ], ids=["rloo-ppo-dualclip-whiten-overlong", "reinforcepp-baseline-gspo_token-kl_in_reward-reset",
         "reinforcepp-cispo-entropy", "gae-ppo-critic"])
-def test_estimators_and_losses_run_end_to_end(tmp_path, algo):
-    """Each estimator / loss family runs a short main job from the recipe keys and logs its metrics."""
-    r = moerl_train(RECIPE, *port_args(tmp_path), *FAST, *algo, timeout=900)
+def test_estimators_and_losses_run_end_to_end(tmp_path, algo, fast_main_job):
+    """Each estimator / loss family runs a short main job from the recipe keys and logs its metrics (RL from
+    the shared FAST run's SFT warm start: the SFT phase does not depend on the algorithm keys)."""
+    r = moerl_train(RECIPE, *port_args(tmp_path), *FAST, *warm_from(fast_main_job), *algo, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "EVAL after RL" in r.stdout and "STEP-0 CHECK" in r.stdout
     if "algorithm.advantage_estimator=gae" in algo:  # the critic trains, and exports to transformers
