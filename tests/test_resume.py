@@ -445,3 +445,34 @@ def test_ppo_critic_is_checkpointed_and_resumed_bit_identically(tmp_path):
     critic = [load_file(str(d / "hf_critic" / "model.safetensors")) for d in (run_dir, ref_dir)]
     assert "score.weight" in critic[1] and float(critic[1]["score.weight"].abs().sum()) > 0  # the head trained
     _assert_bit_identical(*critic)
+
+
+@pytest.mark.parametrize("distopt", [False, True])
+def test_a_checkpoint_saved_before_the_first_optimizer_step_resumes(dist, tmp_path, distopt):
+    """A checkpoint taken before any optimizer step (every RL step so far skipped: no group carried a reward
+    signal, algorithm.filter_uniform_groups) holds the fresh Adam state and loads (it had raised KeyError
+    'optimizer.state.exp_avg...' at resume); the next step after loading equals the saving actor's next step
+    bit for bit, and that one equals an actor's first step that never saved (saving changes nothing)."""
+    from test_actor import _old_log_probs, _policy_step, actor_with, make_samples
+    from test_hf_convert import FIELDS, random_hf_model
+
+    from moerl.checkpoint.dist_ckpt import load_dist_checkpoint, save_dist_checkpoint
+
+    hf = random_hf_model()
+    samples = make_samples(FIELDS["vocab_size"])
+    kw = dict(lr=1e-3, use_distributed_optimizer=distopt)
+    a = actor_with(hf, **kw)
+    save_dist_checkpoint(a.model, a.optimizer, tmp_path / "ckpt")
+    old = _old_log_probs(a, samples, 3)
+    m_a = _policy_step(a, samples, old, 3)
+
+    b = actor_with(random_hf_model(seed=7), **kw)  # other weights: everything must come from the checkpoint
+    b.set_lr(1e-3)  # as moerl.checkpoint.run_state.load_checkpoint: rebuild the optimizer, then load
+    load_dist_checkpoint(b.model, b.optimizer, tmp_path / "ckpt")
+    m_b = _policy_step(b, samples, old, 3)
+    c = actor_with(hf, **kw)  # never saved
+    m_c = _policy_step(c, samples, old, 3)
+    assert m_b["loss"] == m_a["loss"] == m_c["loss"] and m_b["grad_norm"] == m_a["grad_norm"] == m_c["grad_norm"]
+    sd_a, sd_b, sd_c = a.export_hf_state_dict(), b.export_hf_state_dict(), c.export_hf_state_dict()
+    assert all(torch.equal(sd_b[k], sd_a[k]) and torch.equal(sd_c[k], sd_a[k]) for k in sd_a)
+    assert any(not torch.equal(sd_a[k], v) for k, v in hf.state_dict().items() if k in sd_a)  # it did train

@@ -110,12 +110,16 @@ def _metadata() -> dict:
 
 
 def _ensure_optimizer_state(optimizer) -> None:
-    """Give a fresh (never stepped) torch Adam inside a Megatron optimizer zero-valued state.
+    """Give a fresh (never stepped) torch Adam inside a Megatron optimizer zero-valued state (zero
+    moments, step 0: what torch Adam creates at its first step, so the next step is unchanged).
 
-    megatron-core 0.16.1 without Apex/TE reads ``state["step"]`` of every parameter in
+    Loading: megatron-core 0.16.1 without Apex/TE reads ``state["step"]`` of every parameter in
     ``DistributedOptimizer.state_dict()`` (called by ``sharded_state_dict(is_loading=True)``) and
-    asserts there is exactly one value, so loading into a fresh optimizer fails. The zeros are
-    overwritten by the checkpoint's values; parameters are not touched.
+    asserts there is exactly one value, so loading into a fresh optimizer fails; the zeros are
+    overwritten by the checkpoint's values. Saving: a checkpoint taken before the first optimizer step
+    (e.g. every RL step so far was skipped: no group carried a reward signal) would hold no moments,
+    and loading it would then fail (KeyError ``optimizer.state.exp_avg...``); with the zeros it holds
+    the fresh state. Parameters are not touched.
     """
     for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
         inner = getattr(opt, "optimizer", None)
@@ -127,6 +131,28 @@ def _ensure_optimizer_state(optimizer) -> None:
             for group in inner.param_groups:
                 for p in group["params"]:
                     inner.state[p].setdefault("step", torch.tensor(0.0))
+
+
+def _fill_step_0(optimizer_sd) -> None:
+    """Give a loaded (non-distributed) optimizer state dict saved at step 0 its step back.
+
+    megatron-core 0.16.1's FP32Optimizer.sharded_state_dict stores the shared per-parameter step as
+    ``state["common_step"]`` only ``if step:``, so a state saved before the first optimizer step (zero
+    moments, step 0: :func:`_ensure_optimizer_state`) comes back without any step and torch Adam's
+    ``load_state_dict`` raises KeyError 'step'. Adds ``common_step`` 0 to every (nested) torch-format
+    state dict whose parameter states lack a step; a dict that has one is left alone."""
+    if isinstance(optimizer_sd, dict):
+        state = optimizer_sd.get("state")
+        if isinstance(state, dict) and "param_groups" in optimizer_sd:
+            if "common_step" not in state and any(isinstance(v, dict) and v and "step" not in v
+                                                  for v in state.values()):
+                state["common_step"] = torch.tensor(0.0)
+            return
+        for v in optimizer_sd.values():
+            _fill_step_0(v)
+    elif isinstance(optimizer_sd, (list, tuple)):
+        for v in optimizer_sd:
+            _fill_step_0(v)
 
 
 def _restore_torch_adam_steps(optimizer) -> None:
@@ -150,7 +176,7 @@ def _restore_torch_adam_steps(optimizer) -> None:
 
 
 def _sharded_state_dict(model, optimizer, is_loading: bool) -> dict:
-    if is_loading and optimizer is not None:
+    if optimizer is not None:
         _ensure_optimizer_state(optimizer)
     metadata = _metadata()
     model_sd = unwrap_model(model).sharded_state_dict(metadata=metadata)
@@ -260,6 +286,7 @@ def load_dist_checkpoint(model, optimizer, path: Union[str, os.PathLike]) -> dic
     if optimizer is not None:
         # no_grad: with fp32 params the distributed optimizer's main params are views of the
         # model params, and 0.16.1 copies into them in place.
+        _fill_step_0(loaded["optimizer"])
         with torch.no_grad():
             optimizer.load_state_dict(loaded["optimizer"])
         _restore_torch_adam_steps(optimizer)
