@@ -469,3 +469,34 @@ def test_a_failed_background_push_surfaces_in_wait_weights_and_get_batch():
         assert not servers.paused
         with pytest.raises(RuntimeError, match="refused the weights"):
             mgr.get_batch(2)
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_aligned_batches_start_a_draw_only_when_the_previous_one_finished(aligned):
+    """rollout.aligned_batches (max_inflight_groups = rollout_batch_size): no request of draw d + 1 starts
+    while one of draw d is still generating, so the server gets each batch whole; without it the next
+    draw's groups trickle in as slots free up (the simulated server records when each request runs).
+    The batches are the same groups either way."""
+    class Timed(FakeServers):
+        spans: list = []
+
+        async def post(self, path, body):
+            t0 = time.monotonic()
+            out = await super().post(path, body)
+            self.spans.append((int(body["rid"].split("-")[0][1:]), t0, time.monotonic()))
+            return out
+
+    servers = Timed(token_s=0.004)
+    servers.spans = []
+    cfg = _cfg(max_staleness=2)
+    cfg.rollout.aligned_batches = aligned
+    batches, _ = _run(servers, cfg, num_steps=6, train_s=0.03)
+    overlaps = sum(1 for d1, s1, e1 in servers.spans for d2, s2, e2 in servers.spans
+                   if d2 == d1 + 1 and s2 < e1 - 1e-4)  # a request of the next draw started before this one ended
+    if aligned:
+        assert overlaps == 0
+    else:
+        assert overlaps > 0  # the run does trickle without the rule: the check above can fail
+    ref, _ = _run(FakeServers(token_s=0.004), _cfg(mode="sync"), num_steps=6, train_s=0.0)
+    assert [[s.metadata["uid"] for s in b.samples] for b in batches] == \
+        [[s.metadata["uid"] for s in b.samples] for b in ref]

@@ -183,6 +183,12 @@ class RolloutManager:
         # rollout_batch_size (every group in flight finishes, so a held group always starts eventually)
         cap = getattr(ro, "max_inflight_groups", None)
         self.max_inflight = self.B if cap is None else int(cap)
+        # rollout.aligned_batches: a draw's groups start together (see the schema); null = reference backend
+        aligned = getattr(ro, "aligned_batches", None)
+        if aligned is None:
+            aligned = getattr(ro, "backend", "reference") == "reference"
+        self.aligned = bool(aligned) and tr.mode != "sync"
+        self._started_draw = 0  # draw of the last group started
         self.prompt_key, self.label_key = cfg.data.prompt_key, cfg.data.label_key
         self.seed, self.max_new = cfg.seed, ro.max_new_tokens
         self.sampling_params = dict(temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
@@ -350,6 +356,8 @@ class RolloutManager:
             return demand
         if self._inflight >= self.max_inflight:  # rollout.max_inflight_groups (a finishing group frees a slot)
             return False
+        if self.aligned and self._inflight > max(0, self.max_inflight - self.B) and self._starts_a_draw():
+            return False  # rollout.aligned_batches: a draw's first group waits until the whole draw can start
         return bound <= self._limit() or demand
 
     async def _produce(self) -> None:
@@ -376,6 +384,10 @@ class RolloutManager:
             await self._unpaused.wait()
             asyncio.ensure_future(self._run_group(grp))
 
+    def _starts_a_draw(self) -> bool:
+        """Under self._cv: the next group would be the first started of its draw."""
+        return (self._rows[0][0] if self._rows else self._draw + 1) != self._started_draw
+
     def _held_by_staleness(self) -> bool:
         """Under self._cv: only the staleness bound (not sync demand or the end of the run) holds the
         next group back."""
@@ -389,6 +401,7 @@ class RolloutManager:
             skip, self._skip = self._skip, 0
             self._rows.extend((self._draw, g, r) for g, r in enumerate(rows) if g >= skip)
         draw, g, row = self._rows.popleft()
+        self._started_draw = draw
         return _Group(draw, g, row, self.encode(row[self.prompt_key]))
 
     # ------------------------------------------------------------------ generation
