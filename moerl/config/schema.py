@@ -451,7 +451,8 @@ class RolloutConfig(_Section):
     # one_step_off / async: the groups of one draw (rollout_batch_size prompts) start together, once fewer
     # than max_inflight_groups - rollout_batch_size groups are in flight, instead of one by one as slots free
     # up. The reference server runs one model.generate per prompt length at a time, so groups that trickle in
-    # while a batch finishes ran as small separate batches (async staleness 2: +67% server CPU per sample).
+    # while a batch finishes ran as small separate batches (tools/bench_async.py, async staleness 2: server CPU
+    # per 40 steps 23.9 s, 18.6-20.3 s with whole batches, 14.7-15.3 s in sync).
     # SGLang batches continuously (a request joins the running batch), so there trickling costs nothing.
     # null = on with rollout.backend=reference, off with sglang.
     aligned_batches: Optional[bool] = None
