@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import threading
 import time
 from types import SimpleNamespace
@@ -500,3 +501,54 @@ def test_aligned_batches_start_a_draw_only_when_the_previous_one_finished(aligne
     ref, _ = _run(FakeServers(token_s=0.004), _cfg(mode="sync"), num_steps=6, train_s=0.0)
     assert [[s.metadata["uid"] for s in b.samples] for b in batches] == \
         [[s.metadata["uid"] for s in b.samples] for b in ref]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable cores")
+def test_the_background_push_runs_on_the_rollout_cores():
+    """rollout.cpu_affinity: the push thread (pause, send, continue: rollout-side work) runs on the rollout
+    cores like the producer thread; the trainer thread's affinity is unchanged."""
+    core = max(os.sched_getaffinity(0))
+    mine = os.sched_getaffinity(0)
+    servers = FakeServers()
+    cfg = _cfg_bg(None, max_staleness=1)
+    cfg.rollout.cpu_affinity = [core]
+    mgr = _manager(servers, cfg, num_steps=2)
+    seen = []
+
+    def push() -> int:
+        seen.append(os.sched_getaffinity(0))
+        return servers.push()
+
+    with mgr:
+        mgr.get_batch(1)
+        mgr.update_weights(push, 1, version=1)
+        mgr.wait_weights()
+        assert os.sched_getaffinity(0) == mine
+    assert seen == [{core}]
+
+
+def test_one_step_off_starts_no_request_while_a_background_push_is_sent():
+    """one_step_off pushes with nothing in flight: while a (background) push runs no request starts, even the
+    extra groups dynamic sampling draws (they would wait behind the update on the server)."""
+    class Recorded(FakeServers):
+        async def post(self, path, body):
+            self.starts.append(time.monotonic())
+            return await super().post(path, body)
+
+    servers = Recorded(token_s=0.002)
+    servers.starts = []
+    windows = []
+    mgr = _manager(servers, _cfg_bg(None, mode="one_step_off", max_staleness=1, dynamic=True), num_steps=5)
+
+    def slow_push() -> int:
+        t0 = time.monotonic()
+        time.sleep(0.2)
+        windows.append((t0, time.monotonic()))
+        return servers.push()
+
+    with mgr:
+        for step in range(1, 6):
+            mgr.get_batch(step)
+            mgr.update_weights(slow_push, step, version=step)
+    assert len(windows) == 5 and servers.starts
+    assert not [t for t in servers.starts for a, b in windows if a < t < b]

@@ -128,9 +128,11 @@ def _ensure_optimizer_state(optimizer) -> None:
             continue
         if any(len(inner.state[p]) == 0 for g in inner.param_groups for p in g["params"]):
             init_state_fn(inner, getattr(opt, "config", None))
-            for group in inner.param_groups:
-                for p in group["params"]:
-                    inner.state[p].setdefault("step", torch.tensor(0.0))
+            if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):  # torch's own Adam keeps a step per
+                # parameter; TE's / Apex's FusedAdam keep it in param_groups and refuse other state keys
+                for group in inner.param_groups:
+                    for p in group["params"]:
+                        inner.state[p].setdefault("step", torch.tensor(0.0))
 
 
 def _fill_step_0(optimizer_sd) -> None:

@@ -446,15 +446,17 @@ class RolloutConfig(_Section):
     # thread of rank 0 while the trainer takes and trains the next batch; the trainer only exports (and
     # waits for the previous push before the next export, a checkpoint or an eval). The staleness gate counts
     # an update as done when its push has landed, so the bound holds as before. null = on in one_step_off /
-    # async, false = the trainer waits for every push (sync always does).
+    # async (except weight_sync=distributed with weight_sync_backend=nccl: that broadcast must not run beside the
+    # trainer's own NCCL collectives), false = the trainer waits for every push (sync always does).
     background_push: Optional[bool] = None
-    # one_step_off / async: the groups of one draw (rollout_batch_size prompts) start together, once fewer
-    # than max_inflight_groups - rollout_batch_size groups are in flight, instead of one by one as slots free
+    # one_step_off / async: the groups of one draw (rollout_batch_size prompts) start together, once at most
+    # max_inflight_groups - rollout_batch_size groups are in flight, instead of one by one as slots free
     # up. The reference server runs one model.generate per prompt length at a time, so groups that trickle in
     # while a batch finishes ran as small separate batches (tools/bench_async.py, async staleness 2: server CPU
     # per 40 steps 23.9 s, 18.6-20.3 s with whole batches, 14.7-15.3 s in sync).
     # SGLang batches continuously (a request joins the running batch), so there trickling costs nothing.
-    # null = on with rollout.backend=reference, off with sglang.
+    # null = on with rollout.backend=reference, off with sglang; never below max_inflight_groups =
+    # rollout_batch_size (a batch is generated in waves then).
     aligned_batches: Optional[bool] = None
 
     @model_validator(mode="after")

@@ -187,7 +187,7 @@ class RolloutManager:
         aligned = getattr(ro, "aligned_batches", None)
         if aligned is None:
             aligned = getattr(ro, "backend", "reference") == "reference"
-        self.aligned = bool(aligned) and tr.mode != "sync"
+        self.aligned = bool(aligned) and tr.mode != "sync" and self.max_inflight >= self.B  # below B: waves
         self._started_draw = 0  # draw of the last group started
         self.prompt_key, self.label_key = cfg.data.prompt_key, cfg.data.label_key
         self.seed, self.max_new = cfg.seed, ro.max_new_tokens
@@ -215,7 +215,11 @@ class RolloutManager:
         # rollout.background_push: a weight update's pause / push / continue on a thread of its own while the
         # trainer goes on (one at a time; wait_weights() joins it)
         bg = getattr(ro, "background_push", None)
-        self.background_push = tr.mode != "sync" if bg is None else bool(bg) and tr.mode != "sync"
+        if bg is None:  # not with an NCCL weight-update group: its broadcast on the push thread could run
+            # concurrently with the trainer's own NCCL collectives (NCCL: unordered communicators may deadlock)
+            bg = not (getattr(ro, "weight_sync", None) == "distributed"
+                      and getattr(ro, "weight_sync_backend", "gloo") == "nccl")
+        self.background_push = bool(bg) and tr.mode != "sync"
         self._push_thread: Optional[threading.Thread] = None
         self._push_error: Optional[BaseException] = None
         self._pushing = False  # a background push has not landed yet (steps_done lags self.version)
@@ -307,8 +311,9 @@ class RolloutManager:
         background push in flight has landed (its error, if any, is logged: the run is ending anyway)."""
         try:
             self.wait_weights()
-        except BaseException as e:
-            self.log(f"WARNING: the last weight push failed: {type(e).__name__}: {e}")
+        except Exception as e:
+            if e is not self._error:  # not already raised by get_batch
+                self.log(f"WARNING: the last weight push failed: {type(e).__name__}: {e}")
         with self._cv:
             self._closed = True
             self._cv.notify_all()
@@ -349,6 +354,8 @@ class RolloutManager:
 
     def _may_start(self) -> bool:
         """Called under self._cv."""
+        if self.mode == "one_step_off" and self._pushing:  # one_step_off pushes with nothing in flight
+            return False
         # the trainer waits for unstarted groups: start them (under its weights: not while a push is in flight)
         demand = self._waiting and len(self._fifo) < self._need and not self._pushing
         bound = self._next_batch_bound()
@@ -662,6 +669,8 @@ class RolloutManager:
             self.version, self._pushing = self.version + 1 if version is None else int(version), True
 
         def run() -> None:
+            if self.cpu_affinity and hasattr(os, "sched_setaffinity"):  # rollout-side work (rollout.cpu_affinity)
+                os.sched_setaffinity(0, set(self.cpu_affinity))
             try:
                 self._update_now(push, step)
             except BaseException as e:  # surfaces in wait_weights and get_batch
