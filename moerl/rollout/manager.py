@@ -263,8 +263,7 @@ class RolloutManager:
         def run() -> None:
             loop = asyncio.new_event_loop()
             asyncio.set_event_loop(loop)
-            if self.cpu_affinity and hasattr(os, "sched_setaffinity"):
-                os.sched_setaffinity(0, set(self.cpu_affinity))  # this thread only (Linux: pid 0 = caller)
+            self._pin_thread()
             self._loop = loop
             self._unpaused, self._wake = asyncio.Event(), asyncio.Event()
             self._unpaused.set()
@@ -328,6 +327,11 @@ class RolloutManager:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _pin_thread(self) -> None:
+        """Pin the calling thread (producer, weight push: rollout-side work) to rollout.cpu_affinity."""
+        if self.cpu_affinity and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, set(self.cpu_affinity))  # this thread only (Linux: pid 0 = caller)
 
     def _kick(self) -> None:
         if self._loop is not None and self._wake is not None and not self._loop.is_closed():
@@ -669,8 +673,7 @@ class RolloutManager:
             self.version, self._pushing = self.version + 1 if version is None else int(version), True
 
         def run() -> None:
-            if self.cpu_affinity and hasattr(os, "sched_setaffinity"):  # rollout-side work (rollout.cpu_affinity)
-                os.sched_setaffinity(0, set(self.cpu_affinity))
+            self._pin_thread()
             try:
                 self._update_now(push, step)
             except BaseException as e:  # surfaces in wait_weights and get_batch

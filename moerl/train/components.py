@@ -135,16 +135,25 @@ def reward_pool(ctx):
     r = ctx.cfg.reward
     # started on the rollout cores (rollout.cpu_affinity): the workers and the pool's dispatcher thread are
     # rollout-side host work, kept off an emulated training device like the producer thread
-    cores, mine = ctx.cfg.rollout.cpu_affinity, os.sched_getaffinity(0)
-    if cores:
-        os.sched_setaffinity(0, set(cores))
-    try:
+    with pinned(ctx.cfg.rollout.cpu_affinity):
         return RewardPool(r.function, group=r.group, num_workers=r.num_workers, timeout_s=r.timeout_s,
                           error_value=r.error_value, model_path=r.model_path, model_weight=r.model_weight,
                           rule_weight=r.rule_weight, model_batch_size=r.model_batch_size, log=log)
+
+
+@contextlib.contextmanager
+def pinned(cores: list[int]):
+    """The calling thread pinned to ``cores`` (os.sched_setaffinity) inside the block, so processes and
+    threads started there inherit them; its own affinity is restored after. Empty ``cores``: no-op."""
+    if not cores:
+        yield
+        return
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, set(cores))
+    try:
+        yield
     finally:
-        if cores:
-            os.sched_setaffinity(0, mine)
+        os.sched_setaffinity(0, mine)
 
 
 @contextlib.contextmanager
@@ -153,12 +162,8 @@ def pinned_start(cm, cores: list[int]):
     processes it starts inherit that CPU affinity (rollout.cpu_affinity), then restore this process's
     own affinity. A server restarted later by failover inherits the trainer's affinity instead."""
     with contextlib.ExitStack() as stack:
-        mine = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, set(cores))
-        try:
+        with pinned(cores):
             entered = stack.enter_context(cm)
-        finally:
-            os.sched_setaffinity(0, mine)
         yield entered
 
 

@@ -135,6 +135,7 @@ class WeightSync:
         with self.trainer_loaded():
             hf_sd = (actor.export_hf_state_dict(dst=0) if slot is None
                      else actor.export_hf_state_dict(dst=0, out_alloc=slot.alloc))
+        hf_config = None
         if self.cluster is not None:
             hf_sd, hf_config = rollout_weights(self.ctx.cfg.rollout, hf_sd, self.ctx.hf_config)  # weight_dtype
 
