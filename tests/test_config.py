@@ -58,6 +58,7 @@ EXPECTED_TINY = {
         "dynamic_sampling": False, "max_oversample_factor": 3.0, "cpu_affinity": [],
         "pause_mode": "auto",
         "client_process": None, "max_inflight_groups": None, "background_push": None, "aligned_batches": None,
+        "group_requests": None,
     },
     "algorithm": {
         "advantage_estimator": "grpo", "policy_loss": "gspo", "loss_agg_mode": "seq-mean-token-mean",

@@ -53,9 +53,19 @@ class FakeServers:
         self.abort_first = abort_first  # answer the first N segments of every response with an abort ...
         self.abort_after = abort_after  # ... after this many tokens
         self.max_running = 0  # most requests generating at once
+        self.batches: list[list[str]] = []  # rids of each batched request (rollout.group_requests)
 
-    async def post(self, path: str, body: dict) -> dict:
+    async def post(self, path: str, body: dict):
         assert path == "/generate"
+        if isinstance(body["rid"], list):  # SGLang's batch form: one result per prompt, in order
+            self.batches.append(list(body["rid"]))
+            assert len(body["input_ids"]) == len(body["sampling_params"]) == len(body["rid"])
+            return list(await asyncio.gather(*(
+                self._one({"input_ids": ids, "sampling_params": sp, "rid": rid})
+                for ids, sp, rid in zip(body["input_ids"], body["sampling_params"], body["rid"]))))
+        return await self._one(body)
+
+    async def _one(self, body: dict) -> dict:
         while self.paused:
             await asyncio.sleep(0.001)
         rid = body["rid"]
@@ -116,14 +126,15 @@ class FakeServers:
 
 
 def _cfg(mode="async", max_staleness=1, policy="wait", B=4, n=2, max_new=8, mask_old=False, dynamic=False,
-         factor=3.0, max_inflight=None):
+         factor=3.0, max_inflight=None, group=None):
     return SimpleNamespace(
         seed=7,
         train=SimpleNamespace(mode=mode, max_staleness=max_staleness, staleness_policy=policy,
                               partial_rollout_mask_old=mask_old),
         rollout=SimpleNamespace(n_samples_per_prompt=n, rollout_batch_size=B, dynamic_sampling=dynamic,
                                 max_oversample_factor=factor, max_new_tokens=max_new, temperature=1.0, top_p=1.0,
-                                top_k=-1, placement="disaggregated", max_inflight_groups=max_inflight),
+                                top_k=-1, placement="disaggregated", max_inflight_groups=max_inflight,
+                                group_requests=group),
         data=SimpleNamespace(prompt_key="prompt", label_key="label"))
 
 
@@ -160,11 +171,13 @@ def _check_versions(batch, servers_version_before_push):
         assert batch.trainer_version == servers_version_before_push
 
 
+@pytest.mark.parametrize("group", [True, False])  # rollout.group_requests: one batched request per group or per sample
 @pytest.mark.parametrize("policy", ["wait", "drop"])
 @pytest.mark.parametrize("eta", [1, 2, 4])
-def test_staleness_bound_holds_for_every_trained_token(eta, policy):
+def test_staleness_bound_holds_for_every_trained_token(eta, policy, group):
     servers = FakeServers(token_s=0.003)
-    batches, _ = _run(servers, _cfg(max_staleness=eta, policy=policy), num_steps=14, train_s=0.01)
+    batches, _ = _run(servers, _cfg(max_staleness=eta, policy=policy, group=group), num_steps=14, train_s=0.01)
+    assert bool(servers.batches) == group
     ages, uids, resumed, dropped = [], [], 0, 0
     for step, b in enumerate(batches, start=1):
         _check_versions(b, step - 1)
@@ -205,10 +218,11 @@ def test_one_step_off_trains_each_batch_one_version_late_and_never_cuts():
         assert {b.trainer_version - v for s in b.samples for v in s.token_versions} == {want}, step
 
 
+@pytest.mark.parametrize("group", [True, False])
 @pytest.mark.parametrize("mask_old", [False, True])
-def test_resumed_responses_keep_per_token_versions_and_mask_old(mask_old):
+def test_resumed_responses_keep_per_token_versions_and_mask_old(mask_old, group):
     servers = FakeServers(token_s=0.004)
-    batches, _ = _run(servers, _cfg(max_staleness=2, mask_old=mask_old), num_steps=8, train_s=0.01)
+    batches, _ = _run(servers, _cfg(max_staleness=2, mask_old=mask_old, group=group), num_steps=8, train_s=0.01)
     mixed = [s for b in batches for s in b.samples if len(set(s.token_versions)) > 1]
     assert mixed, "no response spanned two versions"
     for s in mixed:
@@ -224,7 +238,8 @@ def test_resumed_responses_keep_per_token_versions_and_mask_old(mask_old):
         assert len(s.response_ids) == total and s.response_ids[-1] == STOP and s.status == "completed"
 
 
-def test_a_cut_response_is_continued_before_it_is_scored_and_given_up_after_max_segments():
+@pytest.mark.parametrize("group", [True, False])
+def test_a_cut_response_is_continued_before_it_is_scored_and_given_up_after_max_segments(group):
     scored = []
 
     def reward(text, label):
@@ -232,7 +247,7 @@ def test_a_cut_response_is_continued_before_it_is_scored_and_given_up_after_max_
         return 1.0
 
     servers = FakeServers(abort_first=2)  # every response is cut after 1 token, twice, then finishes
-    cfg = _cfg(mode="sync", n=2, B=2)
+    cfg = _cfg(mode="sync", n=2, B=2, group=group)
     batches, _ = _run(servers, cfg, num_steps=2, manager=_manager(servers, cfg, 2, reward=reward))
     for b in batches:
         for s in b.samples:
@@ -241,7 +256,7 @@ def test_a_cut_response_is_continued_before_it_is_scored_and_given_up_after_max_
     full = {" ".join(map(str, s.response_ids)) for b in batches for s in b.samples}
     assert set(scored) == full and len(scored) == 8  # only whole responses were scored, each once
     servers = FakeServers(abort_first=MAX_SEGMENTS + 1, abort_after=0)  # never finishes: the group is dropped, counted
-    mgr = _manager(servers, _cfg(mode="sync", n=2, B=2), num_steps=1, reward=reward)
+    mgr = _manager(servers, _cfg(mode="sync", n=2, B=2, group=group), num_steps=1, reward=reward)
     with mgr:
         b = mgr.get_batch(1)
     assert b.groups == [] and b.metrics["rollout/failed_groups"] == 8  # each replaced, up to 4 x rollout_batch_size
@@ -481,9 +496,9 @@ def test_aligned_batches_start_a_draw_only_when_the_previous_one_finished(aligne
     class Timed(FakeServers):
         spans: list = []
 
-        async def post(self, path, body):
+        async def _one(self, body):  # each sample, whether sent alone or in a group's batched request
             t0 = time.monotonic()
-            out = await super().post(path, body)
+            out = await super()._one(body)
             self.spans.append((int(body["rid"].split("-")[0][1:]), t0, time.monotonic()))
             return out
 
@@ -552,3 +567,96 @@ def test_one_step_off_starts_no_request_while_a_background_push_is_sent():
             mgr.update_weights(slow_push, step, version=step)
     assert len(windows) == 5 and servers.starts
     assert not [t for t in servers.starts for a, b in windows if a < t < b]
+
+
+def test_group_requests_batch_each_group_and_give_the_samples_of_one_request_per_sample():
+    """rollout.group_requests: each round of a group is ONE batched request (SGLang's batch form) holding the
+    samples still generating: all n first, then only the ones a weight update cut, each from its own prefix
+    (rid -r<segment>); the samples (tokens, behaviour log-probs, versions, rewards, masks) are the ones of one
+    request per sample, in sync and across in-flight updates (async, responses cut and resumed)."""
+    runs = {}
+    for group in (True, False):
+        for mode, kw in (("sync", dict(abort_first=1)), ("async", dict(token_s=0.004))):
+            servers = FakeServers(**kw)
+            batches, _ = _run(servers, _cfg(mode=mode, max_staleness=0, n=3, group=group), num_steps=4)
+            runs[group, mode] = [[(s.metadata["uid"], s.response_ids, s.rollout_log_probs, s.token_versions,
+                                   s.reward, s.loss_mask, s.metadata["segments"]) for s in b.samples] for b in batches]
+            if not group:
+                assert servers.batches == []
+                continue
+            assert servers.batches and sorted(r for b in servers.batches for r in b) == sorted(servers.requests)
+            for rids in servers.batches:  # one group per request, each of its samples at most once
+                assert len({r.split("-")[0] + r.split("-")[1] for r in rids}) == 1 and len(set(rids)) == len(rids)
+            if mode == "sync":  # every response cut once after its first token: two rounds of 3 per group
+                firsts = [b for b in servers.batches if not any("-r" in r for r in b)]
+                assert len(firsts) == 4 * 4 and all(len(b) == 3 for b in firsts)
+                assert all(len(b) == 3 and all(r.endswith("-r1") for r in b) for b in servers.batches if b not in firsts)
+    assert runs[True, "sync"] == runs[False, "sync"]
+    assert runs[True, "async"] == runs[False, "async"]
+    assert any(seg > 1 for b in runs[True, "sync"] for *_, seg in b)
+
+
+class _Flaky:
+    """A server reachable at one URL: fails (RolloutRequestError, as after the client's retries) the first
+    ``fail`` batched requests, or refuses them (HTTP 4xx) when ``refuse``."""
+
+    def __init__(self, servers: FakeServers, fail: int = 0, refuse: bool = False):
+        self.servers, self.fail, self.refuse, self.posts = servers, fail, refuse, 0
+        self.worker = None
+
+    async def post(self, path, body):
+        from moerl.rollout.errors import RolloutRequestError, RolloutRequestRefusedError
+
+        self.posts += 1
+        if self.refuse:
+            raise RolloutRequestRefusedError("POST /generate was refused: HTTP 400: bad")
+        if self.posts <= self.fail:
+            raise RolloutRequestError("POST /generate failed after 3 attempts; last error: ClientConnectorError")
+        return await self.servers.post(path, body)
+
+    async def aclose(self):
+        pass
+
+
+@pytest.mark.parametrize("failover", [True, False])
+def test_a_group_whose_server_fails_is_resent_to_the_next_one_and_none_is_lost_or_repeated(failover):
+    """rollout.group_requests sends each group straight to a server (groups round-robin). A server that fails
+    a group (dead, being restarted by failover) gets it re-sent to the next live server, with the same rids and
+    seeds: every step trains the groups and samples a healthy run trains, none twice, and the re-sends are
+    counted. Without failover the failure surfaces (get_batch raises); a refused request (HTTP 4xx) is never
+    re-sent."""
+    from moerl.rollout.errors import RolloutRequestError, RolloutRequestRefusedError
+
+    def run(fail, refuse=False, failover=True):
+        servers = FakeServers()
+        servers.failover = failover
+        servers.checks = 0
+        urls = {"http://a": _Flaky(servers, fail=fail, refuse=refuse), "http://b": _Flaky(servers)}
+        servers.live_server_urls = lambda: list(urls)
+
+        def check_alive():
+            servers.checks += 1
+
+        servers.check_alive = check_alive
+        mgr = _manager(servers, _cfg(mode="sync", group=True), num_steps=3)
+        mgr._direct_client = lambda url, cluster=None: urls[url]
+        batches, _ = _run(servers, _cfg(mode="sync", group=True), num_steps=3, manager=mgr)
+        return batches, urls, servers
+
+    def samples(batches):
+        return [[(s.metadata["uid"], s.response_ids, s.rollout_log_probs) for s in b.samples] for b in batches]
+
+    healthy, urls, _ = run(0)
+    assert urls["http://a"].posts == urls["http://b"].posts == 6  # 12 groups round-robin over the two servers
+    if not failover:
+        with pytest.raises(RolloutRequestError, match="failed after"):
+            run(2, failover=False)
+        return
+    batches, urls, servers = run(3)
+    assert samples(batches) == samples(healthy)
+    uids = [u for b in samples(batches) for u, *_ in b]
+    assert len(uids) == len(set(uids)) == 3 * 4 * 2
+    assert sum(b.metrics["rollout/failover_resends"] for b in batches) == 3
+    assert servers.checks >= urls["http://a"].posts + urls["http://b"].posts  # the cluster checked before each
+    with pytest.raises(RolloutRequestRefusedError):
+        run(0, refuse=True)

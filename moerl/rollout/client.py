@@ -21,7 +21,7 @@ import aiohttp
 
 from moerl.rollout.common import (  # noqa: F401 - PAUSE_MODES re-exported (the contract)
     DEFAULT_PAUSE_MODE, PAUSE_MODES, check_pause_mode)
-from moerl.rollout.errors import RolloutRequestError
+from moerl.rollout.errors import RolloutRequestError, RolloutRequestRefusedError
 
 _RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 
@@ -196,8 +196,9 @@ class RolloutClient:
 
         Raises:
             RolloutServerDiedError: (via cluster.check_alive) a server or the router has exited.
-            RolloutRequestError: HTTP 4xx other than 408/429 (not retried; the server's message is
-                included), or still failing after max_retries retries.
+            RolloutRequestRefusedError: HTTP 4xx other than 408/429 (not retried; the server's message
+                is included; a RolloutRequestError).
+            RolloutRequestError: still failing after max_retries retries.
         """
         if self.worker is None:
             http = http or self._client()
@@ -217,7 +218,7 @@ class RolloutClient:
                 last = f"HTTP {status}: {body[:1000]}"
                 if status not in _RETRY_STATUS:
                     self._check_cluster()
-                    raise RolloutRequestError(f"POST {url} was refused: {last}")
+                    raise RolloutRequestRefusedError(f"POST {url} was refused: {last}")
             self._check_cluster()
             if attempt < retries:
                 delay = min(10.0, self.backoff_s * (2 ** min(attempt, 8))) * (0.5 + random.random())
@@ -355,6 +356,24 @@ class RolloutClient:
     def continue_generation(self) -> dict:
         """Synchronous :meth:`acontinue_generation` (own event loop; RuntimeError inside one)."""
         return self._run_sync("continue_generation", 1, lambda pools: self.acontinue_generation(http=pools.pick()))
+
+
+def check_result_ids(body: dict, out: Any) -> list:
+    """The per-item results of a batched /generate ``body`` (``input_ids`` a list of prompts, ``rid`` a
+    list of ids, SGLang's batch form): ``out`` must be a list of one result per prompt, in order, whose
+    ``meta_info.id`` is that prompt's rid. Returns ``out``.
+
+    Raises:
+        RolloutRequestError: not a list of that length, or a result carries another request's id.
+    """
+    rids = body.get("rid")
+    if not isinstance(out, list) or not isinstance(rids, list) or len(out) != len(rids):
+        raise RolloutRequestError(f"/generate with {len(rids) if isinstance(rids, list) else '?'} prompts "
+                                  f"returned {type(out).__name__} of {len(out) if isinstance(out, list) else '?'} "
+                                  f"results")
+    for rid, item in zip(rids, out):
+        check_result_id({"rid": rid}, item)
+    return out
 
 
 def check_result_id(body: dict, out: Any) -> None:

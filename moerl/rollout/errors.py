@@ -62,5 +62,10 @@ class RolloutRequestError(RolloutError):
     """A /generate request failed (bad request, or still failing after the allowed retries)."""
 
 
+class RolloutRequestRefusedError(RolloutRequestError):
+    """The server answered HTTP 4xx (other than 408/429): the request itself is wrong, so sending it to
+    another server would be refused too (not retried)."""
+
+
 class WeightSyncError(RolloutError):
     """A weight update was refused by a server, or a server reports a different weight_version."""

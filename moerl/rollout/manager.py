@@ -1,7 +1,9 @@
 """RolloutManager: the one place that talks to the rollout servers for RL, in every train.mode.
 
-It draws prompt groups, generates their ``n_samples_per_prompt`` responses through the router (or, with
-routing replay R3, straight to the servers), scores them, and hands the trainer whole batches of groups;
+It draws prompt groups, generates their ``n_samples_per_prompt`` responses (rollout.group_requests: one
+batched request per group straight to a server, the default with the reference backend; else one request per
+sample through the router, or with routing replay R3 straight to the servers), scores them, and hands the
+trainer whole batches of groups;
 it also wraps every weight update (pause / drain, push, continue). sync, one_step_off and async are the
 same producer with a different *gate* (when may the next group start) and a different weight-update
 wrapper:
@@ -68,7 +70,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from moerl.rollout.client import SAMPLING_PARAM_FIELDS, RolloutClient, check_result_id, parse_generate_item
+from moerl.rollout.client import (SAMPLING_PARAM_FIELDS, RolloutClient, check_result_id, check_result_ids,
+                                  parse_generate_item)
+from moerl.rollout.errors import RolloutRequestError, RolloutRequestRefusedError
 from moerl.types import Sample
 
 #: continuations allowed per response before its group is given up (counted, never trained)
@@ -89,6 +93,19 @@ def _version_int(v: Any, fallback: int) -> int:
         return int(v)
     except (TypeError, ValueError):
         return fallback
+
+
+@dataclass
+class _Partial:
+    """One response being generated: its tokens, behaviour log-probs and per-token versions so far, the
+    segments (requests) that produced them, and the last answer (item, raw result)."""
+
+    tokens: list = field(default_factory=list)
+    lps: list = field(default_factory=list)
+    versions: list = field(default_factory=list)
+    segments: int = 0
+    item: Any = None
+    out: Any = None
 
 
 @dataclass
@@ -195,7 +212,11 @@ class RolloutManager:
                                     max_new_tokens=ro.max_new_tokens, stop_token_ids=[eos_id])
         assert set(self.sampling_params) <= SAMPLING_PARAM_FIELDS
         self.routing_shape = routing_shape
-        self._direct: dict[str, RolloutClient] = {}  # R3: one client per server URL (closed with the producer)
+        self._direct: dict[tuple, RolloutClient] = {}  # clients of single servers (closed with the producer)
+        # rollout.group_requests: one batched /generate per group, straight to a server (see _post_batch);
+        # null = on with the reference backend (its per-request HTTP cost is most of a step's rollout CPU)
+        group = getattr(ro, "group_requests", None)
+        self.group_requests = (getattr(ro, "backend", "reference") == "reference") if group is None else bool(group)
         # how a weight update pauses the servers in async mode (rollout.pause_mode): abort cuts running
         # responses (resumed from their prefix: partial rollouts); in_place suspends the reference server's
         # running batch at its next decode step and goes on under the new weights after the push (the
@@ -435,62 +456,146 @@ class RolloutManager:
         finally:
             self._busy(-1)
 
-    async def _post_direct(self, body: dict, grp: _Group) -> dict:
-        """R3: sglang-router drops return_routed_experts, so send to a live server (groups round-robin)."""
+    def _server_urls(self) -> list[str]:
+        """The /generate servers a request may be sent to directly: the cluster's live servers, then the
+        ones it fronts but did not start (other nodes, rollout.external_urls); [] without a cluster."""
         live = getattr(self.cluster, "live_server_urls", None)
         urls = list(live() if callable(live) else getattr(self.cluster, "server_urls", None) or [])
+        return urls + [u for u in getattr(self.cluster, "extra_worker_urls", None) or [] if u not in urls]
+
+    def _direct_client(self, url: str, cluster=None) -> RolloutClient:
+        """One client per (server URL, cluster or not), closed with the producer; its attempts go through
+        the HTTP worker process when there is one."""
+        key = (url, cluster is not None)
+        c = self._direct.get(key)
+        if c is None:
+            c = self._direct[key] = RolloutClient(url, timeout_s=self.client.timeout_s,
+                                                  max_retries=self.client.max_retries, cluster=cluster)
+            c.worker = self._worker
+        return c
+
+    async def _post_direct(self, body: dict, grp: _Group) -> dict:
+        """R3: sglang-router drops return_routed_experts, so send to a live server (groups round-robin)."""
+        urls = self._server_urls()
         if not urls:
             return await self.client.post("/generate", body)
         url = urls[(grp.draw * self.B + grp.index) % len(urls)]
-        c = self._direct.get(url)
-        if c is None:
-            c = self._direct[url] = RolloutClient(url, timeout_s=self.client.timeout_s,
-                                                  max_retries=self.client.max_retries, cluster=self.cluster)
-            c.worker = self._worker
-        return await c.post("/generate", body)
+        return await self._direct_client(url, self.cluster).post("/generate", body)
+
+    async def _post_batch(self, bodies: list[dict], grp: _Group) -> list[dict]:
+        """rollout.group_requests: the samples of ``bodies`` (one group's) as ONE batched /generate (SGLang's
+        batch form: a list of input_ids, one sampling_params dict and one rid per prompt) sent straight to a
+        server, groups round-robin over :meth:`_server_urls` (sglang-router refuses list sampling_params).
+        A server that fails (connection error or timeout after the client's retries; with failover, a dead
+        server is restarted meanwhile) gets the same batch re-sent to the next live server: the rids and
+        seeds are the same, so no sample is lost or generated twice. Results in the order of ``bodies``.
+
+        Raises:
+            RolloutServerDiedError: (cluster.check_alive) a server died and the cluster does not fail over.
+            RolloutRequestError: a server refused the batch (HTTP 4xx), or every attempt failed.
+        """
+        body: dict = {"input_ids": [b["input_ids"] for b in bodies],
+                      "sampling_params": [b["sampling_params"] for b in bodies],
+                      "return_logprob": True, "rid": [b["rid"] for b in bodies]}
+        if self.routing_shape is not None:
+            body["return_routed_experts"] = True
+        self._busy(+1)
+        try:
+            urls = self._server_urls()
+            if not urls:  # no server list (e.g. a router-like test double): the client's own URL
+                return check_result_ids(body, await self.client.post("/generate", body))
+            attempts = 1 + (4 * len(urls) if getattr(self.cluster, "failover", False) else 0)
+            for attempt in range(attempts):
+                check = getattr(self.cluster, "check_alive", None)
+                if check is not None:
+                    check()
+                url = urls[(grp.draw * self.B + grp.index + attempt) % len(urls)]
+                try:
+                    return check_result_ids(body, await self._direct_client(url).post("/generate", body))
+                except RolloutRequestRefusedError:
+                    raise
+                except RolloutRequestError as e:
+                    if attempt + 1 == attempts:
+                        raise
+                    self.log(f"WARNING: group {grp.uid} failed on {url} ({e}); sending it to another server")
+                    with self._cv:
+                        self._counters["failover_resends"] += 1
+                    urls = self._server_urls() or urls
+            raise AssertionError("unreachable")
+        finally:
+            self._busy(-1)
+
+    def _body(self, grp: _Group, k: int, part: "_Partial") -> dict:
+        """The /generate body of sample ``k``'s next segment (prompt + its tokens so far, the rest of the
+        token budget; see the module docstring for seeds and rids)."""
+        sp = dict(self.sampling_params, max_new_tokens=self.max_new - len(part.tokens))
+        # keyed by the prefix length: a request cut before its first token is drawn again as if uncut
+        keys = (grp.draw, grp.index, k) + ((len(part.tokens),) if part.tokens else ())
+        sp["sampling_seed"] = sampling_seed(self.seed, *keys)
+        body = {"input_ids": grp.prompt_ids + part.tokens, "sampling_params": sp, "return_logprob": True,
+                "rid": f"s{grp.draw}-g{grp.index}-{k}" + (f"-r{part.segments}" if part.segments else "")}
+        if self.routing_shape is not None:
+            body["return_routed_experts"] = True
+        return body
+
+    def _absorb(self, part: "_Partial", out: dict) -> bool:
+        """Add one segment's answer ``out`` to ``part``; True when the response is finished (stop token,
+        length, or cut exactly at the token budget), False when it was cut (abort) and goes on."""
+        item = parse_generate_item(out)
+        had = len(part.tokens)
+        part.tokens += item.response_ids
+        part.lps += item.rollout_log_probs
+        # per token when the response spanned a weight update (in_place pause), else one version for all
+        per_token = item.token_versions or [item.weight_version] * len(item.response_ids)
+        part.versions += [_version_int(v, self.version) for v in per_token]
+        if part.segments and had:  # continued a response that had tokens
+            self._counters["resumed_segments"] += 1
+        part.segments += 1
+        part.item, part.out = item, out
+        if item.status != "aborted":
+            return True
+        if len(part.tokens) >= self.max_new:  # cut exactly at the budget: it ended by length
+            item.status = "truncated"
+            return True
+        return False
+
+    def _sample_of(self, grp: _Group, k: int, part: "_Partial") -> Sample:
+        item = part.item
+        s = Sample(index=0, group_id=0, prompt=grp.row[self.prompt_key], label=str(grp.row[self.label_key]),
+                   prompt_ids=grp.prompt_ids, response_ids=part.tokens, rollout_log_probs=part.lps,
+                   loss_mask=[1] * len(part.tokens),
+                   weight_version=str(max(part.versions)) if part.versions else item.weight_version,
+                   status=item.status, metadata={"finish_reason": item.finish_reason, "uid": f"{grp.uid}-{k}",
+                                                 "segments": part.segments})
+        s.token_versions = part.versions
+        if self.routing_shape is not None:
+            s.routed_experts = routed_experts_of(part.out, s, self.routing_shape)
+        return s
 
     async def _run_sample(self, grp: _Group, k: int) -> Sample:
-        tokens: list[int] = []
-        lps: list[float] = []
-        versions: list[int] = []
-        item = None
-        out: dict = {}
-        for segment in range(MAX_SEGMENTS):
+        """One request per sample (through the router): segment after segment until it finished."""
+        part = _Partial()
+        while part.segments < MAX_SEGMENTS:
             await self._unpaused.wait()
-            sp = dict(self.sampling_params, max_new_tokens=self.max_new - len(tokens))
-            # keyed by the prefix length: a request cut before its first token is drawn again as if uncut
-            keys = (grp.draw, grp.index, k) + ((len(tokens),) if tokens else ())
-            sp["sampling_seed"] = sampling_seed(self.seed, *keys)
-            body = {"input_ids": grp.prompt_ids + tokens, "sampling_params": sp, "return_logprob": True,
-                    "rid": f"s{grp.draw}-g{grp.index}-{k}" + (f"-r{segment}" if segment else "")}
-            if self.routing_shape is not None:
-                body["return_routed_experts"] = True
+            body = self._body(grp, k, part)
             out = await self._post(body, grp)
             check_result_id(body, out)
-            item = parse_generate_item(out)
-            tokens += item.response_ids
-            lps += item.rollout_log_probs
-            # per token when the response spanned a weight update (in_place pause), else one version for all
-            per_token = item.token_versions or [item.weight_version] * len(item.response_ids)
-            versions += [_version_int(v, self.version) for v in per_token]
-            if segment and len(tokens) > len(item.response_ids):  # continued a response that had tokens
-                self._counters["resumed_segments"] += 1
-            if item.status != "aborted":
-                break
-            if len(tokens) >= self.max_new:  # cut exactly at the budget: it ended by length
-                item.status = "truncated"
-                break
-        else:
-            raise _GiveUp(f"response {grp.uid}-{k} was cut {MAX_SEGMENTS} times")
-        s = Sample(index=0, group_id=0, prompt=grp.row[self.prompt_key], label=str(grp.row[self.label_key]),
-                   prompt_ids=grp.prompt_ids, response_ids=tokens, rollout_log_probs=lps,
-                   loss_mask=[1] * len(tokens), weight_version=str(max(versions)) if versions else item.weight_version,
-                   status=item.status, metadata={"finish_reason": item.finish_reason, "uid": f"{grp.uid}-{k}",
-                                                 "segments": segment + 1})
-        s.token_versions = versions
-        if self.routing_shape is not None:
-            s.routed_experts = routed_experts_of(out, s, self.routing_shape)
-        return s
+            if self._absorb(part, out):
+                return self._sample_of(grp, k, part)
+        raise _GiveUp(f"response {grp.uid}-{k} was cut {MAX_SEGMENTS} times")
+
+    async def _run_group_batched(self, grp: _Group) -> list[Sample]:
+        """rollout.group_requests: the group's samples as one batched request per round; the responses a
+        weight update cut go on together in the next round (each from its own prefix)."""
+        parts = [_Partial() for _ in range(self.n)]
+        todo = list(range(self.n))
+        while todo:
+            if parts[todo[0]].segments >= MAX_SEGMENTS:  # every one in todo was cut in every round
+                raise _GiveUp(f"response {grp.uid}-{todo[0]} was cut {MAX_SEGMENTS} times")
+            await self._unpaused.wait()
+            outs = await self._post_batch([self._body(grp, k, parts[k]) for k in todo], grp)
+            todo = [k for k, out in zip(todo, outs) if not self._absorb(parts[k], out)]
+        return [self._sample_of(grp, k, part) for k, part in enumerate(parts)]
 
     async def _score(self, grp: _Group, samples: Sequence[Sample]) -> None:
         """Reward of every finished response of ``grp`` (stop token or length; a cut one never gets
@@ -517,7 +622,10 @@ class RolloutManager:
 
     async def _run_group(self, grp: _Group) -> None:
         try:
-            samples = await asyncio.gather(*(self._run_sample(grp, k) for k in range(self.n)))
+            if self.group_requests:
+                samples = await self._run_group_batched(grp)
+            else:
+                samples = await asyncio.gather(*(self._run_sample(grp, k) for k in range(self.n)))
             await self._score(grp, samples)
             grp.samples = list(samples)
         except _GiveUp as e:
@@ -542,7 +650,8 @@ class RolloutManager:
         rollout/{drawn_groups, dropped_stale_groups, dropped_no_signal_groups, failed_groups,
         resumed_segments, reward_s (wall seconds spent scoring the groups finished since the previous batch), reward_errors
         (samples whose verifier timed out, raised or crashed: scored reward.error_value), waited_groups, wait_s,
-        trainer_wait_s, server_busy_frac, buffer_groups, pause_s / push_s / continue_s (wall seconds of the
+        trainer_wait_s, server_busy_frac, buffer_groups, failover_resends (groups re-sent to another server,
+        rollout.group_requests), pause_s / push_s / continue_s (wall seconds of the
         weight updates since the previous batch: pausing the servers (one_step_off: waiting until nothing
         is in flight), the push, continuing)}; reward/<name>: means of a reward function's extra
         metrics;
@@ -609,7 +718,7 @@ class RolloutManager:
             waited_groups=counters["waited_groups"], wait_s=counters["wait_s"],
             trainer_wait_s=time.monotonic() - t0, server_busy_frac=busy / max(wall, 1e-9),
             buffer_groups=buffered, pause_s=counters["pause_s"], push_s=counters["push_s"],
-            continue_s=counters["continue_s"]))
+            continue_s=counters["continue_s"], failover_resends=counters["failover_resends"]))
 
     def _trained_versions(self, s: Sample) -> list[int]:
         return [v for v, m in zip(s.token_versions, s.loss_mask) if m]
