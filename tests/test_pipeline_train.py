@@ -18,8 +18,10 @@ schedules; only sums that cross stage boundaries are reordered (the tied embeddi
 contributions, the per-rank grad-norm partial sums, the per-rank aux-loss sums), which changes results
 by a few float32 ulps. So the first SFT / RL step's loss and metrics must agree to rel 1e-6 (~8 ulps;
 measured: bitwise for the losses, entropy and grad_norm), and the HF export after one RL step (Adam at
-lr 1e-4 from identical weights, gradients equal to a few ulps) to rtol 1e-5 / atol 1e-7. Resume: a
-DualPipeV run restarted from its step-1 checkpoint must repeat the uninterrupted run's step 2.
+lr 1e-4 from identical weights, gradients equal to a few ulps) to rtol 1e-5 / atol 1e-7 (the DualPipeV
+run goes on to a second step: its weights after step 1 are those it pushed to its rollout servers, which
+for the 1F1B run equal its HF export). Resume: a DualPipeV run restarted from its step-1 checkpoint must
+repeat the uninterrupted run's step 2.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -191,6 +194,22 @@ def _export(run_dir: Path) -> dict:
     return load_file(str(run_dir / "hf_export" / "model.safetensors"))
 
 
+def _pushed_weights(run_dir: Path) -> list[dict]:
+    """The HF state dicts the disk weight sync wrote for the rollout servers (``weights/weights_<version>``, the
+    last two versions are kept), oldest first."""
+    from safetensors.torch import load_file
+
+    dirs = sorted((d for d in (run_dir / "weights").glob("weights_*") if d.is_dir() and d.name[8:].isdigit()),
+                  key=lambda d: int(d.name[8:]))
+    out = []
+    for d in dirs:
+        sd = {}
+        for f in sorted(d.glob("*.safetensors")):
+            sd.update(load_file(str(f)))
+        out.append(sd)
+    return out
+
+
 @pytest.mark.slow
 def test_moerl_train_dualpipev_matches_1f1b(tmp_path):
     import torch
@@ -211,10 +230,11 @@ def test_moerl_train_dualpipev_matches_1f1b(tmp_path):
     assert re.search(r"step 2/2 reward", out_b) and (b / "checkpoints" / "step_2" / "moerl_complete.json").is_file()
     assert (b / "hf_export" / "model.safetensors").is_file()
 
-    # C: DualPipeV RL from A's warm start, one step: A's first RL step, metric by metric
+    # C: DualPipeV RL from A's warm start, two steps (a checkpoint after each; the constant lr makes its first
+    # step the one a one-step run takes): A's first RL step, metric by metric
     c = tmp_path / "c_dualpipev"
-    common = [f"model.init_from={a / 'hf_warm_start'}", "sft.enabled=false"]
-    _train(c, "dualpipev", *common, "train.num_steps=1")
+    common = [f"model.init_from={a / 'hf_warm_start'}", "sft.enabled=false", "train.save_every=1"]
+    _train(c, "dualpipev", *common, "train.num_steps=2")
     ma, mc = _summary(a)["first_step_metrics"], _summary(c)["first_step_metrics"]
     for k in ("reward_mean", "response_length", "accuracy", "groups_with_signal"):
         assert ma[k] == mc[k], (k, ma[k], mc[k])  # identical rollouts
@@ -224,22 +244,28 @@ def test_moerl_train_dualpipev_matches_1f1b(tmp_path):
     assert set(keys) <= set(mc), sorted(set(keys) - set(mc))
     for k in keys:
         assert math.isclose(ma[k], mc[k], rel_tol=1e-6, abs_tol=1e-12), (k, ma[k], mc[k])
-    ea, ec = _export(a), _export(c)
-    assert sorted(ea) == sorted(ec)
-    for k in ea:
-        torch.testing.assert_close(ec[k], ea[k], rtol=1e-5, atol=1e-7, msg=k)
+    # the weights after one RL step: A's HF export, and the HF weights both runs pushed to their rollout servers
+    # after RL step 1 (the disk weight sync's version directories; C's export is after its step 2)
+    ea, wa, wc = _export(a), _pushed_weights(a)[-1], _pushed_weights(c)[-2]
+    assert sorted(ea) == sorted(wa) and all(torch.equal(wa[k], ea[k]) for k in ea)
+    assert sorted(wa) == sorted(wc)
+    for k in wa:
+        torch.testing.assert_close(wc[k], wa[k], rtol=1e-5, atol=1e-7, msg=k)
     warm = _export_dir(a / "hf_warm_start")
     assert any(not torch.equal(warm[k], ea[k]) for k in ea), "the RL step changed no weight"
 
-    # resume: D runs RL steps 1-2 uninterrupted; C restarted from its step-1 checkpoint repeats D's step 2
-    d = tmp_path / "d_dualpipev"
-    _train(d, "dualpipev", *common, "train.num_steps=2")
-    out_c2 = _train(c, "dualpipev", *common, "train.num_steps=2", f"resume={c / 'checkpoints' / 'step_1'}")
-    assert "RESUME from" in out_c2
+    # resume: C ran RL steps 1-2 uninterrupted; a DualPipeV run restarted from C's step-1 checkpoint (a copy of
+    # C's run directory without C's step-2 checkpoint, logs and outputs) repeats C's step 2
+    e = tmp_path / "e_dualpipev_resumed"
+    shutil.copytree(c, e, ignore=shutil.ignore_patterns("tensorboard", "hf_export", "summary.json", "step_2"))
+    assert sorted(p.name for p in (e / "checkpoints").iterdir()) == ["step_1"]
+    out_e = _train(e, "dualpipev", *common, "train.num_steps=2", f"resume={e / 'checkpoints' / 'step_1'}")
+    assert f"RESUME from {e / 'checkpoints' / 'step_1'}: phase rl" in out_e
+    assert "step 1/2 reward" not in out_e and "step 2/2 reward" in out_e
     for tag in ("train/loss", "train/grad_norm", "train/entropy", "reward_mean"):
-        vd, vc = _scalars(d, tag), _scalars(c, tag)
-        assert len(vd[2]) == 1 and len(vc[2]) == 1, (tag, vd, vc)  # step 2 ran once in each
-        assert math.isclose(vd[2][0], vc[2][0], rel_tol=1e-6, abs_tol=1e-12), (tag, vd[2], vc[2])
+        vc, ve = _scalars(c, tag), _scalars(e, tag)
+        assert len(vc[2]) == 1 and len(ve[2]) == 1 and 1 not in ve, (tag, vc, ve)  # step 2 ran once in each
+        assert math.isclose(vc[2][0], ve[2][0], rel_tol=1e-6, abs_tol=1e-12), (tag, vc[2], ve[2])
 
 
 @pytest.mark.slow
