@@ -154,3 +154,41 @@ def test_padding_does_not_change_the_update_aux_loss_included(dist):
     (a0, g0), (a1, g1) = results
     assert a0 > 0 and a1 == pytest.approx(a0, rel=1e-6)
     assert float((g1 - g0).abs().max()) <= 1e-5 * float(g0.abs().max())  # fp32 summation order
+
+
+@pytest.mark.parametrize("correction", ["none", "decoupled"])
+def test_old_log_probs_from_the_update_forward_give_the_same_update(dist, correction):
+    """algorithm.recompute_old_log_probs: ONE update without an old-log-prob pass (the loss takes the proximal
+    log-probs from its own forward, detached) gives the loss, metrics and updated weights of the update after
+    a separate pass, bit for bit, with and without an off-policy correction; its train/rollout mismatch metrics
+    equal moerl.algorithms.off_policy.rollout_mismatch_metrics of that pass (the reference)."""
+    from moerl.algorithms.off_policy import rollout_mismatch_metrics
+    from moerl.train.losses import update_mismatch_metrics
+
+    hf = random_hf_model()
+    samples = make_samples(FIELDS["vocab_size"])
+    g = torch.Generator().manual_seed(5)
+    behaviour = [(-1.0 - torch.rand(len(s.response_ids), generator=g, dtype=torch.float64)).tolist() for s in samples]
+    algo = SimpleNamespace(**vars(ALGO), off_policy_correction=correction, is_level="token", is_cap=2.0,
+                           is_lower=0.0, icepop_beta=2.0)
+    runs = {}
+    for recompute in (True, False):
+        actor = actor_with(hf, lr=1e-2, clip_grad=0.0)
+        fields = {"behaviour_log_probs": behaviour}
+        if recompute:
+            old = fields["old_log_probs"] = _old_log_probs(actor, samples, 3)
+        mbatches = split_micro_batches(samples, 3, 0, fields)
+        n_tok = int(sum(mb.loss_mask.sum() for mb in mbatches))
+        m = actor.train_step(mbatches, policy_loss(algo, global_num_tokens=n_tok, global_num_seqs=len(samples)), 1.0)
+        runs[recompute] = m, actor.export_hf_state_dict()
+    (m_pass, w_pass), (m_fused, w_fused) = runs[True], runs[False]
+    assert m_pass["logratio_abs_sum"] == 0.0 and float(m_pass["grad_norm"]) > 0
+    for k, v in m_pass.items():
+        assert m_fused[k] == v, k
+    for k, v in w_pass.items():
+        assert torch.equal(w_fused[k], v), k
+    want = rollout_mismatch_metrics(old, behaviour)
+    got = update_mismatch_metrics({f"train/{k}": v for k, v in m_fused.items()})
+    assert got["train/old_log_probs_from_update"] == 1.0
+    for k, v in want.items():  # the micro-batch holds the behaviour log-probs in float32: rounding ~1e-7
+        assert got[k] == pytest.approx(v, rel=1e-6, abs=1e-9), k

@@ -67,7 +67,7 @@ EXPECTED_TINY = {
         "is_lower": 0.0, "icepop_beta": 2.0, "moe_aux_loss_coeff": 1.0e-3, "moe_load_balancing_type": "aux_loss",
         "whiten_advantages": False, "gamma": 1.0, "lam": 1.0, "dual_clip_c": None, "entropy_coef": 0.0,
         "kl_in_reward": False, "overlong_buffer_len": None, "overlong_penalty_factor": 1.0,
-        "reference_reset_every": 0, "value_clip": 0.2,
+        "reference_reset_every": 0, "value_clip": 0.2, "recompute_old_log_probs": None,
     },
     "critic": {"lr": 1.0e-4, "weight_decay": 0.0, "clip_grad": 1.0, "warmup_steps": 0},
     "moe": {
@@ -420,3 +420,19 @@ def test_qwen3_math_gpu_recipe_checks_on_cpu(capsys):
     servers = [e for e in dry_run(cfg, model_path=cfg.model.init_from) if "sglang.launch_server" in e["argv"]]
     assert len(servers) == 2 and all("--enable-memory-saver" in e["argv"] for e in servers)
     assert [e["env"]["CUDA_VISIBLE_DEVICES"] for e in servers] == ["0,1,2,3", "4,5,6,7"]
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["train.global_batch_size=64"], "2 optimizer updates"),  # 16 x 8 samples per step
+    (["moe.routing_replay=r2"], "moe.routing_replay=r2"),
+    (["algorithm.kl_in_reward=true", "algorithm.kl_coef=0.01", "algorithm.advantage_estimator=reinforce_plus_plus",
+      "algorithm.policy_loss=ppo"], "kl_in_reward"),
+])
+def test_old_log_probs_cannot_skip_their_pass_where_a_step_needs_it(overrides, needle):
+    from moerl.config.schema import old_log_probs_pass_reason
+
+    msg = _err(["algorithm.recompute_old_log_probs=false", *overrides])
+    assert "algorithm.recompute_old_log_probs" in msg and needle in msg
+    assert needle in old_log_probs_pass_reason(load_config(TINY, overrides))  # null: recomputed there
+    assert old_log_probs_pass_reason(load_config(TINY)) is None  # the demo: one update per step, no pass needed
+    load_config(TINY, ["algorithm.recompute_old_log_probs=false"])

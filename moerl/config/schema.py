@@ -577,6 +577,16 @@ class AlgorithmConfig(_Section):
     is_cap: float = Field(2.0, gt=0)  # C: upper cap (tis, decoupled) / upper bound (mis)
     is_lower: float = Field(0.0, ge=0)  # lower bound of mis (0 = none)
     icepop_beta: float = Field(2.0, gt=1)  # icepop keeps tokens with w in [1/beta, beta]
+    # The proximal (old) log-probs: a forward of the policy before the step's updates. When the step makes ONE
+    # optimizer update (rollout_batch_size x n_samples_per_prompt < 2 x train.global_batch_size) from those
+    # same weights, the update's own forward computes exactly them (the weights change only at the optimizer
+    # step), so the separate pass can be skipped and the loss takes them from that forward, detached (ratio 1,
+    # the same loss and gradient; tests/test_actor.py checks it bit for bit). Needed (recomputed) with several
+    # updates per step, moe.routing_replay=r2 (it replays that pass's routing) and kl_in_reward (the rewards
+    # need them before the update). null = skip when not needed; true = always recompute (the step-0 ratio
+    # check then compares two passes instead of holding by construction); false = never (refused where
+    # needed). Skipping saves one forward per step (the demo: time/log_prob 0.21 -> ~0.10 s).
+    recompute_old_log_probs: Optional[bool] = None
 
     @model_validator(mode="after")
     def _kl_needs_reference(self) -> "AlgorithmConfig":
@@ -820,6 +830,28 @@ class PrecisionConfig(_Section):
         return self
 
 
+def old_log_probs_pass_reason(cfg, n_updates: Optional[int] = None) -> Optional[str]:
+    """Why a step needs its own old (proximal) log-prob pass before the update (see
+    ``algorithm.recompute_old_log_probs``), or None when the update's own forward gives them.
+
+    Args:
+        cfg: the recipe (algorithm, moe, rollout, train sections read).
+        n_updates: optimizer updates this step makes; None = the recipe's
+            (rollout_batch_size x n_samples_per_prompt) // train.global_batch_size.
+    """
+    if n_updates is None:
+        n_updates = max(1, cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
+                        // cfg.train.global_batch_size)
+    if n_updates > 1:
+        return (f"each step makes {n_updates} optimizer updates (rollout_batch_size x n_samples_per_prompt >= 2 x "
+                "train.global_batch_size): the later ones start from other weights")
+    if cfg.moe.routing_replay == "r2":
+        return "moe.routing_replay=r2 replays that pass's routing in the update"
+    if cfg.algorithm.kl_in_reward:
+        return "algorithm.kl_in_reward=true puts the KL into the rewards before the update"
+    return None
+
+
 class RecipeConfig(_Section):
     """The whole run recipe (see configs/tiny_arith.yaml for every key with a comment)."""
 
@@ -895,6 +927,10 @@ class RecipeConfig(_Section):
         if algo.off_policy_correction == "mis" and algo.is_lower > algo.is_cap:
             raise ValueError(f"algorithm.is_lower ({algo.is_lower}) must be <= algorithm.is_cap ({algo.is_cap}) for "
                              "algorithm.off_policy_correction=mis (the kept band is [is_lower, is_cap])")
+        why = old_log_probs_pass_reason(self)
+        if algo.recompute_old_log_probs is False and why:
+            raise ValueError(f"algorithm.recompute_old_log_probs=false, but {why}: the old log-probs need their own "
+                             "forward pass there; set algorithm.recompute_old_log_probs=null")
         return self
 
     @model_validator(mode="after")

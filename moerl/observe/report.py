@@ -38,7 +38,8 @@ def step0_check(m: dict, tol: float = STEP0_LOGPROB_TOL) -> dict:
     """The step-0 checks, printed every run: right after a weight sync the trainer's log-probs of the
     rollout tokens match the server's (mean |diff| <= ``tol``: 1e-5 in fp32, see
     :func:`step0_logprob_tolerance`), and the policy ratio is exactly 1 before the first update (sum over
-    tokens of |log_probs - old_log_probs| == 0)."""
+    tokens of |log_probs - old_log_probs| == 0; by construction when the old log-probs came from the update's
+    own forward: ``ratio_by_construction``)."""
     lp = m.get("logprob_abs_diff_mean", float("nan"))
     dev = m.get("train/logratio_abs_sum", float("nan"))
     res = {
@@ -48,11 +49,14 @@ def step0_check(m: dict, tol: float = STEP0_LOGPROB_TOL) -> dict:
         "logprob_tolerance": tol,
         "logratio_abs_sum": dev,
         "ratio_pass": bool(dev == 0.0),
+        "ratio_by_construction": bool(m.get("train/old_log_probs_from_update")),
     }
+    how = (" by construction: the old log-probs were the update's own forward (algorithm.recompute_old_log_probs)"
+           if res["ratio_by_construction"] else "")
     log(
         f"STEP-0 CHECK: trainer vs rollout-server log-probs mean |diff| {lp:.2e} (max {res['logprob_abs_diff_max']:.2e}, "
         f"tolerance {tol:g}): {'PASS' if res['logprob_pass'] else 'FAIL'}; policy ratio before the first "
-        f"update: sum |log ratio| = {dev:g} (exactly 1): {'PASS' if res['ratio_pass'] else 'FAIL'}"
+        f"update: sum |log ratio| = {dev:g} (exactly 1{how}): {'PASS' if res['ratio_pass'] else 'FAIL'}"
     )
     return res
 

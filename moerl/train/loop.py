@@ -24,7 +24,7 @@ from pathlib import Path
 from moerl.algorithms.off_policy import rollout_mismatch_metrics
 from moerl.checkpoint.hf_io import save_hf_checkpoint
 from moerl.checkpoint.run_state import Checkpointer, TrainState, load_checkpoint, resolve_resume
-from moerl.moe.routing_replay import RoutingReplay, gather_recorded_routing
+from moerl.moe.routing_replay import RoutingReplay
 from moerl.observe.metrics import MetricsLogger, perf_line
 from moerl.observe.profiling import StepMonitor
 from moerl.observe.report import step0_check, step0_logprob_tolerance, step_line
@@ -36,8 +36,8 @@ from moerl.train.advantages import needs_token_advantages, outcome_advantages, s
 from moerl.train.components import (build_actor, build_critic, build_reference, export_final, reset_reference,
                                     reward_pool, rollout_manager, rollout_servers, train_critic,
                                     warm_start)
-from moerl.train.losses import policy_loss
-from moerl.train.micro_batches import attach_log_probs, attach_values, build_micro_batches
+from moerl.train.losses import policy_loss, update_mismatch_metrics
+from moerl.train.micro_batches import attach_pre_update, build_micro_batches, recompute_old_log_probs
 from moerl.train.setup import prepare_run
 from moerl.train.sft import evaluate
 from moerl.train.stop_rule import first_rl_step, should_stop
@@ -188,30 +188,27 @@ def rl_step(ctx, step: int, actor, ref, manager, sync, timers, critic=None) -> d
     chunk = math.ceil(len(kept) / n_updates)
     parts = [p for p in (kept[lo: lo + chunk] for lo in range(0, len(kept), chunk)) if len(p) >= world.dp_info()[0]]
     sync.placement.before_train()  # colocated: the servers release their memory before training
-    with timers("log_prob"):  # proximal (old) log-probs, before any update, on each update's own micro-batches
+    old = recompute_old_log_probs(cfg, len(parts))  # else one update from these weights: its own forward
+    with timers("log_prob"):  # proximal (old) + reference log-probs, critic values, before any update
         for part in parts:
-            timers.count("logprob", ctx.hf_config, part, passes=1 + (ref is not None))  # model FLOPs (MFU)
-            attach_log_probs(ctx, actor, part, ro.temperature, "old_log_probs")
-            if cfg.moe.routing_replay == "r2":  # replay the old-log-prob pass's routing in the updates
-                gather_recorded_routing(actor.routing_replay, part)
-            if ref is not None:
-                attach_log_probs(ctx, ref, part, ro.temperature, "ref_log_probs")
-            if critic is not None:
-                attach_values(ctx, critic, part)  # the critic's values before this step's updates
+            timers.count("logprob", ctx.hf_config, part, passes=old + (ref is not None))  # model FLOPs (MFU)
+            attach_pre_update(ctx, actor, ref, critic, part, ro.temperature, old=old)
     flat = [s for p in parts for s in p]  # per token: reinforce++, gae, whitening
     m.update(token_advantages(ctx, flat, [s.metadata["old_values"] for s in flat] if critic else None))
-    m.update(rollout_mismatch_metrics([s.metadata["old_log_probs"] for s in flat],  # lp_diff, mismatch KL
-                                      [s.rollout_log_probs for s in flat]))
+    if old:  # lp_diff, mismatch KL (else from the update's forward, see policy_loss)
+        m.update(rollout_mismatch_metrics([s.metadata["old_log_probs"] for s in flat],
+                                          [s.rollout_log_probs for s in flat]))
     with timers("update"):
         for part in parts:
             if critic is not None:
                 m.update(train_critic(ctx, critic, part, step))
                 if step <= cfg.critic.warmup_steps:  # critic warm-up: the policy waits
                     continue
-            fields = {"old_log_probs": [s.metadata["old_log_probs"] for s in part],
-                      "behaviour_log_probs": [s.rollout_log_probs for s in part],
+            fields = {"behaviour_log_probs": [s.rollout_log_probs for s in part],
                       "token_staleness": [[float(batch.trainer_version - v) for v in s.token_versions]
                                           or [0.0] * len(s.response_ids) for s in part]}
+            if old:
+                fields["old_log_probs"] = [s.metadata["old_log_probs"] for s in part]
             if ref is not None:
                 fields["ref_log_probs"] = [s.metadata["ref_log_probs"] for s in part]
             if needs_token_advantages(algo):
@@ -226,6 +223,8 @@ def rl_step(ctx, step: int, actor, ref, manager, sync, timers, critic=None) -> d
             # the step-0 check reads the FIRST update's ratio (later ones follow an optimizer step)
             first = m.get("train/logratio_abs_sum", out.get("logratio_abs_sum"))
             m.update({f"train/{k}": v for k, v in out.items()}, **{"train/logratio_abs_sum": first})
+            if not old:  # lp_diff, mismatch KL from the update's own forward
+                m.update(update_mismatch_metrics(m))
     if ref is not None and algo.reference_reset_every and step % algo.reference_reset_every == 0:
         reset_reference(ctx, actor, ref, sync, step)  # the KL anchor moves to the current policy
     with timers("weight_sync"):

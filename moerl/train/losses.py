@@ -6,6 +6,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
+from moerl.algorithms.kl import kl_penalty
 from moerl.algorithms.policy_loss import compute_policy_loss
 from moerl.train.batching import MicroBatch
 
@@ -70,8 +71,11 @@ def policy_loss(
 
     ``algo`` is the recipe's algorithm section (policy_loss, eps_clip_low/high, loss_agg_mode,
     kl_coef, kl_estimator, off_policy_correction, is_level, is_cap, is_lower, icepop_beta). The
-    micro-batch must carry extras "old_log_probs" (the proximal policy; and "ref_log_probs" when a
-    reference policy is kept), label-aligned [B,S] float32. Optional extras, same layout:
+    micro-batch carries extras "old_log_probs" (the proximal policy; without them the update's own
+    forward, detached, is the proximal policy: right only for ONE update from the weights that made them,
+    see algorithm.recompute_old_log_probs; the train/rollout mismatch metrics are then reported as
+    ``mismatch_*``, see :func:`update_mismatch_metrics`) and "ref_log_probs" when a reference policy is
+    kept, label-aligned [B,S] float32. Optional extras, same layout:
     "behaviour_log_probs" (the rollout server's per-token log-probs; required when
     ``algo.off_policy_correction != "none"``, and when present the mismatch metrics are reported
     with any correction) and "token_staleness" (per token, trainer weight version minus the version
@@ -98,9 +102,13 @@ def policy_loss(
 
     def loss_fn(log_probs: torch.Tensor, entropy: torch.Tensor, mb: MicroBatch):
         mask = mb.loss_mask
+        old = mb.extras.get("old_log_probs")
+        from_update = old is None
+        if from_update:  # one update from the weights of this very forward: they ARE the proximal log-probs
+            old = log_probs.detach()
         loss, metrics = compute_policy_loss(
             log_probs,
-            mb.extras["old_log_probs"],
+            old,
             mb.extras.get("token_advantages", mb.advantages),  # per-token estimators / whitening: [B,S]
             mask,
             policy_loss=algo.policy_loss,
@@ -127,7 +135,15 @@ def policy_loss(
         share = float(mask.sum()) / global_num_tokens
         out = {"loss": loss.detach()}
         # sum over tokens of |log_probs - old_log_probs|: exactly 0 iff every token ratio is exactly 1
-        out["logratio_abs_sum"] = float(((log_probs.detach() - mb.extras["old_log_probs"]).abs() * mask).sum())
+        out["logratio_abs_sum"] = float(((log_probs.detach() - old).abs() * mask).sum())
+        behaviour = mb.extras.get("behaviour_log_probs")
+        if from_update and behaviour is not None:  # what the old-log-prob pass would have measured (loss tokens)
+            diff = old.double() - behaviour.double()
+            k3 = kl_penalty(behaviour.double(), old.double(), "k3")  # KL(mu || pi_prox), delta = log mu - log pi
+            keep = mask.double()
+            out["mismatch_lp_abs_diff_mean"] = float((diff.abs() * keep).sum()) / global_num_tokens
+            out["mismatch_lp_abs_diff" + MAX_METRIC_SUFFIX] = float((diff.abs() * keep).max()) if keep.any() else 0.0
+            out["mismatch_kl_k3"] = float((k3 * keep).sum()) / global_num_tokens
         for k, v in metrics.items():
             if k == "num_tokens":
                 continue
@@ -135,6 +151,20 @@ def policy_loss(
         return loss, out
 
     return loss_fn
+
+
+def update_mismatch_metrics(m: dict) -> dict:
+    """The train/rollout mismatch metrics of a step whose old log-probs came from the update's own forward
+    (algorithm.recompute_old_log_probs): ``m``'s ``train/mismatch_*`` (from :func:`policy_loss`, over the
+    loss tokens) under the names :func:`moerl.algorithms.off_policy.rollout_mismatch_metrics` gives them
+    (``logprob_abs_diff_mean`` / ``_max``, ``rollout/mismatch_kl_k3``), popped from ``m``, plus
+    ``train/old_log_probs_from_update`` = 1 (the step-0 ratio check then holds by construction)."""
+    names = {"train/mismatch_lp_abs_diff_mean": "logprob_abs_diff_mean",
+             "train/mismatch_lp_abs_diff_max": "logprob_abs_diff_max",
+             "train/mismatch_kl_k3": "rollout/mismatch_kl_k3"}
+    out = {new: m.pop(old) for old, new in names.items() if old in m}
+    out["train/old_log_probs_from_update"] = 1.0
+    return out
 
 
 def critic_loss(algo, *, global_num_tokens: int, global_num_seqs: int, seq_token_sum_constant: Optional[float] = None):

@@ -98,6 +98,37 @@ def attach_log_probs(ctx: RunContext, actor, samples, temperature, key) -> list[
     return _attach(samples, key, ((mb, lp) for mb, lp, _ in actor.compute_log_probs(mbs, temperature)))
 
 
+def recompute_old_log_probs(cfg, n_updates: int) -> bool:
+    """Whether this step computes its old (proximal) log-probs in a pass of their own before the update
+    (algorithm.recompute_old_log_probs; null = only where needed, see
+    :func:`moerl.config.schema.old_log_probs_pass_reason`), or the update takes them from its own forward."""
+    from moerl.config.schema import old_log_probs_pass_reason
+
+    setting = getattr(cfg.algorithm, "recompute_old_log_probs", None)
+    return True if setting or old_log_probs_pass_reason(cfg, n_updates) else False
+
+
+def attach_pre_update(ctx: RunContext, actor, ref, critic, samples, temperature: float, *, old: bool = True) -> None:
+    """Before a step's updates, on every rank, into each sample's metadata: the proximal (old) log-probs under
+    ``actor`` ("old_log_probs"; not computed with ``old`` False: the update then takes them from its own
+    forward, :func:`recompute_old_log_probs`) and, for moe.routing_replay=r2, that pass's routing; the
+    reference policy's log-probs ("ref_log_probs", ``ref`` not None) and the critic's values ("old_values",
+    ``critic`` not None). One set of micro-batches serves every pass."""
+    if not (old or ref is not None or critic is not None):
+        return
+    mbs = build_micro_batches(ctx, samples)[0]
+    if old:
+        _attach(samples, "old_log_probs", ((mb, lp) for mb, lp, _ in actor.compute_log_probs(mbs, temperature)))
+        if ctx.cfg.moe.routing_replay == "r2":  # replay the old-log-prob pass's routing in the updates
+            from moerl.moe.routing_replay import gather_recorded_routing
+
+            gather_recorded_routing(actor.routing_replay, samples)
+    if ref is not None:
+        _attach(samples, "ref_log_probs", ((mb, lp) for mb, lp, _ in ref.compute_log_probs(mbs, temperature)))
+    if critic is not None:
+        _attach(samples, "old_values", zip(mbs, critic.compute_values(mbs)))
+
+
 def attach_values(ctx: RunContext, critic, samples, key: str = "old_values") -> list[list[float]]:
     """The critic's value of the state before each response token (moerl.train.critic.MegatronCritic,
     label-aligned like the log-probs), per sample into ``metadata[key]``, on every rank."""
