@@ -214,3 +214,6 @@ def test_balancing_gradient_independent_of_layout(dp1, layout, tmp_path):
 
 if __name__ == "__main__":
     _worker(sys.argv[1], sys.argv[2])
+    from moerl.cli import exit_without_teardown
+
+    exit_without_teardown(0)  # results written: skip the module teardown (about 1 s of CPU per rank)

@@ -92,3 +92,6 @@ def test_actor_entropy_keeps_its_graph_only_when_asked():
 
 if __name__ == "__main__":
     _worker(sys.argv[1])
+    from moerl.cli import exit_without_teardown
+
+    exit_without_teardown(0)  # results written: skip the module teardown (about 1 s of CPU per rank)

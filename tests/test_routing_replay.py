@@ -478,3 +478,6 @@ def test_replay_under_parallel_layouts(case, tmp_path):
 
 if __name__ == "__main__":
     run_mp_case(sys.argv[1], Path(sys.argv[2]))
+    from moerl.cli import exit_without_teardown
+
+    exit_without_teardown(0)  # results written: skip the module teardown (about 1 s of CPU per rank)
