@@ -4,6 +4,9 @@ table, targets, /proc parsing) on hand-worked numbers; no training runs."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -188,3 +191,35 @@ def test_proc_parsers():
 def test_fmt_table():
     t = ba.fmt_table(["a", "bb"], [["1", "22"], ["333", "4"]])
     assert t.splitlines() == ["|   a | bb |", "|-----|----|", "|   1 | 22 |", "| 333 |  4 |"]
+
+
+@pytest.mark.skipif(not {0, 1} <= os.sched_getaffinity(0), reason="needs cores 0 and 1")
+def test_proc_sampler_counts_threads_pinned_to_core_1_as_core_1_time():
+    """The trainer's rollout-side threads (producer, weight push) run pinned to core 1: the sampler's
+    threads_core1 series holds their CPU and not the main thread's, so the foreign load of core 1 does not
+    count them (they had shown up as 10-15% 'foreign' load in the overlapped modes)."""
+    sampler = ba.ProcSampler(os.getpid(), interval=0.05)
+    done, release = threading.Event(), threading.Event()
+
+    def burn():
+        os.sched_setaffinity(0, {1})
+        t = time.thread_time()
+        while time.thread_time() - t < 0.4:
+            pass
+        done.set()
+        release.wait()  # alive until sampled (a finished thread leaves /proc)
+
+    t0 = time.time()
+    sampler.sample()
+    th = threading.Thread(target=burn)
+    th.start()
+    t_main = time.thread_time()
+    while time.thread_time() - t_main < 0.2:  # the main thread burns too (not on the core-1 series)
+        pass
+    done.wait()
+    sampler.sample()
+    release.set()
+    th.join()
+    w = sampler.window(t0, time.time())
+    assert 0.3 <= w["threads_core1"] <= 0.6, w
+    assert w["threads"] >= w["threads_core1"] and w["main"] >= 0.15

@@ -32,7 +32,8 @@ Figures per mode (from the run's TensorBoard events, summary.json and /proc samp
 * CPU: trainer-core use (trainer process CPU / RL wall), the CPU per step of the trainer's busiest
   non-main thread (the rollout producer: HTTP client, reward scoring; it shares core 0 with training)
   and of its other threads, and the foreign load on cores 0 / 1 (busy ticks of the core minus our
-  processes' ticks: other jobs, this tool; the report warns above 10%).
+  processes' ticks on it: the trainer's threads pinned to core 1 (producer, weight push, reward dispatcher)
+  count as core-1 time; what is left is other jobs and this tool; the report warns above 10%).
 
 Time model (from the sync run's per-step phase means; S = steps):
 
@@ -70,15 +71,13 @@ Targets (PASS / FAIL printed; the exit code stays 0): sync wall / async(s=1) wal
 greedy accuracy within 3 points of sync; the model's predicted sync / async(s=1) ratio within 20% of the
 measured one.
 
-Measured (40 steps, --set rollout.weight_sync=tensor, quiet; the README's Async section has the tables):
-two runs, sync 0.856 / 0.974 s/step, one_step_off 1.48x / 1.51x, async s=1 1.48x / 1.44x, s=2 1.45x / 1.43x,
-short of the 1.6x target (1.36x / 1.37x before the in_place suspension, the HTTP worker process and
-rollout.max_inflight_groups). What bounds it now: rollout and training take nearly the same time here
-(0.49 vs 0.45 s), so their variation leaves one side idle, and the overlapped trainer's log-prob + update
-run 12-20% slower than in sync (about 5% from the cores sharing caches and memory, the rest from the trainer
-process's own producer and reward-pool threads taking the interpreter lock), plus 0.07 s per step for the
-pause / push / continue. (Before the client moved from httpx to aiohttp the producer needed 0.29 s CPU per
-step and async was 0.87-0.96x sync.)
+Measured (40 steps, --set rollout.weight_sync=tensor; the README's Async section has the tables): four runs
+of commit 6d493aa, sync 0.523-0.597 s/step, async s=1 1.70x / 1.39x / 1.30x / 1.23x, one_step_off 1.17-1.51x,
+s=2 1.27-1.85x. With one request per group (rollout.group_requests) and no separate old-log-prob pass
+(algorithm.recompute_old_log_probs) rollout takes 0.17-0.22 s per batch and training 0.32-0.34 s, so async is
+bound by training (at most (R + T + W) / T, ~1.6-1.75x), and training runs 10-20% slower while the other
+core generates (two busy vCPUs of this VM slow each other down). Before those two changes the demo was
+balanced (0.44 s / 0.42 s) and every mode ~60% slower: async s=1 1.40-1.49x, one_step_off 1.44-1.66x.
 
 Usage: python tools/bench_async.py [--steps 40] [--warm-start DIR] [--modes sync one_step_off async_s1
        async_s2] [--out DIR] [--keep] [--num-servers 1] [--eval-prompts 1000]
@@ -371,7 +370,11 @@ class ProcSampler:
     def __init__(self, pid: int, interval: float = 0.25):
         self.pid, self.interval = pid, interval
         self.hz = os.sysconf("SC_CLK_TCK")
-        self.series: dict[str, list[tuple[float, float]]] = {"main": [], "threads": [], "rollout": []}
+        # threads_core1: the trainer's non-main threads pinned to core 1 alone (the rollout side's producer,
+        # weight push and reward dispatcher threads): their CPU is core-1 time, not core-0 time
+        self.series: dict[str, list[tuple[float, float]]] = {"main": [], "threads": [], "rollout": [],
+                                                             "threads_core1": []}
+        self._on_core1: set[int] = set()
         self.cores: dict[int, list[tuple[float, float]]] = {}
         self._threads: dict[int, int] = {}
         self.thread_series: dict[int, list[tuple[float, float]]] = {}  # non-main threads, by tid
@@ -422,6 +425,9 @@ class ProcSampler:
             txt = self._read(f"/proc/{self.pid}/task/{tid}/stat")
             if txt:
                 self._threads[tid] = max(self._threads.get(tid, 0), parse_task_stat(txt)[1])
+            status = self._read(f"/proc/{self.pid}/task/{tid}/status") or ""
+            if tid != self.pid and "Cpus_allowed_list:\t1\n" in status:
+                self._on_core1.add(tid)
         for p in self._descendants():
             txt = self._read(f"/proc/{p}/stat")
             if txt:
@@ -433,6 +439,7 @@ class ProcSampler:
         self.series["main"].append((now, main / self.hz))
         self.series["threads"].append((now, (sum(self._threads.values()) - main) / self.hz))
         self.series["rollout"].append((now, sum(self._procs.values()) / self.hz))
+        self.series["threads_core1"].append((now, sum(self._threads.get(t, 0) for t in self._on_core1) / self.hz))
         for core, ticks in parse_proc_stat(self._read("/proc/stat") or "").items():
             self.cores.setdefault(core, []).append((now, ticks / self.hz))
 
@@ -557,8 +564,10 @@ def mode_figures(steps: list[dict], summary: dict, sampler: Optional[ProcSampler
         fig["trainer_core_use"] = trainer_cpu / wall
         fig["server_idle"] = max(0.0, 1.0 - cpu["rollout"] / wall)
         cores = cpu["cores"]
-        fig["foreign_core0"] = max(0.0, cores.get(0, trainer_cpu) - trainer_cpu) / wall
-        fig["foreign_core1"] = max(0.0, cores.get(1, cpu["rollout"]) - cpu["rollout"]) / wall
+        on1 = cpu.get("threads_core1", 0.0)  # trainer threads pinned to the rollout core (producer, push, ...)
+        fig["cpu"]["trainer_threads_on_core1_s"] = on1
+        fig["foreign_core0"] = max(0.0, cores.get(0, trainer_cpu - on1) - (trainer_cpu - on1)) / wall
+        fig["foreign_core1"] = max(0.0, cores.get(1, cpu["rollout"] + on1) - cpu["rollout"] - on1) / wall
     return fig
 
 
