@@ -159,7 +159,10 @@ def test_user_reward_with_a_wrong_path_or_signature_is_refused_before_any_work(t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fn, group", [("leading_int_match", False), ("group_leading_int_match", True)])
+# the per-sample function is slow_extra (not in CI): a function loaded from a file outside the package by the
+# reward workers is also the group case, and per-sample scoring in the workers is every other end-to-end run's
+@pytest.mark.parametrize("fn, group", [pytest.param("leading_int_match", False, marks=pytest.mark.slow_extra),
+                                       ("group_leading_int_match", True)])
 def test_user_reward_from_a_file_outside_the_package_scores_the_run(tmp_path, fn, group):
     """reward.function=/path/file.py:fn: the run's reward workers load it and every rollout and eval
     response goes through it; its extra metric is logged (reward/response_chars). A group function

@@ -107,8 +107,10 @@ def _kill_at(run_dir: Path, pattern: str, extra_delay: float, *overrides: str) -
 
 
 @pytest.mark.slow
-# seed 0 kills in RL (after step 4 + 1.1 s), seed 1 in SFT (after its step 6 + 0.9 s); other seeds draw other points
-@pytest.mark.parametrize("seed", [0, 1])
+# seed 0 kills in RL (after step 4 + 1.1 s), seed 1 in SFT (after its step 6 + 0.9 s); other seeds draw other points.
+# Seed 1 is slow_extra (not in CI): a kill during SFT and resume=auto bit-identical to the same reference is also
+# test_kill9_of_trainer_alone_leaves_no_child_and_time_based_checkpoints_resume (killed at SFT step 2)
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow_extra)])
 def test_kill9_then_resume_auto_is_bit_identical(tmp_path, reference, seed):
     rng = random.Random(seed)
     # kill points: after an SFT eval line (steps 2, 4, 6) or after an RL step line (1..5), then a
@@ -279,6 +281,9 @@ def test_tp2ep2_checkpoint_resumes_at_tp1_and_pp2_with_same_next_loss(tmp_path):
 
 if __name__ == "__main__":
     run_layout_case(sys.argv[1], Path(sys.argv[2]))
+    from moerl.cli import exit_without_teardown
+
+    exit_without_teardown(0)  # results written: skip the module teardown (about 1 s of CPU per rank)
 
 
 # ----------------------------------------------------------------------------- no orphan processes
