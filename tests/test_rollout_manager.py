@@ -625,9 +625,9 @@ def test_a_group_whose_server_fails_is_resent_to_the_next_one_and_none_is_lost_o
     seeds: every step trains the groups and samples a healthy run trains, none twice, and the re-sends are
     counted. Without failover the failure surfaces (get_batch raises); a refused request (HTTP 4xx) is never
     re-sent."""
-    from moerl.rollout.errors import RolloutRequestError, RolloutRequestRefusedError
+    from moerl.rollout.errors import RolloutRequestError, RolloutRequestRefusedError, RolloutServerDiedError
 
-    def run(fail, refuse=False, failover=True):
+    def run(fail, refuse=False, failover=True, dies=False):
         servers = FakeServers()
         servers.failover = failover
         servers.checks = 0
@@ -636,6 +636,9 @@ def test_a_group_whose_server_fails_is_resent_to_the_next_one_and_none_is_lost_o
 
         def check_alive():
             servers.checks += 1
+            if dies and urls["http://a"].posts and not failover:  # its process is gone once it failed a request
+                raise RolloutServerDiedError("rollout server 0 (http://a) died: signal SIGKILL", index=0,
+                                             url="http://a", pid=1, returncode=-9)
 
         servers.check_alive = check_alive
         mgr = _manager(servers, _cfg(mode="sync", group=True), num_steps=3)
@@ -651,6 +654,9 @@ def test_a_group_whose_server_fails_is_resent_to_the_next_one_and_none_is_lost_o
     if not failover:
         with pytest.raises(RolloutRequestError, match="failed after"):
             run(2, failover=False)
+        # a server process that died is named (the cluster's check after the failure), not a bare HTTP error
+        with pytest.raises(RolloutServerDiedError, match="server 0"):
+            run(2, failover=False, dies=True)
         return
     batches, urls, servers = run(3)
     assert samples(batches) == samples(healthy)

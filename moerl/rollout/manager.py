@@ -515,6 +515,8 @@ class RolloutManager:
                 except RolloutRequestRefusedError:
                     raise
                 except RolloutRequestError as e:
+                    if check is not None:  # a dead server is named (RolloutServerDiedError) unless it fails over
+                        check()
                     if attempt + 1 == attempts:
                         raise
                     self.log(f"WARNING: group {grp.uid} failed on {url} ({e}); sending it to another server")
