@@ -436,3 +436,13 @@ def test_old_log_probs_cannot_skip_their_pass_where_a_step_needs_it(overrides, n
     assert needle in old_log_probs_pass_reason(load_config(TINY, overrides))  # null: recomputed there
     assert old_log_probs_pass_reason(load_config(TINY)) is None  # the demo: one update per step, no pass needed
     load_config(TINY, ["algorithm.recompute_old_log_probs=false"])
+
+
+def test_a_critic_warm_up_step_keeps_the_old_log_prob_pass():
+    """gae with critic.warmup_steps: those steps make no policy update, so their old log-probs (and the
+    train/rollout mismatch metrics) come from a pass of their own; later steps take them from the update."""
+    from moerl.train.micro_batches import recompute_old_log_probs
+
+    cfg = load_config(TINY, ["algorithm.advantage_estimator=gae", "algorithm.policy_loss=ppo", "critic.warmup_steps=2"])
+    assert [recompute_old_log_probs(cfg, 1, step) for step in (1, 2, 3)] == [True, True, False]
+    assert recompute_old_log_probs(cfg, 2, 3) and recompute_old_log_probs(load_config(TINY), 1, 1) is False

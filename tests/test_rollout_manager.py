@@ -620,19 +620,20 @@ class _Flaky:
 
 @pytest.mark.parametrize("failover", [True, False])
 def test_a_group_whose_server_fails_is_resent_to_the_next_one_and_none_is_lost_or_repeated(failover):
-    """rollout.group_requests sends each group straight to a server (groups round-robin). A server that fails
-    a group (dead, being restarted by failover) gets it re-sent to the next live server, with the same rids and
-    seeds: every step trains the groups and samples a healthy run trains, none twice, and the re-sends are
-    counted. Without failover the failure surfaces (get_batch raises); a refused request (HTTP 4xx) is never
-    re-sent."""
+    """rollout.group_requests sends each group straight to a server (groups round-robin), never to the router.
+    A server that fails a group (dead, being restarted by failover) gets it re-sent to the next live server,
+    with the same rids and seeds, and while no server is live the group waits for one: every step trains the
+    groups and samples a healthy run trains, none twice, and the re-sends are counted. Without failover the
+    failure surfaces (get_batch raises, naming a dead server); a refused request (HTTP 4xx) is never re-sent."""
     from moerl.rollout.errors import RolloutRequestError, RolloutRequestRefusedError, RolloutServerDiedError
 
-    def run(fail, refuse=False, failover=True, dies=False):
+    def run(fail, refuse=False, failover=True, dies=False, down_s=0.0):
         servers = FakeServers()
         servers.failover = failover
         servers.checks = 0
         urls = {"http://a": _Flaky(servers, fail=fail, refuse=refuse), "http://b": _Flaky(servers)}
-        servers.live_server_urls = lambda: list(urls)
+        up_at = time.monotonic() + down_s  # before: every server is down (being restarted): none is live
+        servers.live_server_urls = lambda: list(urls) if time.monotonic() >= up_at else []
 
         def check_alive():
             servers.checks += 1
@@ -643,6 +644,8 @@ def test_a_group_whose_server_fails_is_resent_to_the_next_one_and_none_is_lost_o
         servers.check_alive = check_alive
         mgr = _manager(servers, _cfg(mode="sync", group=True), num_steps=3)
         mgr._direct_client = lambda url, cluster=None: urls[url]
+        mgr.client = None  # the router: a batched request must never go there (it refuses the batch form)
+        mgr.failover_wait_s = 2.0
         batches, _ = _run(servers, _cfg(mode="sync", group=True), num_steps=3, manager=mgr)
         return batches, urls, servers
 
@@ -657,7 +660,13 @@ def test_a_group_whose_server_fails_is_resent_to_the_next_one_and_none_is_lost_o
         # a server process that died is named (the cluster's check after the failure), not a bare HTTP error
         with pytest.raises(RolloutServerDiedError, match="server 0"):
             run(2, failover=False, dies=True)
+        with pytest.raises(RolloutRequestError, match="no live rollout server"):
+            run(0, failover=False, down_s=0.5)
         return
+    # every server down for a while (a lone server restarting): the groups wait for one, nothing lost
+    t0 = time.monotonic()
+    batches, urls, _ = run(0, down_s=0.5)
+    assert samples(batches) == samples(healthy) and time.monotonic() - t0 >= 0.5
     batches, urls, servers = run(3)
     assert samples(batches) == samples(healthy)
     uids = [u for b in samples(batches) for u, *_ in b]

@@ -217,6 +217,7 @@ class RolloutManager:
         # null = on with the reference backend (its per-request HTTP cost is most of a step's rollout CPU)
         group = getattr(ro, "group_requests", None)
         self.group_requests = (getattr(ro, "backend", "reference") == "reference") if group is None else bool(group)
+        self.failover_wait_s = 2.0 * float(getattr(ro, "startup_timeout_s", 120.0))  # see _post_batch
         # how a weight update pauses the servers in async mode (rollout.pause_mode): abort cuts running
         # responses (resumed from their prefix: partial rollouts); in_place suspends the reference server's
         # running batch at its next decode step and goes on under the new weights after the push (the
@@ -486,13 +487,17 @@ class RolloutManager:
         """rollout.group_requests: the samples of ``bodies`` (one group's) as ONE batched /generate (SGLang's
         batch form: a list of input_ids, one sampling_params dict and one rid per prompt) sent straight to a
         server, groups round-robin over :meth:`_server_urls` (sglang-router refuses list sampling_params).
-        A server that fails (connection error or timeout after the client's retries; with failover, a dead
-        server is restarted meanwhile) gets the same batch re-sent to the next live server: the rids and
-        seeds are the same, so no sample is lost or generated twice. Results in the order of ``bodies``.
+        A server that fails (connection error or timeout after the client's retries) gets the same batch
+        re-sent to the next live server (the rids and seeds are the same, so no sample is lost or generated
+        twice); with failover, while no server is live (all being restarted) the group waits for one, for at
+        most 2 x rollout.startup_timeout_s (the cluster's own give-up, failover's max_restarts, ends it sooner
+        through check_alive). Results in the order of ``bodies``.
 
         Raises:
-            RolloutServerDiedError: (cluster.check_alive) a server died and the cluster does not fail over.
-            RolloutRequestError: a server refused the batch (HTTP 4xx), or every attempt failed.
+            RolloutServerDiedError: (cluster.check_alive) a server died and the cluster does not fail over,
+                or failover gave up on it.
+            RolloutRequestRefusedError: a server refused the batch (HTTP 4xx).
+            RolloutRequestError: the server failed without failover, or no server took the batch in time.
         """
         body: dict = {"input_ids": [b["input_ids"] for b in bodies],
                       "sampling_params": [b["sampling_params"] for b in bodies],
@@ -501,14 +506,21 @@ class RolloutManager:
             body["return_routed_experts"] = True
         self._busy(+1)
         try:
-            urls = self._server_urls()
-            if not urls:  # no server list (e.g. a router-like test double): the client's own URL
+            if not self._lists_servers():  # a router-like test double without a server list: its own URL
                 return check_result_ids(body, await self.client.post("/generate", body))
-            attempts = 1 + (4 * len(urls) if getattr(self.cluster, "failover", False) else 0)
-            for attempt in range(attempts):
-                check = getattr(self.cluster, "check_alive", None)
+            check = getattr(self.cluster, "check_alive", None)
+            failover = bool(getattr(self.cluster, "failover", False))
+            deadline = time.monotonic() + self.failover_wait_s
+            attempt = 0
+            while True:
                 if check is not None:
-                    check()
+                    check()  # raises for a dead server without failover, or when failover gave up
+                urls = self._server_urls()
+                if not urls:  # every server down: with failover they are being restarted, wait for one
+                    if not failover or time.monotonic() > deadline:
+                        raise RolloutRequestError(f"group {grp.uid}: no live rollout server to send it to")
+                    await asyncio.sleep(0.2)
+                    continue
                 url = urls[(grp.draw * self.B + grp.index + attempt) % len(urls)]
                 try:
                     return check_result_ids(body, await self._direct_client(url).post("/generate", body))
@@ -517,15 +529,21 @@ class RolloutManager:
                 except RolloutRequestError as e:
                     if check is not None:  # a dead server is named (RolloutServerDiedError) unless it fails over
                         check()
-                    if attempt + 1 == attempts:
+                    if not failover or time.monotonic() > deadline:
                         raise
+                    attempt += 1
                     self.log(f"WARNING: group {grp.uid} failed on {url} ({e}); sending it to another server")
                     with self._cv:
                         self._counters["failover_resends"] += 1
-                    urls = self._server_urls() or urls
-            raise AssertionError("unreachable")
+                    await asyncio.sleep(min(2.0, 0.1 * 2 ** min(attempt, 5)))  # the monitor notices the death
         finally:
             self._busy(-1)
+
+    def _lists_servers(self) -> bool:
+        """The cluster says which servers there are (RolloutCluster), as opposed to a bare client double."""
+        c = self.cluster
+        return callable(getattr(c, "live_server_urls", None)) or bool(getattr(c, "server_urls", None)) \
+            or bool(getattr(c, "extra_worker_urls", None))
 
     def _body(self, grp: _Group, k: int, part: "_Partial") -> dict:
         """The /generate body of sample ``k``'s next segment (prompt + its tokens so far, the rest of the

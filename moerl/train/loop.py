@@ -188,7 +188,7 @@ def rl_step(ctx, step: int, actor, ref, manager, sync, timers, critic=None) -> d
     chunk = math.ceil(len(kept) / n_updates)
     parts = [p for p in (kept[lo: lo + chunk] for lo in range(0, len(kept), chunk)) if len(p) >= world.dp_info()[0]]
     sync.placement.before_train()  # colocated: the servers release their memory before training
-    old = recompute_old_log_probs(cfg, len(parts))  # else one update from these weights: its own forward
+    old = recompute_old_log_probs(cfg, len(parts), step)  # else one update from these weights: its own forward
     with timers("log_prob"):  # proximal (old) + reference log-probs, critic values, before any update
         for part in parts:
             timers.count("logprob", ctx.hf_config, part, passes=old + (ref is not None))  # model FLOPs (MFU)

@@ -98,14 +98,18 @@ def attach_log_probs(ctx: RunContext, actor, samples, temperature, key) -> list[
     return _attach(samples, key, ((mb, lp) for mb, lp, _ in actor.compute_log_probs(mbs, temperature)))
 
 
-def recompute_old_log_probs(cfg, n_updates: int) -> bool:
-    """Whether this step computes its old (proximal) log-probs in a pass of their own before the update
+def recompute_old_log_probs(cfg, n_updates: int, step: Optional[int] = None) -> bool:
+    """Whether RL step ``step`` computes its old (proximal) log-probs in a pass of their own before the update
     (algorithm.recompute_old_log_probs; null = only where needed, see
-    :func:`moerl.config.schema.old_log_probs_pass_reason`), or the update takes them from its own forward."""
+    :func:`moerl.config.schema.old_log_probs_pass_reason`), or the update takes them from its own forward. A
+    critic warm-up step (gae, step <= critic.warmup_steps) makes no policy update, so it keeps the pass (the
+    train/rollout mismatch metrics come from it)."""
     from moerl.config.schema import old_log_probs_pass_reason
 
     setting = getattr(cfg.algorithm, "recompute_old_log_probs", None)
-    return True if setting or old_log_probs_pass_reason(cfg, n_updates) else False
+    warmup = (step is not None and cfg.algorithm.advantage_estimator == "gae"
+              and step <= getattr(getattr(cfg, "critic", None), "warmup_steps", 0))
+    return True if setting or warmup or old_log_probs_pass_reason(cfg, n_updates) else False
 
 
 def attach_pre_update(ctx: RunContext, actor, ref, critic, samples, temperature: float, *, old: bool = True) -> None:
