@@ -203,6 +203,19 @@ def off_policy_weights(
     return weights, keep, metrics
 
 
+def mismatch_per_token(old_log_probs: Tensor, behaviour_log_probs: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-token train/rollout mismatch terms (the ones :func:`rollout_mismatch_metrics` averages), float64:
+    ``|log pi_prox - log mu|`` and the k3 estimate of ``KL(mu || pi_prox)`` (:func:`moerl.algorithms.kl.kl_penalty`
+    with delta = log mu - log pi_prox, clamped at 10).
+
+    Args:
+        old_log_probs, behaviour_log_probs: float tensors of one shape (e.g. [T] or [B, S]), nats.
+    Returns: (abs_diff, k3), float64 tensors of that shape.
+    """
+    old, behav = old_log_probs.double(), behaviour_log_probs.double()
+    return (old - behav).abs(), kl_penalty(behav, old, "k3")
+
+
 def rollout_mismatch_metrics(old_log_probs, behaviour_log_probs) -> dict:
     """Train/rollout mismatch of one step, logged every step whatever the correction (the step line's
     ``lp_diff`` and ``mis_kl``; TensorBoard ``logprob_abs_diff_mean`` / ``_max`` and
@@ -226,9 +239,6 @@ def rollout_mismatch_metrics(old_log_probs, behaviour_log_probs) -> dict:
         behav.extend(b[:n])
     if not old:
         return {"logprob_abs_diff_mean": 0.0, "logprob_abs_diff_max": 0.0, "rollout/mismatch_kl_k3": 0.0}
-    old_t = torch.tensor(old, dtype=torch.float64)
-    behav_t = torch.tensor(behav, dtype=torch.float64)
-    diff = (old_t - behav_t).abs()
-    k3 = kl_penalty(behav_t, old_t, "k3")  # delta = log mu - log pi_prox
+    diff, k3 = mismatch_per_token(torch.tensor(old, dtype=torch.float64), torch.tensor(behav, dtype=torch.float64))
     return {"logprob_abs_diff_mean": float(diff.mean()), "logprob_abs_diff_max": float(diff.max()),
             "rollout/mismatch_kl_k3": float(k3.mean())}

@@ -6,7 +6,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from moerl.algorithms.kl import kl_penalty
+from moerl.algorithms.off_policy import mismatch_per_token
 from moerl.algorithms.policy_loss import compute_policy_loss
 from moerl.train.batching import MicroBatch
 
@@ -138,11 +138,10 @@ def policy_loss(
         out["logratio_abs_sum"] = float(((log_probs.detach() - old).abs() * mask).sum())
         behaviour = mb.extras.get("behaviour_log_probs")
         if from_update and behaviour is not None:  # what the old-log-prob pass would have measured (loss tokens)
-            diff = old.double() - behaviour.double()
-            k3 = kl_penalty(behaviour.double(), old.double(), "k3")  # KL(mu || pi_prox), delta = log mu - log pi
+            diff, k3 = mismatch_per_token(old, behaviour)
             keep = mask.double()
-            out["mismatch_lp_abs_diff_mean"] = float((diff.abs() * keep).sum()) / global_num_tokens
-            out["mismatch_lp_abs_diff" + MAX_METRIC_SUFFIX] = float((diff.abs() * keep).max()) if keep.any() else 0.0
+            out["mismatch_lp_abs_diff_mean"] = float((diff * keep).sum()) / global_num_tokens
+            out["mismatch_lp_abs_diff" + MAX_METRIC_SUFFIX] = float((diff * keep).max()) if keep.any() else 0.0
             out["mismatch_kl_k3"] = float((k3 * keep).sum()) / global_num_tokens
         for k, v in metrics.items():
             if k == "num_tokens":

@@ -91,13 +91,6 @@ def build_micro_batches(ctx: RunContext, samples: list[Sample], fields=None) -> 
                  "num_micro_batches": float(plan.num_micro_batches)}
 
 
-def attach_log_probs(ctx: RunContext, actor, samples, temperature, key) -> list[list[float]]:
-    """Trainer log-probs of every sample's response tokens under ``actor`` (list per sample), on
-    every rank: each DP rank computes its share, then the shares are all-gathered."""
-    mbs = build_micro_batches(ctx, samples)[0]
-    return _attach(samples, key, ((mb, lp) for mb, lp, _ in actor.compute_log_probs(mbs, temperature)))
-
-
 def recompute_old_log_probs(cfg, n_updates: int, step: Optional[int] = None) -> bool:
     """Whether RL step ``step`` computes its old (proximal) log-probs in a pass of their own before the update
     (algorithm.recompute_old_log_probs; null = only where needed, see
@@ -131,13 +124,6 @@ def attach_pre_update(ctx: RunContext, actor, ref, critic, samples, temperature:
         _attach(samples, "ref_log_probs", ((mb, lp) for mb, lp, _ in ref.compute_log_probs(mbs, temperature)))
     if critic is not None:
         _attach(samples, "old_values", zip(mbs, critic.compute_values(mbs)))
-
-
-def attach_values(ctx: RunContext, critic, samples, key: str = "old_values") -> list[list[float]]:
-    """The critic's value of the state before each response token (moerl.train.critic.MegatronCritic,
-    label-aligned like the log-probs), per sample into ``metadata[key]``, on every rank."""
-    mbs = build_micro_batches(ctx, samples)[0]
-    return _attach(samples, key, zip(mbs, critic.compute_values(mbs)))
 
 
 def _attach(samples, key: str, per_mb) -> list[list[float]]:
