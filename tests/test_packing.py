@@ -389,3 +389,82 @@ def test_plan_always_exists_and_matches_brute_force(lengths, cap, dp, mult, mini
     got = max(plan.rank_tokens())
     assert got >= best
     assert got <= (4 / 3) * best, (got, best)
+
+
+# ------------------------------------------------------------------ micro-batch tensors vs a per-sample build
+
+
+def _reference_micro_batch(samples, pad_id, fields):
+    """The padded fields written sample by sample and token by token (independent of batching.py)."""
+    seq_len = max((len(s.prompt_ids) + len(s.response_ids) for s in samples), default=1)
+    b = max(len(samples), 1)
+    tokens = torch.full((b, seq_len), pad_id, dtype=torch.long)
+    labels = torch.full((b, seq_len), pad_id, dtype=torch.long)
+    mask = torch.zeros(b, seq_len)
+    extras = {k: torch.zeros(b, seq_len) for k in fields}
+    for i, s in enumerate(samples):
+        ids = s.prompt_ids + s.response_ids
+        for t, x in enumerate(ids):
+            tokens[i, t] = x
+            if t + 1 < len(ids):
+                labels[i, t] = ids[t + 1]
+        for j in range(len(s.response_ids)):
+            t = len(s.prompt_ids) - 1 + j  # the label position of response token j
+            mask[i, t] = float(s.loss_mask[j]) if s.loss_mask else 1.0
+            for k, v in fields.items():
+                extras[k][i, t] = float(v[i][j])
+    return tokens, labels, mask, extras
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_micro_batch_tensors_match_a_per_token_build(seed):
+    """make_micro_batch / make_packed_micro_batch (rows built as lists, one tensor per field) against a
+    token-by-token reference, with loss masks, per-token fields given as lists and as float64 tensors,
+    and padding of the packed row; an empty micro-batch is one padding row."""
+    rng = random.Random(seed)
+    samples = []
+    for i in range(rng.randint(1, 9)):
+        p, r = rng.randint(1, 6), rng.randint(1, 7)
+        mask = [rng.randint(0, 1) for _ in range(r)] if rng.random() < 0.5 else []
+        samples.append(Sample(index=i, group_id=i // 2, prompt="", label="",
+                              prompt_ids=[rng.randint(1, 50) for _ in range(p)],
+                              response_ids=[rng.randint(1, 50) for _ in range(r)], loss_mask=mask,
+                              advantage=rng.uniform(-1, 1)))
+    fields = {"old_log_probs": [[rng.uniform(-5, 0) for _ in s.response_ids] for s in samples],
+              "ref": [torch.tensor([rng.uniform(-5, 0) for _ in s.response_ids], dtype=torch.float64)
+                      for s in samples]}
+    idx = list(range(10, 10 + len(samples)))
+    mb = make_micro_batch(samples, idx, 0, fields)
+    tokens, labels, mask, extras = _reference_micro_batch(samples, 0, fields)
+    assert torch.equal(mb.tokens, tokens) and torch.equal(mb.labels, labels) and torch.equal(mb.loss_mask, mask)
+    for k in fields:
+        assert torch.equal(mb.extras[k], extras[k].to(torch.float32)), k
+    assert mb.advantages.tolist() == pytest.approx([s.advantage for s in samples])
+    assert mb.sample_indices == idx
+    assert mb.response_starts == [len(s.prompt_ids) - 1 for s in samples]
+    pk = make_packed_micro_batch(samples, idx, 0, fields, pad_to_multiple_of=4)
+    ids = [s.prompt_ids + s.response_ids for s in samples]
+    real = sum(map(len, ids))
+    total = -(-real // 4) * 4
+    flat = [x for r in ids for x in r] + [0] * (total - real)
+    assert pk.packed_tokens.tolist() == [flat]
+    assert pk.packed_labels.tolist() == [[x for r in ids for x in r[1:] + [0]] + [0] * (total - real)]
+    assert pk.packed_position_ids.tolist() == [[t for r in ids for t in range(len(r))] + list(range(total - real))]
+    cu = [0]
+    for r in ids:
+        cu.append(cu[-1] + len(r))
+    assert pk.cu_seqlens.tolist() == cu + ([total] if total > real else [])
+    # unpacking the packed tokens gives the padded tokens back (0 at padding)
+    assert torch.equal(pk.unpack(pk.packed_tokens), torch.where(mask.new_ones(tokens.shape).bool()
+                       & (torch.arange(tokens.shape[1]) < torch.tensor([len(r) for r in ids]).unsqueeze(1)),
+                       tokens, torch.zeros_like(tokens)))
+    empty = make_packed_micro_batch([], [], 7, {"old_log_probs": []}, pad_to_multiple_of=2)
+    assert empty.tokens.tolist() == [[7]] and empty.loss_mask.tolist() == [[0.0]]
+    assert empty.packed_tokens.tolist() == [[7, 7]] and empty.cu_seqlens.tolist() == [0, 2]
+    assert empty.unpack_index.tolist() == [[2]] and empty.extras["old_log_probs"].tolist() == [[0.0]]
+
+
+def test_micro_batch_refuses_a_loss_mask_of_the_wrong_length():
+    s = Sample(index=3, group_id=0, prompt="", label="", prompt_ids=[1, 2], response_ids=[3, 4], loss_mask=[1])
+    with pytest.raises(ValueError, match="sample 3 has a loss_mask of 1 values for 2 response tokens"):
+        make_micro_batch([s], [0], 0)
