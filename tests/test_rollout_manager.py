@@ -618,9 +618,12 @@ class _Flaky:
         pass
 
 
+@pytest.mark.parametrize("group", [True, False], ids=["group_requests", "r3_per_sample"])
 @pytest.mark.parametrize("failover", [True, False])
-def test_a_group_whose_server_fails_is_resent_to_the_next_one_and_none_is_lost_or_repeated(failover):
-    """rollout.group_requests sends each group straight to a server (groups round-robin), never to the router.
+def test_a_group_whose_server_fails_is_resent_to_the_next_one_and_none_is_lost_or_repeated(failover, group,
+                                                                                         monkeypatch):
+    """rollout.group_requests sends each group straight to a server (groups round-robin), never to the router;
+    so does moe.routing_replay=r3 with per-sample requests (the router drops return_routed_experts).
     A server that fails a group (dead, being restarted by failover) gets it re-sent to the next live server,
     with the same rids and seeds, and while no server is live the group waits for one: every step trains the
     groups and samples a healthy run trains, none twice, and the re-sends are counted. Without failover the
@@ -642,18 +645,22 @@ def test_a_group_whose_server_fails_is_resent_to_the_next_one_and_none_is_lost_o
                                              url="http://a", pid=1, returncode=-9)
 
         servers.check_alive = check_alive
-        mgr = _manager(servers, _cfg(mode="sync", group=True), num_steps=3)
-        mgr._direct_client = lambda url, cluster=None: urls[url]
-        mgr.client = None  # the router: a batched request must never go there (it refuses the batch form)
+        mgr = _manager(servers, _cfg(mode="sync", group=group), num_steps=3)
+        mgr._direct_client = lambda url: urls[url]
+        mgr.client = None  # the router: a batched (or r3) request must never go there
         mgr.failover_wait_s = 2.0
-        batches, _ = _run(servers, _cfg(mode="sync", group=True), num_steps=3, manager=mgr)
+        if not group:  # r3: requests ask for the routed experts (the fake server returns none: not decoded)
+            mgr.routing_shape = (1, 1)
+            monkeypatch.setattr("moerl.rollout.manager.routed_experts_of", lambda out, s, shape: None)
+        batches, _ = _run(servers, _cfg(mode="sync", group=group), num_steps=3, manager=mgr)
         return batches, urls, servers
 
     def samples(batches):
         return [[(s.metadata["uid"], s.response_ids, s.rollout_log_probs) for s in b.samples] for b in batches]
 
     healthy, urls, _ = run(0)
-    assert urls["http://a"].posts == urls["http://b"].posts == 6  # 12 groups round-robin over the two servers
+    # 12 groups (of 2 samples) round-robin over the two servers: one request per group, or per sample with r3
+    assert urls["http://a"].posts == urls["http://b"].posts == (6 if group else 12)
     if not failover:
         with pytest.raises(RolloutRequestError, match="failed after"):
             run(2, failover=False)
@@ -675,3 +682,24 @@ def test_a_group_whose_server_fails_is_resent_to_the_next_one_and_none_is_lost_o
     assert servers.checks >= urls["http://a"].posts + urls["http://b"].posts  # the cluster checked before each
     with pytest.raises(RolloutRequestRefusedError):
         run(0, refuse=True)
+
+
+def test_starting_the_producer_shortens_the_gil_switch_interval():
+    """The producer thread shares the trainer's GIL: starting it lowers sys.getswitchinterval() to
+    PRODUCER_SWITCH_INTERVAL_S (never raises a shorter one)."""
+    import sys
+
+    from moerl.rollout.manager import PRODUCER_SWITCH_INTERVAL_S
+
+    before = sys.getswitchinterval()
+    try:
+        for start, expect in ((0.005, PRODUCER_SWITCH_INTERVAL_S), (PRODUCER_SWITCH_INTERVAL_S / 2, None)):
+            sys.setswitchinterval(start)
+            servers = FakeServers()
+            mgr = _manager(servers, _cfg(mode="sync"), num_steps=1).start()
+            try:
+                assert sys.getswitchinterval() == pytest.approx(expect or start)
+            finally:
+                mgr.close()
+    finally:
+        sys.setswitchinterval(before)

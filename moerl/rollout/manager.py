@@ -65,6 +65,7 @@ import asyncio
 import collections
 import json
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -77,6 +78,13 @@ from moerl.types import Sample
 
 #: continuations allowed per response before its group is given up (counted, never trained)
 MAX_SEGMENTS = 16
+#: the trainer process's GIL switch interval (s) while the producer thread runs (Python's default is 5 ms).
+#: The trainer's main thread releases the GIL around every torch op; the producer (asyncio loop: request
+#: building, tokenization, reward dispatch) takes it and keeps it up to the interval before the main thread
+#: gets it back. While rollouts overlap training (one_step_off / async; tools/bench_async.py, pinned, 40
+#: steps) the update took 0.29-0.31 s per step with 5 ms against 0.22-0.23 s in sync; 0.26-0.27 s with
+#: 0.5 ms, 0.24-0.27 s with 0.1 ms (single runs, noisy).
+PRODUCER_SWITCH_INTERVAL_S = 0.0001
 
 
 def sampling_seed(seed: int, *keys: int) -> int:
@@ -212,7 +220,7 @@ class RolloutManager:
                                     max_new_tokens=ro.max_new_tokens, stop_token_ids=[eos_id])
         assert set(self.sampling_params) <= SAMPLING_PARAM_FIELDS
         self.routing_shape = routing_shape
-        self._direct: dict[tuple, RolloutClient] = {}  # clients of single servers (closed with the producer)
+        self._direct: dict[str, RolloutClient] = {}  # clients of single servers (closed with the producer)
         # rollout.group_requests: one batched /generate per group, straight to a server (see _post_batch);
         # null = on with the reference backend (its per-request HTTP cost is most of a step's rollout CPU)
         group = getattr(ro, "group_requests", None)
@@ -279,8 +287,11 @@ class RolloutManager:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "RolloutManager":
-        """Start the producer thread (returns self)."""
+        """Start the producer thread (returns self); lowers the process's GIL switch interval to
+        :data:`PRODUCER_SWITCH_INTERVAL_S` (``sys.setswitchinterval``) if it is longer."""
         ready = threading.Event()
+        if sys.getswitchinterval() > PRODUCER_SWITCH_INTERVAL_S:
+            sys.setswitchinterval(PRODUCER_SWITCH_INTERVAL_S)
 
         def run() -> None:
             loop = asyncio.new_event_loop()
@@ -464,40 +475,31 @@ class RolloutManager:
         urls = list(live() if callable(live) else getattr(self.cluster, "server_urls", None) or [])
         return urls + [u for u in getattr(self.cluster, "extra_worker_urls", None) or [] if u not in urls]
 
-    def _direct_client(self, url: str, cluster=None) -> RolloutClient:
-        """One client per (server URL, cluster or not), closed with the producer; its attempts go through
-        the HTTP worker process when there is one."""
-        key = (url, cluster is not None)
-        c = self._direct.get(key)
+    def _direct_client(self, url: str) -> RolloutClient:
+        """One client per server URL, closed with the producer; its attempts go through the HTTP worker
+        process when there is one."""
+        c = self._direct.get(url)
         if c is None:
-            c = self._direct[key] = RolloutClient(url, timeout_s=self.client.timeout_s,
-                                                  max_retries=self.client.max_retries, cluster=cluster)
+            c = self._direct[url] = RolloutClient(url, timeout_s=self.client.timeout_s,
+                                                  max_retries=self.client.max_retries)
             c.worker = self._worker
         return c
 
     async def _post_direct(self, body: dict, grp: _Group) -> dict:
-        """R3: sglang-router drops return_routed_experts, so send to a live server (groups round-robin)."""
-        urls = self._server_urls()
-        if not urls:
+        """R3 (moe.routing_replay=r3) without group requests: sglang-router drops return_routed_experts, so
+        the request goes straight to a server, chosen, waited for and re-sent as by :meth:`_to_server`."""
+        if not self._lists_servers():  # a router-like test double without a server list: its own URL
             return await self.client.post("/generate", body)
-        url = urls[(grp.draw * self.B + grp.index) % len(urls)]
-        return await self._direct_client(url, self.cluster).post("/generate", body)
+        return await self._to_server(body, grp, lambda out: out)
 
     async def _post_batch(self, bodies: list[dict], grp: _Group) -> list[dict]:
         """rollout.group_requests: the samples of ``bodies`` (one group's) as ONE batched /generate (SGLang's
         batch form: a list of input_ids, one sampling_params dict and one rid per prompt) sent straight to a
-        server, groups round-robin over :meth:`_server_urls` (sglang-router refuses list sampling_params).
-        A server that fails (connection error or timeout after the client's retries) gets the same batch
-        re-sent to the next live server (the rids and seeds are the same, so no sample is lost or generated
-        twice); with failover, while no server is live (all being restarted) the group waits for one, for at
-        most 2 x rollout.startup_timeout_s (the cluster's own give-up, failover's max_restarts, ends it sooner
-        through check_alive). Results in the order of ``bodies``.
+        server by :meth:`_to_server` (sglang-router refuses list sampling_params). Results in the order of
+        ``bodies``.
 
         Raises:
-            RolloutServerDiedError: (cluster.check_alive) a server died and the cluster does not fail over,
-                or failover gave up on it.
-            RolloutRequestRefusedError: a server refused the batch (HTTP 4xx).
-            RolloutRequestError: the server failed without failover, or no server took the batch in time.
+            as :meth:`_to_server`.
         """
         body: dict = {"input_ids": [b["input_ids"] for b in bodies],
                       "sampling_params": [b["sampling_params"] for b in bodies],
@@ -508,36 +510,52 @@ class RolloutManager:
         try:
             if not self._lists_servers():  # a router-like test double without a server list: its own URL
                 return check_result_ids(body, await self.client.post("/generate", body))
-            check = getattr(self.cluster, "check_alive", None)
-            failover = bool(getattr(self.cluster, "failover", False))
-            deadline = time.monotonic() + self.failover_wait_s
-            attempt = 0
-            while True:
-                if check is not None:
-                    check()  # raises for a dead server without failover, or when failover gave up
-                urls = self._server_urls()
-                if not urls:  # every server down: with failover they are being restarted, wait for one
-                    if not failover or time.monotonic() > deadline:
-                        raise RolloutRequestError(f"group {grp.uid}: no live rollout server to send it to")
-                    await asyncio.sleep(0.2)
-                    continue
-                url = urls[(grp.draw * self.B + grp.index + attempt) % len(urls)]
-                try:
-                    return check_result_ids(body, await self._direct_client(url).post("/generate", body))
-                except RolloutRequestRefusedError:
-                    raise
-                except RolloutRequestError as e:
-                    if check is not None:  # a dead server is named (RolloutServerDiedError) unless it fails over
-                        check()
-                    if not failover or time.monotonic() > deadline:
-                        raise
-                    attempt += 1
-                    self.log(f"WARNING: group {grp.uid} failed on {url} ({e}); sending it to another server")
-                    with self._cv:
-                        self._counters["failover_resends"] += 1
-                    await asyncio.sleep(min(2.0, 0.1 * 2 ** min(attempt, 5)))  # the monitor notices the death
+            return await self._to_server(body, grp, lambda out: check_result_ids(body, out))
         finally:
             self._busy(-1)
+
+    async def _to_server(self, body: dict, grp: _Group, check_result: Callable[[Any], Any]) -> Any:
+        """POST ``body`` to /generate of one rollout server (never the router), groups round-robin over
+        :meth:`_server_urls`; returns ``check_result(response)``. A server that fails (connection error or
+        timeout after the client's retries) gets the same body re-sent to the next live server (the rids
+        and seeds are the same, so no sample is lost or generated twice); with failover, while no server is
+        live (all being restarted) the group waits for one, for at most 2 x rollout.startup_timeout_s (the
+        cluster's own give-up, failover's max_restarts, ends it sooner through check_alive).
+
+        Raises:
+            RolloutServerDiedError: (cluster.check_alive) a server died and the cluster does not fail over,
+                or failover gave up on it.
+            RolloutRequestRefusedError: a server refused the request (HTTP 4xx).
+            RolloutRequestError: the server failed without failover, or no server took the request in time.
+        """
+        check = getattr(self.cluster, "check_alive", None)
+        failover = bool(getattr(self.cluster, "failover", False))
+        deadline = time.monotonic() + self.failover_wait_s
+        attempt = 0
+        while True:
+            if check is not None:
+                check()  # raises for a dead server without failover, or when failover gave up
+            urls = self._server_urls()
+            if not urls:  # every server down: with failover they are being restarted, wait for one
+                if not failover or time.monotonic() > deadline:
+                    raise RolloutRequestError(f"group {grp.uid}: no live rollout server to send it to")
+                await asyncio.sleep(0.2)
+                continue
+            url = urls[(grp.draw * self.B + grp.index + attempt) % len(urls)]
+            try:
+                return check_result(await self._direct_client(url).post("/generate", body))
+            except RolloutRequestRefusedError:
+                raise
+            except RolloutRequestError as e:
+                if check is not None:  # a dead server is named (RolloutServerDiedError) unless it fails over
+                    check()
+                if not failover or time.monotonic() > deadline:
+                    raise
+                attempt += 1
+                self.log(f"WARNING: group {grp.uid} failed on {url} ({e}); sending it to another server")
+                with self._cv:
+                    self._counters["failover_resends"] += 1
+                await asyncio.sleep(min(2.0, 0.1 * 2 ** min(attempt, 5)))  # the monitor notices the death
 
     def _lists_servers(self) -> bool:
         """The cluster says which servers there are (RolloutCluster), as opposed to a bare client double."""
