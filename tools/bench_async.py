@@ -137,6 +137,13 @@ TARGET_MODEL_REL_ERR = 0.20
 #: 51.8 / 50.4 / 49.9% one_step_off / async s=1 / s=2 on 1000 prompts); decoupled PPO (AReaL) gave
 #: async s=1 57.2%. In sync the behaviour and proximal policies coincide, so it changes nothing there.
 DEFAULT_CORRECTION = "decoupled"
+#: recipe settings of every mode (the SFT warm start too), before --set (which can override them):
+#: - rollout.weight_sync=tensor: the weights go to the server over HTTP in memory, as between separate devices
+#:   (the recipe's disk mode writes and reads safetensors files on both cores);
+#: - algorithm.reference_policy=false: the recipe's kl_coef is 0, so its reference forward only LOGS a KL to
+#:   the start policy; it was a third of the trainer's step (log_prob 0.09-0.11 of 0.33 s). verl and slime
+#:   load no reference model when no KL term is used; the demo recipe keeps it as a diagnostic.
+DEFAULT_SETTINGS = ["rollout.weight_sync=tensor", "algorithm.reference_policy=false"]
 #: foreign load on a benchmark core (share of the RL wall) above which the report warns
 FOREIGN_WARN = 0.10
 
@@ -703,7 +710,8 @@ def main(argv=None) -> int:
         run = out / "warm_start"
         print("warm start: SFT run of the recipe (both cores, until sft.target_accuracy) ...", flush=True)
         secs, _ = run_train(["train.num_steps=1", "eval.every_steps=0", "eval.num_prompts=100",
-                             f"data.num_eval={args.eval_prompts}", *args.extra], run, 2, args.mode_timeout)
+                             f"data.num_eval={args.eval_prompts}", *DEFAULT_SETTINGS, *args.extra], run, 2,
+                            args.mode_timeout)
         warm = out / "hf_warm_start"
         if warm.exists():
             shutil.rmtree(warm)
@@ -714,8 +722,9 @@ def main(argv=None) -> int:
 
     common = [f"model.init_from={warm}", "sft.enabled=false", f"train.num_steps={args.steps}",
               "eval.every_steps=0", "log.samples=false", f"algorithm.off_policy_correction={args.off_policy_correction}",
-              *data, *PIN, *args.extra]
+              *data, *PIN, *DEFAULT_SETTINGS, *args.extra]
     print(f"every mode: {args.steps} RL steps, algorithm.off_policy_correction={args.off_policy_correction}, "
+          f"{' '.join(DEFAULT_SETTINGS)} (see DEFAULT_SETTINGS), "
           f"greedy eval on {args.eval_prompts} held-out prompts", flush=True)
     figs: dict[str, dict] = {}
     for m in args.modes:
@@ -737,10 +746,11 @@ def main(argv=None) -> int:
            "num_servers": args.num_servers, "pinning": PIN, "pin_line": PIN_LINE,
            "servers_note": (SERVERS_NOTE.format(n=args.num_servers) if args.num_servers == DEFAULT_NUM_SERVERS
                             else f"rollout.num_servers={args.num_servers} (--num-servers)"),
-           "off_policy_correction": args.off_policy_correction, "extra_overrides": args.extra, "figures": figs}
+           "off_policy_correction": args.off_policy_correction, "default_settings": DEFAULT_SETTINGS,
+           "extra_overrides": args.extra, "figures": figs}
     if "sync" in figs:
         sync_steps = figs["sync"]["per_step"]
-        background = background_push_of(args.extra)
+        background = background_push_of(DEFAULT_SETTINGS + args.extra)
         model = time_model(sync_steps, figs["sync"].get("producer_cpu_per_step", 0.0), background)
         res["model"] = model
         ph = model["phases"]
