@@ -71,20 +71,21 @@ Targets (PASS / FAIL printed; the exit code stays 0): sync wall / async(s=1) wal
 greedy accuracy within 3 points of sync; the model's predicted sync / async(s=1) ratio within 20% of the
 measured one.
 
-Measured (40 steps, --set rollout.weight_sync=tensor; the README's Async section has the tables): four runs
-of commit 6d493aa, sync 0.523-0.597 s/step, async s=1 1.70x / 1.39x / 1.30x / 1.23x, one_step_off 1.17-1.51x,
-s=2 1.27-1.85x. With one request per group (rollout.group_requests) and no separate old-log-prob pass
-(algorithm.recompute_old_log_probs) rollout takes 0.17-0.22 s per batch and training 0.32-0.34 s, so async is
-bound by training (at most (R + T + W) / T, ~1.6-1.75x), and training runs 10-20% slower while the other
-core generates (two busy vCPUs of this VM slow each other down). Before those two changes the demo was
-balanced (0.44 s / 0.42 s) and every mode ~60% slower: async s=1 1.40-1.49x, one_step_off 1.44-1.66x.
+Measured (40 steps, the defaults; the README's Async section has the tables): three runs of commit 800c5f2,
+sync 0.488-0.587 s/step, async s=1 1.40x / 1.40x / 1.39x, one_step_off 1.30-1.59x, s=2 1.15-1.57x; async s=1
+accuracy within 2.2 points of sync, time model within 15-17%. The demo is balanced (sync rollout wait
+0.20-0.25 s, update 0.22-0.27 s), so an ideal overlap would give ~1.8-1.9x; the overlapped update takes
+1.17-1.27x as long as sync's (the main thread slower while core 1 is busy, and waiting for the interpreter
+lock behind the producer, reward-pool and push threads), and the one-step bound leaves 30-45 ms per step
+of waiting for a batch. Earlier (commit 6d493aa, with the reference forward, training-bound): async s=1
+1.23-1.70x over four runs.
 
 Usage: python tools/bench_async.py [--steps 40] [--warm-start DIR] [--modes sync one_step_off async_s1
        async_s2] [--out DIR] [--keep] [--num-servers 1] [--eval-prompts 1000]
        [--off-policy-correction decoupled] [--devices 8 64] [--set key=value ...]
 Defaults take about 8.5 minutes on the shared 2-core machine (measured: 502 s, of which the SFT warm
-start 234 s; with --warm-start 268 s: each mode about 65 s, of which 35-40 s RL, the rest start-up and
-three greedy evals of 1000 prompts).
+start 234 s; with --warm-start 184-221 s at commit 800c5f2: each mode 40-90 s, of which 12-24 s RL, the
+rest start-up and greedy evals of 1000 prompts).
 """
 
 from __future__ import annotations

@@ -81,9 +81,8 @@ MAX_SEGMENTS = 16
 #: the trainer process's GIL switch interval (s) while the producer thread runs (Python's default is 5 ms).
 #: The trainer's main thread releases the GIL around every torch op; the producer (asyncio loop: request
 #: building, tokenization, reward dispatch) takes it and keeps it up to the interval before the main thread
-#: gets it back. While rollouts overlap training (one_step_off / async; tools/bench_async.py, pinned, 40
-#: steps) the update took 0.29-0.31 s per step with 5 ms against 0.22-0.23 s in sync; 0.26-0.27 s with
-#: 0.5 ms, 0.24-0.27 s with 0.1 ms (single runs, noisy).
+#: gets it back. While rollouts overlap training (async staleness 1; tools/bench_async.py, pinned, 40 steps)
+#: the update took 1.34x as long as in sync with 5 ms (one run), 1.16-1.27x with 0.1-0.5 ms (five runs).
 PRODUCER_SWITCH_INTERVAL_S = 0.0001
 
 
