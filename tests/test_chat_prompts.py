@@ -23,6 +23,7 @@ from moerl.data.tokenizer import (
     encode_prompt,
     encode_sft_example,
     load_tokenizer,
+    PromptEncoder,
     render_prompt,
     tokenizer_from_config,
 )
@@ -222,6 +223,30 @@ def test_sft_example_with_messages_and_system_prompt(chatml, moerl_tok):
     assert ids == prompt_ids + response and mask == [0] * len(prompt_ids) + [1, 1]
     ids, mask = encode_sft_example(moerl_tok, [{"role": "user", "content": "1+2="}], "3")
     assert ids == [258, 49, 43, 50, 61, 259, 51, 257] and mask == [0] * 6 + [1, 1]
+
+
+@pytest.mark.parametrize("system_prompt", [None, "Be brief."])
+def test_prompt_encoder_memoizes_and_equals_the_uncached_functions(chatml, system_prompt):
+    """PromptEncoder (the run's memoized encoding): the same ids as encode_prompt / encode_sft_example for
+    text and chat-message prompts; a text prompt or response is tokenized once; callers get their own lists."""
+    calls = []
+    real = chatml.encode
+    enc = PromptEncoder(chatml, system_prompt)
+    chatml.encode = lambda *a, **k: calls.append(a[0]) or real(*a, **k)
+    try:
+        for _ in range(3):
+            for prompt in ("What is 2+2?", MULTI_TURN):
+                assert enc(prompt) == encode_prompt(chatml, prompt, system_prompt)
+                assert enc.sft_example(prompt, "12") == encode_sft_example(chatml, prompt, "12", system_prompt)
+        text_encodes = [c for c in calls if "2+2" in c]
+        # 3 rounds x 2 uncached calls (encode_prompt, encode_sft_example) + 1 for the encoder's own cache
+        assert len(text_encodes) == 3 * 2 + 1
+        assert calls.count("12") == 3 * 2 + 1  # encode_sft_example's, for both prompts, + the encoder's one
+        ids = enc("What is 2+2?")
+        ids.append(-1)
+        assert enc("What is 2+2?") == encode_prompt(chatml, "What is 2+2?", system_prompt)
+    finally:
+        chatml.encode = real
 
 
 # ----------------------------------------------------------------------------- tokenizer_from_config

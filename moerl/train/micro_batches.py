@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 import torch
 
-from moerl.data.tokenizer import encode_sft_example
 from moerl.parallel.packing import flops_linear_coeff, pack_micro_batches
 from moerl.runtime import world
 from moerl.train.batching import make_micro_batch, split_micro_batches, split_packed_micro_batches
@@ -22,10 +21,10 @@ if TYPE_CHECKING:  # annotations only (no import at run time)
 
 def sft_samples(ctx: RunContext, rows) -> list[Sample]:
     """Supervised samples: templated prompt, response = label tokens + eos
-    (moerl.data.tokenizer.encode_sft_example)."""
-    d, out = ctx.cfg.data, []
+    (moerl.data.tokenizer.encode_sft_example, memoized: RunContext.prompt_encoder)."""
+    d, out, encoder = ctx.cfg.data, [], ctx.prompt_encoder()
     for i, r in enumerate(rows):
-        ids, mask = encode_sft_example(ctx.tokenizer, r[d.prompt_key], str(r[d.label_key]), d.system_prompt)
+        ids, mask = encoder.sft_example(r[d.prompt_key], str(r[d.label_key]))
         n_prompt = mask.index(1)
         out.append(
             Sample(index=i, group_id=i, prompt=r[d.prompt_key], label=str(r[d.label_key]),

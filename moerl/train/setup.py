@@ -14,7 +14,7 @@ from moerl.checkpoint.input_checks import check_hf_model_dir, check_hf_tensors
 from moerl.data.dataset import DatasetError, PromptSampler, load_prompt_dataset
 from moerl.data.fingerprint import describe_change, file_fingerprint, tokenizer_fingerprint
 from moerl.data.tasks import prepare_task_data
-from moerl.data.tokenizer import decode_response, encode_prompt, tokenizer_from_config
+from moerl.data.tokenizer import PromptEncoder, decode_response, tokenizer_from_config
 from moerl.models.families import get_family
 from moerl.moe.config import check_rollout_routing_matches
 from moerl.rewards import check_label, resolve_reward_fn
@@ -35,6 +35,7 @@ class RunContext:
     init_hf_state_dict: Optional[dict]
     inputs: dict = field(default_factory=dict)  # fingerprints of the data and tokenizer (resume safety)
     rewards: Any = None  # the RewardPool (rank 0, while the job runs: moerl.train.loop opens it)
+    encoder: Optional[PromptEncoder] = None  # memoized prompt encoding (None: built on first use)
 
     @property
     def eos_id(self) -> int:
@@ -45,9 +46,15 @@ class RunContext:
         pad = self.tokenizer.pad_token_id
         return int(pad if pad is not None else self.tokenizer.eos_token_id)
 
+    def prompt_encoder(self) -> PromptEncoder:
+        """The run's memoized encoder (moerl.data.tokenizer.PromptEncoder) of the tokenizer and data.system_prompt."""
+        if self.encoder is None:
+            self.encoder = PromptEncoder(self.tokenizer, self.cfg.data.system_prompt)
+        return self.encoder
+
     def encode(self, prompt) -> list[int]:
         """Chat-templated prompt ids of a prompt (text or a list of chat messages), with data.system_prompt."""
-        return encode_prompt(self.tokenizer, prompt, self.cfg.data.system_prompt)
+        return self.prompt_encoder()(prompt)
 
     def decode(self, response_ids: list[int]) -> str:
         """Response text without special tokens."""
@@ -248,10 +255,11 @@ def _resolve(cfg, dist, run_dir: Path, check: bool) -> RunContext:
     inputs = {"train_data": file_fingerprint(train_path), "eval_data": file_fingerprint(eval_path),
               "train_rows": len(train_ds), "eval_rows": len(eval_ds), "tokenizer": tokenizer_fingerprint(tokenizer)}
     init_sd = None
+    encoder = PromptEncoder(tokenizer, d.system_prompt)
     if check:
         for ds, path, key in ((train_ds, train_path, "data.train_path"), (eval_ds, eval_path, "data.eval_path")):
             check_rows(ds, path, key, prompt_key=d.prompt_key, label_key=d.label_key, reward_spec=cfg.reward.function,
-                       encode=lambda prompt: encode_prompt(tokenizer, prompt, d.system_prompt),
+                       encode=encoder,
                        max_positions=hf_config.max_position_embeddings, max_new_tokens=cfg.rollout.max_new_tokens)
         # the checkpoint a resume would load sits in the real output_dir (resume=auto) or at resume=<path>
         check_resume_inputs(cfg, Path(cfg.output_dir), inputs)
@@ -264,6 +272,7 @@ def _resolve(cfg, dist, run_dir: Path, check: bool) -> RunContext:
     return RunContext(
         cfg=cfg, dist=dist, run_dir=run_dir, tokenizer=tokenizer, hf_config=hf_config, train_ds=train_ds,
         eval_rows=[eval_ds[i] for i in range(len(eval_ds))], init_hf_state_dict=init_sd, inputs=inputs,
+        encoder=encoder,
     )
 
 
