@@ -37,7 +37,7 @@ setup(
     ],
     extras_require={
         # accelerate: transformers' FineGrainedFP8 loader reads moerl's FP8 rollout checkpoints (tests/test_fp8_rollout.py)
-        "test": ["pytest>=8,<10", "accelerate>=1.0,<2"],
+        "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "accelerate>=1.0,<2"],
         "wandb": ["wandb"],
     },
     entry_points={"console_scripts": ["moerl=moerl.cli:main"]},
