@@ -464,7 +464,17 @@ def test_micro_batch_tensors_match_a_per_token_build(seed):
     assert empty.unpack_index.tolist() == [[2]] and empty.extras["old_log_probs"].tolist() == [[0.0]]
 
 
-def test_micro_batch_refuses_a_loss_mask_of_the_wrong_length():
+def test_micro_batch_refuses_bad_samples_by_name():
+    """A loss_mask or per-token field of the wrong length or shape, or a sample without prompt tokens, is named
+    (these used to end in shape errors of torch, or a length-1 mask silently broadcast)."""
     s = Sample(index=3, group_id=0, prompt="", label="", prompt_ids=[1, 2], response_ids=[3, 4], loss_mask=[1])
     with pytest.raises(ValueError, match="sample 3 has a loss_mask of 1 values for 2 response tokens"):
         make_micro_batch([s], [0], 0)
+    s.loss_mask = []
+    with pytest.raises(ValueError, match=r"old_log_probs of sample 3 has shape \(2, 1\); expected .* shape \(2,\)"):
+        make_micro_batch([s], [0], 0, {"old_log_probs": [torch.zeros(2, 1)]})
+    with pytest.raises(ValueError, match="old_log_probs of sample 3 has 3 values for 2 response tokens"):
+        make_packed_micro_batch([s], [0], 0, {"old_log_probs": [[0.0, 0.0, 0.0]]})
+    s.prompt_ids = []
+    with pytest.raises(ValueError, match=r"sample 3 \(group 0\) has no prompt tokens"):
+        make_packed_micro_batch([s], [0], 0)

@@ -18,6 +18,7 @@ model's per-token outputs [1, T] are mapped back to [B, S] with :meth:`PackedMic
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -78,51 +79,70 @@ def make_micro_batch(
     collectives like the other ranks' micro-batches (:func:`padding_mask` marks the row padding).
 
     Raises:
-        ValueError: a sample without response tokens, or a loss_mask / per-token field of the wrong length.
+        ValueError: a sample without prompt or response tokens, or a loss_mask / per-token field of the
+            wrong length.
     """
-    # Rows are built as Python lists and turned into tensors once per field: per-sample tensor
-    # writes cost ~10 small torch ops per sample (a few % of a CPU training step).
-    ids = []
+    return _micro_batch(samples, sample_indices, pad_id, per_token_fields)[0]
+
+
+def _micro_batch(samples, sample_indices, pad_id, per_token_fields):
+    """make_micro_batch, plus the samples' tokens back to back (int64 [sum L]) and their lengths L (int64 [B]).
+
+    Each field is written by ONE masked assignment from the samples' values concatenated (a Python
+    loop of small tensor writes per sample cost ~10 torch ops per sample; padded Python rows cost B x S).
+    """
     for s in samples:
         if not s.response_ids:
             raise ValueError(f"sample {s.index} (group {s.group_id}) has no response tokens")
-        ids.append(list(s.prompt_ids) + list(s.response_ids))
-    seq_len = max(map(len, ids), default=1)
-    starts = [len(s.prompt_ids) - 1 for s in samples]  # label position of the first response token
-    resp_lens = [len(s.response_ids) for s in samples]
-    pad_row = [pad_id] * seq_len
-    tokens = torch.tensor([r + pad_row[len(r):] for r in ids] or [pad_row], dtype=torch.long)
-    labels = torch.tensor([r[1:] + pad_row[len(r) - 1:] for r in ids] or [pad_row], dtype=torch.long)
-
-    def label_aligned(values_per_sample) -> torch.Tensor:  # [bsz, seq_len] float32, 0 outside responses
-        rows = []
-        for i, st in enumerate(starts):  # a sample past the end of values_per_sample keeps zeros
-            v = values_per_sample[i] if i < len(values_per_sample) else []
-            rows.append([0.0] * st + v + [0.0] * (seq_len - st - len(v)))
-        return torch.tensor(rows or [[0.0] * seq_len], dtype=torch.float32)
-
-    masks = []
-    for s in samples:
+        if not s.prompt_ids:
+            raise ValueError(f"sample {s.index} (group {s.group_id}) has no prompt tokens")
         if s.loss_mask and len(s.loss_mask) != len(s.response_ids):
             raise ValueError(f"sample {s.index} has a loss_mask of {len(s.loss_mask)} values for "
                              f"{len(s.response_ids)} response tokens")
-        masks.append([float(x) for x in s.loss_mask] if s.loss_mask else [1.0] * len(s.response_ids))
-    loss_mask = label_aligned(masks)
+    b = len(samples)
+    plen = torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long)
+    rlen = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.long)
+    lengths = plen + rlen
+    seq_len = int(lengths.max()) if b else 1
+    flat = torch.tensor(list(itertools.chain.from_iterable(itertools.chain(s.prompt_ids, s.response_ids)
+                                                            for s in samples)), dtype=torch.long)
+    pos = torch.arange(seq_len)
+    real = pos < lengths[:, None]  # [B, S]: token positions of each sample
+    tokens = torch.full((max(b, 1), seq_len), pad_id, dtype=torch.long)
+    labels = torch.full((max(b, 1), seq_len), pad_id, dtype=torch.long)
+    if b:
+        tokens[real] = flat
+        first = torch.ones(flat.numel(), dtype=torch.bool)
+        first[torch.cumsum(lengths, 0) - lengths] = False  # each sample's first token is nobody's label
+        labels[pos < (lengths - 1)[:, None]] = flat[first]
+    starts = plen - 1  # label position of the first response token
+    response = (pos >= starts[:, None]) & (pos < (starts + rlen)[:, None])  # [B, S], row-major = token order
+
+    def label_aligned(values: list) -> torch.Tensor:  # [max(B, 1), S] float32, 0 outside responses
+        t = torch.zeros((max(b, 1), seq_len), dtype=torch.float32)
+        if values:  # the first len(values) samples' responses (a sample past the end keeps zeros)
+            mask = response if len(values) == b else response & (torch.arange(b) < len(values))[:, None]
+            t[mask] = torch.cat(values)
+        return t
+
+    loss_mask = label_aligned([torch.as_tensor(s.loss_mask, dtype=torch.float32) if s.loss_mask
+                               else torch.ones(len(s.response_ids), dtype=torch.float32) for s in samples])
     extras = {}
     for name, values in (per_token_fields or {}).items():
         rows = []
-        for i, v in enumerate(values):
-            v = v.tolist() if isinstance(v, torch.Tensor) else [float(x) for x in v]
-            if len(v) != resp_lens[i]:
-                raise ValueError(
-                    f"{name} of sample {samples[i].index} has {len(v)} values for "
-                    f"{resp_lens[i]} response tokens"
-                )
+        for i, v in enumerate(values[:b]):
+            v, n = torch.as_tensor(v, dtype=torch.float32), len(samples[i].response_ids)
+            if v.dim() != 1:
+                raise ValueError(f"{name} of sample {samples[i].index} has shape {tuple(v.shape)}; expected one "
+                                 f"value per response token, shape ({n},)")
+            if v.numel() != n:
+                raise ValueError(f"{name} of sample {samples[i].index} has {v.numel()} values for {n} response tokens")
             rows.append(v)
         extras[name] = label_aligned(rows)  # an empty micro-batch keeps the zeros
     advantages = torch.tensor([float(s.advantage) for s in samples] or [0.0], dtype=torch.float32)
-    return MicroBatch(tokens, labels, loss_mask, advantages, list(sample_indices), starts, resp_lens, extras,
-                      routed_experts=_routing_tensor(samples, seq_len))
+    mb = MicroBatch(tokens, labels, loss_mask, advantages, list(sample_indices), starts.tolist(), rlen.tolist(),
+                    extras, routed_experts=_routing_tensor(samples, seq_len))
+    return mb, flat, lengths
 
 
 def _routing_tensor(samples: Sequence[Sample], seq_len: int) -> Optional[torch.Tensor]:
@@ -278,29 +298,27 @@ def make_packed_micro_batch(
     """
     if isinstance(pad_to_multiple_of, bool) or not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1:
         raise ValueError(f"pad_to_multiple_of must be an int >= 1, got {pad_to_multiple_of!r}")
-    mb = make_micro_batch(samples, sample_indices, pad_id, per_token_fields)
-    ids = [list(s.prompt_ids) + list(s.response_ids) for s in samples]
-    real = sum(map(len, ids))
+    mb, flat, lengths = _micro_batch(samples, sample_indices, pad_id, per_token_fields)
+    real = flat.numel()
     # no samples (an empty micro-batch): one padding segment of pad_to_multiple_of tokens
     total = max(-(-real // pad_to_multiple_of), 1) * pad_to_multiple_of
-    flat_tokens, flat_labels, flat_pos, index_rows, cu = [], [], [], [], [0]
+    starts = torch.cumsum(lengths, 0) - lengths  # packed offset of each sample
+    tokens = torch.full((1, total), pad_id, dtype=torch.long)
+    labels = torch.full((1, total), pad_id, dtype=torch.long)
+    tokens[0, :real] = flat
+    if real:
+        has_label = torch.ones(real, dtype=torch.bool)
+        has_label[starts + lengths - 1] = False  # a sample's last token: no next token in the sample
+        labels[0, :real][has_label] = flat[1:][has_label[:-1]]
+    positions = torch.arange(total)
+    positions[:real] -= torch.repeat_interleave(starts, lengths)
+    positions[real:] -= real
+    positions = positions.unsqueeze(0)
     seq_len = mb.tokens.shape[1]
-    for r in ids:
-        o, n = cu[-1], len(r)
-        flat_tokens += r
-        flat_labels += r[1:] + [pad_id]
-        flat_pos += range(n)
-        index_rows.append(list(range(o, o + n)) + [total] * (seq_len - n))
-        cu.append(o + n)
-    if total > real:
-        flat_tokens += [pad_id] * (total - real)
-        flat_labels += [pad_id] * (total - real)
-        flat_pos += range(total - real)
-        cu.append(total)
-    tokens = torch.tensor([flat_tokens], dtype=torch.long)
-    labels = torch.tensor([flat_labels], dtype=torch.long)
-    positions = torch.tensor([flat_pos], dtype=torch.long)
-    index = torch.tensor(index_rows or [[total] * seq_len], dtype=torch.long)
+    col = torch.arange(seq_len)
+    index = (torch.where(col < lengths[:, None], starts[:, None] + col, torch.tensor(total))
+             if len(samples) else torch.full((1, seq_len), total, dtype=torch.long))
+    cu = [0] + torch.cumsum(lengths, 0).tolist() + ([total] if total > real else [])
     base = {f.name: getattr(mb, f.name) for f in dataclasses.fields(MicroBatch)}
     return PackedMicroBatch(
         **base,
