@@ -245,6 +245,17 @@ def test_prompt_encoder_memoizes_and_equals_the_uncached_functions(chatml, syste
         ids = enc("What is 2+2?")
         ids.append(-1)
         assert enc("What is 2+2?") == encode_prompt(chatml, "What is 2+2?", system_prompt)
+        # a full cache keeps what it has and encodes the rest each time (no eviction), with the same ids
+        room = 4 * len(encode_prompt(chatml, "first prompt", system_prompt)) + len("first prompt") \
+            + PromptEncoder.ENTRY_OVERHEAD_BYTES  # exactly the first prompt's entry
+        small = PromptEncoder(chatml, system_prompt, max_bytes=room)
+        calls.clear()
+        for _ in range(2):
+            for prompt in ("first prompt", "What is 2+2?"):
+                assert small(prompt) == encode_prompt(chatml, prompt, system_prompt)
+        assert small.cached_bytes == small.max_bytes
+        assert len([c for c in calls if "first prompt" in c]) == 2 + 1  # cached: the uncached calls + one
+        assert len([c for c in calls if "2+2" in c]) == 2 + 2  # over the budget: encoded every time
     finally:
         chatml.encode = real
 

@@ -684,22 +684,26 @@ def test_a_group_whose_server_fails_is_resent_to_the_next_one_and_none_is_lost_o
         run(0, refuse=True)
 
 
-def test_starting_the_producer_shortens_the_gil_switch_interval():
-    """The producer thread shares the trainer's GIL: starting it lowers sys.getswitchinterval() to
-    PRODUCER_SWITCH_INTERVAL_S (never raises a shorter one)."""
+def test_an_overlapping_producer_shortens_the_gil_switch_interval_until_close():
+    """The producer thread shares the trainer's GIL: in one_step_off / async, starting it lowers
+    sys.getswitchinterval() to PRODUCER_SWITCH_INTERVAL_S until close() (a shorter one is kept); sync leaves
+    it alone."""
     import sys
 
     from moerl.rollout.manager import PRODUCER_SWITCH_INTERVAL_S
 
     before = sys.getswitchinterval()
     try:
-        for start, expect in ((0.005, PRODUCER_SWITCH_INTERVAL_S), (PRODUCER_SWITCH_INTERVAL_S / 2, None)):
+        for mode, start, during in (("async", 0.005, PRODUCER_SWITCH_INTERVAL_S),
+                                    ("one_step_off", 0.005, PRODUCER_SWITCH_INTERVAL_S),
+                                    ("async", PRODUCER_SWITCH_INTERVAL_S / 2, PRODUCER_SWITCH_INTERVAL_S / 2),
+                                    ("sync", 0.005, 0.005)):
             sys.setswitchinterval(start)
-            servers = FakeServers()
-            mgr = _manager(servers, _cfg(mode="sync"), num_steps=1).start()
+            mgr = _manager(FakeServers(), _cfg(mode=mode), num_steps=1).start()
             try:
-                assert sys.getswitchinterval() == pytest.approx(expect or start)
+                assert sys.getswitchinterval() == pytest.approx(during), mode
             finally:
                 mgr.close()
+            assert sys.getswitchinterval() == pytest.approx(start), mode
     finally:
         sys.setswitchinterval(before)

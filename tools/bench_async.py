@@ -73,9 +73,9 @@ measured one.
 
 Measured (40 steps, the defaults; the README's Async section has the tables): three runs of commit 800c5f2,
 sync 0.488-0.587 s/step, async s=1 1.40x / 1.40x / 1.39x, one_step_off 1.30-1.59x, s=2 1.15-1.57x; async s=1
-accuracy within 2.2 points of sync, time model within 15-17%. The demo is balanced (sync rollout wait
-0.20-0.25 s, update 0.22-0.27 s), so an ideal overlap would give ~1.8-1.9x; the overlapped update takes
-1.17-1.27x as long as sync's (the main thread slower while core 1 is busy, and waiting for the interpreter
+accuracy within 2.2 points of sync, time model within 15-17%. The demo is balanced (sync R 0.22-0.27 s,
+T 0.24-0.29 s, W 0.03 s), so a perfect overlap would give (R + T + W) / max(R, T) = 2.0-2.1x; the
+overlapped update takes 1.17-1.27x as long as sync's (the main thread slower while core 1 is busy, and waiting for the interpreter
 lock behind the producer, reward-pool and push threads), and the one-step bound leaves 30-45 ms per step
 of waiting for a batch. Earlier (commit 6d493aa, with the reference forward, training-bound): async s=1
 1.23-1.70x over four runs.
@@ -143,7 +143,8 @@ DEFAULT_CORRECTION = "decoupled"
 #:   (the recipe's disk mode writes and reads safetensors files on both cores);
 #: - algorithm.reference_policy=false: the recipe's kl_coef is 0, so its reference forward only LOGS a KL to
 #:   the start policy; it was a third of the trainer's step (log_prob 0.09-0.11 of 0.33 s). verl and slime
-#:   load no reference model when no KL term is used; the demo recipe keeps it as a diagnostic.
+#:   load no reference model when no KL term is used; the demo recipe keeps it as a diagnostic. A KL term
+#:   (--set algorithm.kl_coef=...) needs --set algorithm.reference_policy=true too (the recipe check says so).
 DEFAULT_SETTINGS = ["rollout.weight_sync=tensor", "algorithm.reference_policy=false"]
 #: foreign load on a benchmark core (share of the RL wall) above which the report warns
 FOREIGN_WARN = 0.10

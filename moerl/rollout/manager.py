@@ -78,12 +78,14 @@ from moerl.types import Sample
 
 #: continuations allowed per response before its group is given up (counted, never trained)
 MAX_SEGMENTS = 16
-#: the trainer process's GIL switch interval (s) while the producer thread runs (Python's default is 5 ms).
-#: The trainer's main thread releases the GIL around every torch op; the producer (asyncio loop: request
-#: building, tokenization, reward dispatch) takes it and keeps it up to the interval before the main thread
-#: gets it back. While rollouts overlap training (async staleness 1; tools/bench_async.py, pinned, 40 steps)
-#: the update took 1.34x as long as in sync with 5 ms (one run), 1.16-1.27x with 0.1-0.5 ms (five runs).
-PRODUCER_SWITCH_INTERVAL_S = 0.0001
+#: the trainer process's GIL switch interval (s) while the producer thread overlaps training (one_step_off /
+#: async; Python's default is 5 ms; restored by close()). The trainer's main thread releases the GIL around
+#: every torch op; the producer (asyncio loop: request building, reward dispatch) takes it and keeps it up to
+#: the interval before the main thread gets it back. tools/bench_async.py (pinned, 40 steps, async staleness
+#: 1): the update took 1.34x as long as in sync with 5 ms (one run), 1.16-1.21x with 0.5 ms (two runs) and
+#: 1.17-1.27x with 0.1 ms (three runs): noisy single runs that do not separate 0.1 from 0.5 ms, so the
+#: milder 0.5 ms.
+PRODUCER_SWITCH_INTERVAL_S = 0.0005
 
 
 def sampling_seed(seed: int, *keys: int) -> int:
@@ -220,11 +222,11 @@ class RolloutManager:
         assert set(self.sampling_params) <= SAMPLING_PARAM_FIELDS
         self.routing_shape = routing_shape
         self._direct: dict[str, RolloutClient] = {}  # clients of single servers (closed with the producer)
-        # rollout.group_requests: one batched /generate per group, straight to a server (see _post_batch);
+        # rollout.group_requests: one batched /generate per group, straight to a server (see _to_server);
         # null = on with the reference backend (its per-request HTTP cost is most of a step's rollout CPU)
         group = getattr(ro, "group_requests", None)
         self.group_requests = (getattr(ro, "backend", "reference") == "reference") if group is None else bool(group)
-        self.failover_wait_s = 2.0 * float(getattr(ro, "startup_timeout_s", 120.0))  # see _post_batch
+        self.failover_wait_s = 2.0 * float(getattr(ro, "startup_timeout_s", 120.0))  # see _to_server
         # how a weight update pauses the servers in async mode (rollout.pause_mode): abort cuts running
         # responses (resumed from their prefix: partial rollouts); in_place suspends the reference server's
         # running batch at its next decode step and goes on under the new weights after the push (the
@@ -283,13 +285,16 @@ class RolloutManager:
         self._unpaused: Optional[asyncio.Event] = None
         self._wake: Optional[asyncio.Event] = None
         self._thread: Optional[threading.Thread] = None
+        self._switch_interval_before: Optional[float] = None  # sys.getswitchinterval() before start()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "RolloutManager":
-        """Start the producer thread (returns self); lowers the process's GIL switch interval to
-        :data:`PRODUCER_SWITCH_INTERVAL_S` (``sys.setswitchinterval``) if it is longer."""
+        """Start the producer thread (returns self). In one_step_off / async it lowers the process's GIL
+        switch interval to :data:`PRODUCER_SWITCH_INTERVAL_S` (``sys.setswitchinterval``) if it is longer,
+        until :meth:`close`."""
         ready = threading.Event()
-        if sys.getswitchinterval() > PRODUCER_SWITCH_INTERVAL_S:
+        if self.mode != "sync" and sys.getswitchinterval() > PRODUCER_SWITCH_INTERVAL_S:
+            self._switch_interval_before = sys.getswitchinterval()
             sys.setswitchinterval(PRODUCER_SWITCH_INTERVAL_S)
 
         def run() -> None:
@@ -353,6 +358,9 @@ class RolloutManager:
             self._loop.call_soon_threadsafe(self._unpaused.set)
         if self._thread is not None:
             self._thread.join(timeout=30)
+        before, self._switch_interval_before = self._switch_interval_before, None
+        if before is not None and abs(sys.getswitchinterval() - PRODUCER_SWITCH_INTERVAL_S) < 1e-9:  # still ours
+            sys.setswitchinterval(before)
 
     def __enter__(self) -> "RolloutManager":
         return self.start()
@@ -551,7 +559,7 @@ class RolloutManager:
                 if not failover or time.monotonic() > deadline:
                     raise
                 attempt += 1
-                self.log(f"WARNING: group {grp.uid} failed on {url} ({e}); sending it to another server")
+                self.log(f"WARNING: a request of group {grp.uid} failed on {url} ({e}); sending it to another server")
                 with self._cv:
                     self._counters["failover_resends"] += 1
                 await asyncio.sleep(min(2.0, 0.1 * 2 ** min(attempt, 5)))  # the monitor notices the death
@@ -687,8 +695,9 @@ class RolloutManager:
         rollout/{drawn_groups, dropped_stale_groups, dropped_no_signal_groups, failed_groups,
         resumed_segments, reward_s (wall seconds spent scoring the groups finished since the previous batch), reward_errors
         (samples whose verifier timed out, raised or crashed: scored reward.error_value), waited_groups, wait_s,
-        trainer_wait_s, server_busy_frac, buffer_groups, failover_resends (groups re-sent to another server,
-        rollout.group_requests), pause_s / push_s / continue_s (wall seconds of the
+        trainer_wait_s, server_busy_frac, buffer_groups, failover_resends (requests re-sent to another server:
+        a group's with rollout.group_requests, a sample's with moe.routing_replay=r3), pause_s / push_s /
+        continue_s (wall seconds of the
         weight updates since the previous batch: pausing the servers (one_step_off: waiting until nothing
         is in flight), the push, continuing)}; reward/<name>: means of a reward function's extra
         metrics;

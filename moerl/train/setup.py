@@ -14,7 +14,7 @@ from moerl.checkpoint.input_checks import check_hf_model_dir, check_hf_tensors
 from moerl.data.dataset import DatasetError, PromptSampler, load_prompt_dataset
 from moerl.data.fingerprint import describe_change, file_fingerprint, tokenizer_fingerprint
 from moerl.data.tasks import prepare_task_data
-from moerl.data.tokenizer import PromptEncoder, decode_response, tokenizer_from_config
+from moerl.data.tokenizer import PromptEncoder, decode_response, encode_prompt, tokenizer_from_config
 from moerl.models.families import get_family
 from moerl.moe.config import check_rollout_routing_matches
 from moerl.rewards import check_label, resolve_reward_fn
@@ -255,11 +255,10 @@ def _resolve(cfg, dist, run_dir: Path, check: bool) -> RunContext:
     inputs = {"train_data": file_fingerprint(train_path), "eval_data": file_fingerprint(eval_path),
               "train_rows": len(train_ds), "eval_rows": len(eval_ds), "tokenizer": tokenizer_fingerprint(tokenizer)}
     init_sd = None
-    encoder = PromptEncoder(tokenizer, d.system_prompt)
     if check:
         for ds, path, key in ((train_ds, train_path, "data.train_path"), (eval_ds, eval_path, "data.eval_path")):
             check_rows(ds, path, key, prompt_key=d.prompt_key, label_key=d.label_key, reward_spec=cfg.reward.function,
-                       encode=encoder,
+                       encode=lambda prompt: encode_prompt(tokenizer, prompt, d.system_prompt),
                        max_positions=hf_config.max_position_embeddings, max_new_tokens=cfg.rollout.max_new_tokens)
         # the checkpoint a resume would load sits in the real output_dir (resume=auto) or at resume=<path>
         check_resume_inputs(cfg, Path(cfg.output_dir), inputs)
@@ -272,7 +271,7 @@ def _resolve(cfg, dist, run_dir: Path, check: bool) -> RunContext:
     return RunContext(
         cfg=cfg, dist=dist, run_dir=run_dir, tokenizer=tokenizer, hf_config=hf_config, train_ds=train_ds,
         eval_rows=[eval_ds[i] for i in range(len(eval_ds))], init_hf_state_dict=init_sd, inputs=inputs,
-        encoder=encoder,
+        encoder=PromptEncoder(tokenizer, d.system_prompt),
     )
 
 
