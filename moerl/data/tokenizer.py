@@ -237,8 +237,16 @@ def encode_sft_example(
     Raises:
         ValueError: as :func:`render_prompt`.
     """
-    prompt_ids = encode_prompt(tokenizer, prompt, system_prompt)
-    response_ids = tokenizer.encode(response_text, add_special_tokens=False) + [tokenizer.eos_token_id]
+    return _sft_pair(encode_prompt(tokenizer, prompt, system_prompt), _sft_response_ids(tokenizer, response_text))
+
+
+def _sft_response_ids(tokenizer: PreTrainedTokenizerBase, response_text: str) -> list[int]:
+    """The gold response's ids + eos (the supervised target of :func:`encode_sft_example`)."""
+    return tokenizer.encode(response_text, add_special_tokens=False) + [tokenizer.eos_token_id]
+
+
+def _sft_pair(prompt_ids: list[int], response_ids: list[int]) -> tuple[list[int], list[int]]:
+    """(ids, loss mask) of a supervised example: 0 on the prompt, 1 on the response and eos."""
     return prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)
 
 
@@ -293,10 +301,9 @@ class PromptEncoder:
         if cached is not None:
             response = cached.tolist()
         else:
-            response = self.tokenizer.encode(response_text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+            response = _sft_response_ids(self.tokenizer, response_text)
             self._keep(self._responses, response_text, response)
-        prompt_ids = self(prompt)
-        return prompt_ids + response, [0] * len(prompt_ids) + [1] * len(response)
+        return _sft_pair(self(prompt), response)
 
 
 def decode_response(tokenizer: PreTrainedTokenizerBase, response_ids: list[int]) -> str:

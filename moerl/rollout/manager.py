@@ -697,10 +697,9 @@ class RolloutManager:
         (samples whose verifier timed out, raised or crashed: scored reward.error_value), waited_groups, wait_s,
         trainer_wait_s, server_busy_frac, buffer_groups, failover_resends (requests re-sent to another server:
         a group's with rollout.group_requests, a sample's with moe.routing_replay=r3), pause_s / push_s /
-        continue_s (wall seconds of the
-        weight updates since the previous batch: pausing the servers (one_step_off: waiting until nothing
-        is in flight), the push, continuing)}; reward/<name>: means of a reward function's extra
-        metrics;
+        continue_s (wall seconds of the weight updates since the previous batch: pausing the servers
+        (one_step_off: waiting until nothing is in flight), the push, continuing)}; reward/<name>: means of
+        a reward function's extra metrics;
         staleness/{mean, max, tokens_<v>} over trained tokens (tokens_<v>: how many are v versions old); token versions per sample are in
         ``Sample.token_versions``.
 

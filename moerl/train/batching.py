@@ -302,13 +302,14 @@ def make_packed_micro_batch(
     real = flat.numel()
     # no samples (an empty micro-batch): one padding segment of pad_to_multiple_of tokens
     total = max(-(-real // pad_to_multiple_of), 1) * pad_to_multiple_of
-    starts = torch.cumsum(lengths, 0) - lengths  # packed offset of each sample
+    ends = torch.cumsum(lengths, 0)
+    starts = ends - lengths  # packed offset of each sample
     tokens = torch.full((1, total), pad_id, dtype=torch.long)
     labels = torch.full((1, total), pad_id, dtype=torch.long)
     tokens[0, :real] = flat
     if real:
         has_label = torch.ones(real, dtype=torch.bool)
-        has_label[starts + lengths - 1] = False  # a sample's last token: no next token in the sample
+        has_label[ends - 1] = False  # a sample's last token: no next token in the sample
         labels[0, :real][has_label] = flat[1:][has_label[:-1]]
     positions = torch.arange(total)
     positions[:real] -= torch.repeat_interleave(starts, lengths)
@@ -318,7 +319,7 @@ def make_packed_micro_batch(
     col = torch.arange(seq_len)
     index = (torch.where(col < lengths[:, None], starts[:, None] + col, torch.tensor(total))
              if len(samples) else torch.full((1, seq_len), total, dtype=torch.long))
-    cu = [0] + torch.cumsum(lengths, 0).tolist() + ([total] if total > real else [])
+    cu = [0] + ends.tolist() + ([total] if total > real else [])
     base = {f.name: getattr(mb, f.name) for f in dataclasses.fields(MicroBatch)}
     return PackedMicroBatch(
         **base,

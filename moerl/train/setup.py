@@ -35,7 +35,7 @@ class RunContext:
     init_hf_state_dict: Optional[dict]
     inputs: dict = field(default_factory=dict)  # fingerprints of the data and tokenizer (resume safety)
     rewards: Any = None  # the RewardPool (rank 0, while the job runs: moerl.train.loop opens it)
-    encoder: Optional[PromptEncoder] = None  # memoized prompt encoding (None: built on first use)
+    encoder: Optional[PromptEncoder] = None  # memoized prompt encoding, built on first use (prompt_encoder)
 
     @property
     def eos_id(self) -> int:
@@ -271,7 +271,6 @@ def _resolve(cfg, dist, run_dir: Path, check: bool) -> RunContext:
     return RunContext(
         cfg=cfg, dist=dist, run_dir=run_dir, tokenizer=tokenizer, hf_config=hf_config, train_ds=train_ds,
         eval_rows=[eval_ds[i] for i in range(len(eval_ds))], init_hf_state_dict=init_sd, inputs=inputs,
-        encoder=PromptEncoder(tokenizer, d.system_prompt),
     )
 
 
