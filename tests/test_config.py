@@ -45,7 +45,7 @@ EXPECTED_TINY = {
     },
     "reward": {
         "function": "arithmetic", "group": False, "num_workers": 2, "timeout_s": 10.0, "error_value": 0.0,
-        "model_path": None, "model_weight": 1.0, "rule_weight": 1.0, "model_batch_size": 16,
+        "model_path": None, "model_weight": 1.0, "rule_weight": 1.0, "model_batch_size": 16, "pool_process": None,
     },
     "rollout": {
         "num_servers": 2, "threads_per_server": 1, "dtype": "auto", "host": "127.0.0.1", "base_port": 30000, "router_port": 29000,

@@ -1,4 +1,6 @@
-"""RewardPool (moerl/rewards/pool.py): sandboxed scoring with timeouts, exceptions and crashes."""
+"""RewardPool (moerl/rewards/pool.py): sandboxed scoring with timeouts, exceptions and crashes; the same
+tests on RewardBroker (moerl/rewards/broker.py: the pool in a child process), plus the broker's own
+failure modes."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import time
 
 import pytest
 
-from moerl.rewards import RewardConfigError, RewardPool, RewardResult, RewardValueError
+from moerl.rewards import RewardBroker, RewardConfigError, RewardPool, RewardResult, RewardValueError
 
 # A user reward file outside the package. Responses are commands: "sleep" hangs, "raise" raises,
 # "die" kills its worker with os._exit(3), "wait:<path>" waits until <path> exists; anything else is
@@ -55,11 +57,11 @@ def user_file(tmp_path_factory):
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def pool(user_file):
+@pytest.fixture(scope="module", params=[RewardPool, RewardBroker], ids=["pool", "broker"])
+def pool(user_file, request):
     logs: list[str] = []
-    with RewardPool(f"{user_file}:per_sample", num_workers=2, timeout_s=TIMEOUT, error_value=-1.0,
-                    log=logs.append) as p:
+    with request.param(f"{user_file}:per_sample", num_workers=2, timeout_s=TIMEOUT, error_value=-1.0,
+                       log=logs.append) as p:
         p.wait_ready(timeout=60)
         p.logs = logs
         yield p
@@ -164,10 +166,11 @@ def test_ascore_group_does_not_block_the_loop(pool, tmp_path):
         loop.close()
 
 
-def test_group_function_sees_exactly_its_group(user_file):
+@pytest.mark.parametrize("cls", [RewardPool, RewardBroker], ids=["pool", "broker"])
+def test_group_function_sees_exactly_its_group(user_file, cls):
     logs: list[str] = []
-    with RewardPool(f"{user_file}:group_echo", group=True, num_workers=2, timeout_s=TIMEOUT, error_value=-1.0,
-                    log=logs.append) as p:
+    with cls(f"{user_file}:group_echo", group=True, num_workers=2, timeout_s=TIMEOUT, error_value=-1.0,
+             log=logs.append) as p:
         groups = {f"u{k}": [str(10 * k + j) for j in (3, 1, 2)] for k in range(5)}
         results: dict[str, list[RewardResult]] = {}
         threads = [threading.Thread(target=lambda u=u, g=g: results.__setitem__(u, p.score_group(u, "q", g, "", {})))
@@ -278,4 +281,99 @@ def test_reward_workers_start_on_the_rollout_cores():
         assert [os.sched_getaffinity(p.popen.pid) for p in pool._procs] == [{core}] * cfg.reward.num_workers
         assert os.sched_getaffinity(pool._thread.native_id) == {core}
         (r,) = pool.score_group("u0", "1 + 1 =", ["2"], "2")  # the pinned workers score
+        assert r.error is None and r.score == 1.0
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(x) for x in f.read().split()]
+
+
+def _gone(pid: int, within_s: float = 10.0) -> bool:
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(")")[-1].split()[0] == "Z":  # a zombie has exited
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_broker_refuses_bad_specs_like_the_pool(user_file):
+    """The pool's construction errors come back from the broker process with their type and message."""
+    with pytest.raises(RewardConfigError, match="reward.function=.*has no attribute 'nope'"):
+        RewardBroker(f"{user_file}:nope")
+    with pytest.raises(RewardConfigError, match="reward.timeout_s"):
+        RewardBroker("exact_match", timeout_s=0)
+
+
+def test_broker_death_fails_calls_by_name_and_takes_its_workers(user_file, tmp_path):
+    """A broker killed with calls in flight: the pending call and every later one raise RuntimeError naming
+    the reward pool process (never a hang or a silent score), and its workers die with it (PR_SET_PDEATHSIG)."""
+    b = RewardBroker(f"{user_file}:per_sample", num_workers=2, timeout_s=60)
+    try:
+        b.wait_ready(timeout=60)
+        workers = _children(b.pid)
+        assert len(workers) == 2
+        box: dict = {}
+        th = threading.Thread(target=lambda: box.setdefault("r", _catch(
+            lambda: b.score_group("g-pending", "q", [f"wait:{tmp_path / 'never'}"], "a", {}))))
+        th.start()
+        time.sleep(0.3)
+        os.kill(b.pid, 9)
+        th.join(30)
+        assert isinstance(box["r"], RuntimeError) and "reward pool process" in str(box["r"]) \
+            and "died (exit code -9)" in str(box["r"]), box
+        with pytest.raises(RuntimeError, match="reward pool process .* died"):
+            b.score_group("g-after", "q", ["a"], "a", {})
+        assert all(_gone(w) for w in workers)
+    finally:
+        b.close()
+
+
+def _catch(fn):
+    try:
+        return fn()
+    except BaseException as e:  # noqa: BLE001
+        return e
+
+
+def test_closed_broker_refuses_and_is_gone(user_file):
+    b = RewardBroker(f"{user_file}:per_sample", num_workers=1)
+    b.wait_ready(timeout=60)
+    workers = _children(b.pid)
+    b.close()
+    b.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        b.score_group("g", "q", ["a"], "a", {})
+    assert b._popen.poll() is not None and all(_gone(w) for w in workers)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable cores")
+@pytest.mark.parametrize("mode,pool_process,cls", [("sync", None, RewardPool), ("async", None, RewardBroker),
+                                                   ("one_step_off", None, RewardBroker), ("async", False, RewardPool),
+                                                   ("sync", True, RewardBroker)])
+def test_run_picks_the_pool_process_by_mode(mode, pool_process, cls):
+    """reward.pool_process null: the pool runs in a broker process when scoring overlaps training
+    (one_step_off / async), in a thread of the trainer in sync; true / false force it. The broker process
+    (and so its workers) starts on the rollout cores."""
+    from types import SimpleNamespace
+
+    from moerl.config.schema import RecipeConfig
+    from moerl.train.components import reward_pool
+
+    base = RecipeConfig()
+    core = max(os.sched_getaffinity(0))
+    cfg = base.model_copy(update={
+        "train": base.train.model_copy(update={"mode": mode}),
+        "reward": base.reward.model_copy(update={"pool_process": pool_process}),
+        "rollout": base.rollout.model_copy(update={"cpu_affinity": [core]})})
+    with reward_pool(SimpleNamespace(cfg=cfg)) as pool:
+        assert type(pool) is cls
+        if cls is RewardBroker:
+            assert os.sched_getaffinity(pool.pid) == {core}
+        (r,) = pool.score_group("u0", "1 + 1 =", ["2"], "2")
         assert r.error is None and r.score == 1.0

@@ -326,6 +326,11 @@ class RewardConfig(_Section):
     model_weight: float = 1.0  # final = rule_weight * rule + model_weight * reward model
     rule_weight: float = 1.0
     model_batch_size: int = Field(16, ge=1)
+    # where the pool's dispatcher runs (moerl.rewards.broker): true = a child process that owns the workers
+    # (the trainer sends one message per group), so its interpreter-lock time stays out of the trainer
+    # process; false = a thread of the trainer; null = a child process in train.mode one_step_off / async
+    # (where scoring overlaps training) unless num_workers is 0 (inline), the thread in sync.
+    pool_process: Optional[bool] = None
 
     @model_validator(mode="after")
     def _cross_fields(self) -> "RewardConfig":

@@ -4,6 +4,8 @@
   or ``/path/to/file.py:function``) -> a checked callable; raises ``RewardConfigError``.
 - ``RewardPool``: scores groups in worker processes with a per-task wall-clock limit (``pool.py``),
   optionally adding a reward model (``model.py``).
+- ``RewardBroker``: the same pool run in a child process, off the caller's interpreter (``broker.py``;
+  the trainer uses it in train.mode one_step_off / async, ``reward.pool_process``).
 - built-ins: ``arithmetic``, ``math`` (math-verify), ``exact_match``, ``countdown``, ``reasoning_gym``.
 
 Light to import (the config schema imports it): nothing here imports torch, transformers, math_verify
@@ -17,6 +19,7 @@ from moerl.rewards.countdown import check_countdown_label, countdown_reward
 from moerl.rewards.errors import RewardConfigError, RewardValueError
 from moerl.rewards.math_reward import math_reward
 from moerl.rewards.model import RewardModel
+from moerl.rewards.broker import RewardBroker
 from moerl.rewards.pool import RewardPool, RewardResult
 from moerl.rewards.reasoning_gym_reward import reasoning_gym_reward
 from moerl.rewards.registry import (
@@ -39,7 +42,7 @@ register_reward_fn("countdown", countdown_reward, check_label=check_countdown_la
 register_reward_fn("reasoning_gym", reasoning_gym_reward)
 
 __all__ = [
-    "RewardConfigError", "RewardFn", "RewardModel", "RewardPool", "RewardResult", "RewardValueError",
+    "RewardBroker", "RewardConfigError", "RewardFn", "RewardModel", "RewardPool", "RewardResult", "RewardValueError",
     "arithmetic_reward", "as_metadata", "available_reward_fns",
     "check_label", "countdown_reward", "exact_match_reward", "get_reward_fn", "math_reward",
     "normalize_group_reward", "normalize_reward", "reasoning_gym_reward", "register_reward_fn", "resolve_reward_fn",

@@ -39,7 +39,9 @@ def call_reward(fn: Callable, kind: str, payload: tuple) -> Any:
     raise ValueError(f"unknown reward task kind {kind!r}")
 
 
-def _watch_parent(ppid: int) -> None:
+def watch_parent(ppid: int) -> None:
+    """Exit this process (os._exit(0)) once its parent ``ppid`` is gone (checked every 0.5 s; run in a daemon
+    thread: it works even while the main thread hangs in user code)."""
     while True:  # exit when orphaned, even if a reward function hangs in the main thread
         if os.getppid() != ppid:
             os._exit(0)
@@ -53,7 +55,7 @@ def main(fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's; it closes the pool
     conn = Connection(fd)
     init = conn.recv()
-    threading.Thread(target=_watch_parent, args=(init["parent_pid"],), daemon=True).start()
+    threading.Thread(target=watch_parent, args=(init["parent_pid"],), daemon=True).start()
     sys.path[:] = init["sys_path"]
     try:
         if init["kind"] == "model":

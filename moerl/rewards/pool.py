@@ -69,22 +69,37 @@ class _Task:
         self.future: Future = Future()
 
 
+def start_child(module: str, init: dict) -> tuple[subprocess.Popen, Connection]:
+    """Start ``python -c "from <module> import main; main(FD)"`` (a fresh interpreter: fork + exec) with one
+    end of a socket pair as FD, send it ``init`` and return (the process, the parent's Connection). The child
+    gets SIGKILL when the calling thread's process dies (PR_SET_PDEATHSIG, even if its own code holds its
+    GIL), is no rank of a torchrun job (``child_env``) and finds moerl on its PYTHONPATH.
+
+    Raises:
+        OSError: the process could not be started.
+    """
+    parent, child = socket.socketpair()
+    env = child_env()
+    env["PYTHONPATH"] = os.pathsep.join([_MOERL_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
+    try:
+        popen = subprocess.Popen([sys.executable, "-c", f"from {module} import main; main({child.fileno()})"],
+                                 pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL,
+                                 preexec_fn=pdeathsig_preexec(os.getpid()))
+    except BaseException:
+        parent.close()
+        raise
+    finally:
+        child.close()
+    conn = Connection(parent.detach())
+    conn.send(init)
+    return popen, conn
+
+
 class _Proc:
     """One worker process and the parent's end of its socket."""
 
     def __init__(self, kind: str, init: dict):
-        parent, child = socket.socketpair()
-        env = child_env()  # a reward worker is no rank of a torchrun job
-        env["PYTHONPATH"] = os.pathsep.join([_MOERL_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
-        try:  # SIGKILLed when the trainer dies, even if a reward function holds the worker's GIL
-            self.popen = subprocess.Popen(
-                [sys.executable, "-c", f"from moerl.rewards._worker import main; main({child.fileno()})"],
-                pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL,
-                preexec_fn=pdeathsig_preexec(os.getpid()))
-        finally:
-            child.close()
-        self.conn = Connection(parent.detach())
-        self.conn.send(init)
+        self.popen, self.conn = start_child("moerl.rewards._worker", init)
         self.kind = kind
         self.ready = False
         self.task: Optional[_Task] = None

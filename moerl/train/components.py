@@ -127,18 +127,24 @@ def rollout_manager(ctx, cluster, sampler, sync, state):
 
 def reward_pool(ctx):
     """Context manager of the run's RewardPool (moerl.rewards.pool; reward.* keys): worker processes on
-    global rank 0, which scores every rollout and evaluation; None on the other ranks."""
+    global rank 0, which scores every rollout and evaluation; None on the other ranks. With
+    reward.pool_process (null: in train.mode one_step_off / async) the pool runs in a child process, a
+    moerl.rewards.RewardBroker with the same API."""
     if not world.is_main():
         return contextlib.nullcontext(None)
-    from moerl.rewards.pool import RewardPool
+    from moerl.rewards import RewardBroker, RewardPool
 
     r = ctx.cfg.reward
-    # started on the rollout cores (rollout.cpu_affinity): the workers and the pool's dispatcher thread are
-    # rollout-side host work, kept off an emulated training device like the producer thread
+    use = r.pool_process
+    if use is None:
+        use = ctx.cfg.train.mode != "sync" and r.num_workers > 0
+    cls = RewardBroker if use else RewardPool
+    # started on the rollout cores (rollout.cpu_affinity): the workers and the pool's dispatcher (thread or
+    # process) are rollout-side host work, kept off an emulated training device like the producer thread
     with pinned(ctx.cfg.rollout.cpu_affinity):
-        return RewardPool(r.function, group=r.group, num_workers=r.num_workers, timeout_s=r.timeout_s,
-                          error_value=r.error_value, model_path=r.model_path, model_weight=r.model_weight,
-                          rule_weight=r.rule_weight, model_batch_size=r.model_batch_size, log=log)
+        return cls(r.function, group=r.group, num_workers=r.num_workers, timeout_s=r.timeout_s,
+                   error_value=r.error_value, model_path=r.model_path, model_weight=r.model_weight,
+                   rule_weight=r.rule_weight, model_batch_size=r.model_batch_size, log=log)
 
 
 @contextlib.contextmanager
