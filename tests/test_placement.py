@@ -191,3 +191,43 @@ def test_colocated_trainer_hooks_wait_for_every_rank(tmp_path, monkeypatch):
     ws.placement.before_weight_sync()
     ws.placement.before_train()
     assert order == ["offload", "barrier", "barrier", "reload"]
+
+
+def test_freeze_gc_on_the_servers_moerl_started(cluster, monkeypatch):
+    """SGLang's /freeze_gc (GET or POST) answers 200 "Garbage collection frozen.\\n" and changes no answer;
+    RolloutCluster.freeze_gc reaches every server moerl started and names, without raising, one that fails."""
+    url = cluster.server_urls[0]
+    body = {"input_ids": [4, 5], "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}
+    with httpx.Client(timeout=30, trust_env=False) as c:
+        before = c.post(url + "/generate", json=body).json()["output_ids"]
+        r = c.get(url + "/freeze_gc")
+        assert r.status_code == 200 and r.text == "Garbage collection frozen.\n"
+        assert cluster.freeze_gc() == {url: None}
+        assert c.post(url + "/generate", json=body).json()["output_ids"] == before
+    closed = f"http://127.0.0.1:{free_port_block(1)}"  # another node's moerl server that is down
+    monkeypatch.setattr(cluster, "peer_worker_urls", [closed])
+    out = cluster.freeze_gc()
+    assert out[url] is None and "ConnectError" in out[closed]
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_train_freeze_gc_freezes_the_trainer_and_warns_per_refusing_server(enabled, monkeypatch):
+    """train.freeze_gc: the trainer process moves its live objects to the permanent generation and asks the
+    cluster to do the same on its servers; a server that refuses is named in one warning; off: nothing."""
+    import gc
+    from types import SimpleNamespace
+
+    from moerl.train import components
+
+    logs: list[str] = []
+    calls: list[int] = []
+    monkeypatch.setattr(components, "log", logs.append)
+    cluster = SimpleNamespace(freeze_gc=lambda: calls.append(1) or {"http://a": None, "http://b": "HTTP 404: Not Found"})
+    ctx = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(freeze_gc=enabled)))
+    gc.unfreeze()
+    try:
+        components.freeze_gc(ctx, cluster)
+        assert (gc.get_freeze_count() > 0) == enabled and calls == ([1] if enabled else [])
+        assert len(logs) == (1 if enabled else 0) and all("http://b/freeze_gc" in m and "404" in m for m in logs)
+    finally:
+        gc.unfreeze()

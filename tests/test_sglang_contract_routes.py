@@ -80,7 +80,7 @@ def test_every_served_route_exists_upstream(upstream, app):
     ours = {r.path for r in app.routes if getattr(r, "path", "").startswith("/")
             and not r.path.startswith(("/docs", "/openapi", "/redoc"))}
     assert ours - upstream_routes == set()
-    for p in ("/model_info", "/server_info", "/v1/models", "/v1/loads", "/weights_checker", "/start_profile",
+    for p in ("/model_info", "/server_info", "/v1/models", "/v1/loads", "/weights_checker", "/start_profile", "/freeze_gc",
               "/stop_profile", "/v1/completions", "/v1/chat/completions"):
         assert p in ours and p in upstream_routes, p
 

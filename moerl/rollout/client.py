@@ -69,6 +69,7 @@ SGLANG_ENDPOINTS: dict[str, tuple[Optional[str], frozenset]] = {
     "/pause_generation": ("PauseGenerationReqInput", frozenset({"mode"})),
     "/continue_generation": ("ContinueGenerationReqInput", frozenset()),  # a JSON body ({}) is required
     "/flush_cache": (None, frozenset()),
+    "/freeze_gc": (None, frozenset()),
     "/health": (None, frozenset()),
     "/health_generate": (None, frozenset()),
     "/get_model_info": (None, frozenset()),

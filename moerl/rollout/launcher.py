@@ -673,6 +673,27 @@ class RolloutCluster:
         with self._lock:
             return [c.url for c in self._servers if c.index not in self._down and c.proc.poll() is None]
 
+    def freeze_gc(self, timeout_s: float = 60.0) -> dict[str, Optional[str]]:
+        """SGLang's POST /freeze_gc, in parallel, on the servers moerl started
+        (:meth:`colocated_server_urls`: this cluster's live ones and other nodes' moerl servers; never
+        rollout.external_urls): each moves its live Python objects to the permanent GC generation, so its
+        later collections skip the model and start-up state. Best effort (a speed measure): returns
+        ``{url: None}`` for each server frozen, ``{url: reason}`` for one that refused (an SGLang without
+        the route answers 404) or failed; never raises for a server."""
+        urls = self.colocated_server_urls()
+
+        def one(url: str) -> Optional[str]:
+            try:
+                r = httpx.post(url + "/freeze_gc", timeout=timeout_s, trust_env=False)
+            except httpx.HTTPError as e:
+                return f"{type(e).__name__}: {e}"
+            return None if r.status_code == 200 else f"HTTP {r.status_code}: {r.text[:200]}"
+
+        if not urls:
+            return {}
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(urls)) as pool:
+            return dict(zip(urls, pool.map(one, urls)))
+
     def colocated_server_urls(self) -> list[str]:
         """The servers colocated placement releases / resumes memory on: :meth:`live_server_urls`
         (this cluster's own) followed by ``peer_worker_urls`` (servers moerl started on other nodes,

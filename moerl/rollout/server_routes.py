@@ -26,6 +26,9 @@ path, methods, body fields (sglang io_struct) and answer shape of sglang/srt/ent
                                           with_stack, record_shapes honoured; num_steps / start_step /
                                           profile_by_stage / merge_profiles / profile_stages refused
                                           with HTTP 400 naming the field (no scheduler steps here)
+    GET|POST /freeze_gc                    gc.collect() then gc.freeze() in the server process (SGLang freezes
+                                          its processes without the collect; the collect keeps garbage out of
+                                          the permanent generation); answers "Garbage collection frozen.\n"
     GET|POST /stop_profile                 writes ``[<prefix>-]<profile_id>-TP-0.trace.json.gz`` (Chrome
                                           trace, SGLang's name) into output_dir; answers "Stop
                                           profiling. This will take some time.\n"
@@ -320,6 +323,19 @@ def install_extra_routes(app, engine, args: Optional[dict] = None) -> None:
             return bad(str(e))
         return Response(content="Stop profiling. This will take some time.\n", status_code=200)
 
+    @app.api_route("/freeze_gc", methods=["GET", "POST"])
+    async def freeze_gc():
+        await run_in_threadpool(_freeze_gc)
+        return Response(content="Garbage collection frozen.\n", status_code=200)
+
     app.state.profiler = profiler
     app.state.weights_checker = checker
     install_openai_routes(app, engine)
+
+
+def _freeze_gc() -> None:
+    """Collect, then move every surviving object to the permanent generation (gc.freeze)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()

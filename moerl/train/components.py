@@ -125,6 +125,25 @@ def rollout_manager(ctx, cluster, sampler, sync, state):
                        if cfg.moe.routing_replay == "r3" else None))
 
 
+def freeze_gc(ctx, cluster) -> None:
+    """train.freeze_gc, at the start of RL: ``gc.collect()`` + ``gc.freeze()`` in this process (every rank)
+    and, on rank 0, SGLang's POST /freeze_gc on the rollout servers moerl started (best effort: a server that
+    refuses is named in a warning). Objects alive now (model, optimizer, tokenizer, start-up state) are no
+    longer walked by the cyclic collector; they are still freed by reference counting (a reference cycle
+    among them that becomes garbage later is kept: start-up state is meant to live for the run)."""
+    if not ctx.cfg.train.freeze_gc:
+        return
+    import gc
+
+    if cluster is not None:
+        for url, why in cluster.freeze_gc().items():
+            if why:
+                log(f"WARNING: POST {url}/freeze_gc failed ({why}); that server's garbage collector keeps walking "
+                    "all its objects (train.freeze_gc)")
+    gc.collect()
+    gc.freeze()
+
+
 def reward_pool(ctx):
     """Context manager of the run's RewardPool (moerl.rewards.pool; reward.* keys): worker processes on
     global rank 0, which scores every rollout and evaluation; None on the other ranks. With

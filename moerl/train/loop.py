@@ -33,9 +33,9 @@ from moerl.runtime import world
 from moerl.runtime.distributed import destroy_distributed, init_distributed
 from moerl.runtime.world import broadcast_from_main, log
 from moerl.train.advantages import needs_token_advantages, outcome_advantages, shape_rewards, token_advantages
-from moerl.train.components import (build_actor, build_critic, build_reference, export_final, reset_reference,
-                                    reward_pool, rollout_manager, rollout_servers, train_critic,
-                                    warm_start)
+from moerl.train.components import (build_actor, build_critic, build_reference, export_final, freeze_gc,
+                                    reset_reference, reward_pool, rollout_manager, rollout_servers,
+                                    train_critic, warm_start)
 from moerl.train.losses import policy_loss, update_mismatch_metrics
 from moerl.train.micro_batches import attach_pre_update, build_micro_batches, recompute_old_log_probs
 from moerl.train.setup import prepare_run
@@ -106,6 +106,7 @@ def _train(ctx, t_start: float) -> dict:
         ckpt.critic = critic = build_critic(ctx, actor, sync, pkw, resume_path if resumed_rl else None)  # gae
         eval_rows = ctx.eval_rows[: cfg.eval.num_prompts]
         manager = rollout_manager(ctx, cluster, samplers["rl"], sync, state)  # rank 0 only (else None)
+        freeze_gc(ctx, cluster)  # train.freeze_gc: start-up state out of the cyclic GC's walks
 
         def save_cursor() -> None:
             state.weight_version = sync.version
