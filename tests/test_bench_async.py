@@ -223,3 +223,13 @@ def test_proc_sampler_counts_threads_pinned_to_core_1_as_core_1_time():
     w = sampler.window(t0, time.time())
     assert 0.3 <= w["threads_core1"] <= 0.6, w
     assert w["threads"] >= w["threads_core1"] and w["main"] >= 0.15
+
+
+def test_median_run_takes_one_whole_run():
+    runs = [{"rl_wall_s": 9.0, "x": "a"}, {"rl_wall_s": 7.0, "x": "b"}, {"rl_wall_s": 8.0, "x": "c"}]
+    m = ba.median_run(runs)
+    assert m["x"] == "c" and m["rl_wall_s"] == 8.0 and m["repeat_walls_s"] == [9.0, 7.0, 8.0]
+    assert ba.median_run(runs[:2])["x"] == "b"  # even count: the lower middle
+    assert ba.median_run(runs[:1])["repeat_walls_s"] == [9.0]
+    with pytest.raises(ValueError):
+        ba.median_run([])

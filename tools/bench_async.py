@@ -588,6 +588,20 @@ def fmt_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
 
 
+def median_run(runs: list[dict]) -> dict:
+    """Of one mode's repeated runs (each a mode_figures dict), the run with the median RL wall (the lower
+    middle one for an even count), with ``repeat_walls_s`` (every run's RL wall, in run order) added: all
+    of a mode's figures then come from one consistent run.
+
+    Raises:
+        ValueError: no runs.
+    """
+    if not runs:
+        raise ValueError("median_run needs at least one run")
+    order = sorted(range(len(runs)), key=lambda i: runs[i]["rl_wall_s"])
+    return dict(runs[order[(len(runs) - 1) // 2]], repeat_walls_s=[r["rl_wall_s"] for r in runs])
+
+
 def report(res: dict) -> str:
     modes, figs = res["modes"], res["figures"]
     sync = figs.get("sync")
@@ -610,6 +624,10 @@ def report(res: dict) -> str:
                      f"{f['samples']:.0f}"])
     out.append(fmt_table(["mode", "RL wall s", "s/step", "sync/mode", "trainer idle", "server idle",
                           "acc % (after RL)", "stale mean/max", "samples"], rows))
+    if res.get("repeats", 1) > 1:
+        out += ["", f"--repeats {res['repeats']}: the modes ran interleaved {res['repeats']} times; every figure of a "
+                    "mode is from its median run (RL wall s of each run, in order):"]
+        out += [f"  {m}: " + " ".join(f"{w:.1f}" for w in figs[m]["repeat_walls_s"]) for m in modes]
     out += ["", "per-step phase means (s); CPU: core0 use = trainer process CPU / RL wall, producer = its busiest "
                 "non-main thread (CPU s/step), core1 use = servers + router CPU / RL wall, foreign = the core's "
                 "busy time not ours / RL wall (other jobs: noise):"]
@@ -675,6 +693,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=40, help="RL steps per mode (same batches in every mode)")
     p.add_argument("--warm-start", default=None, help="existing HF warm-start dir (skips the SFT run)")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the modes this many times, interleaved; each mode's figures are from its median run "
+                        "(this machine's speed drifts by up to 25%% between minutes: 3 gives steadier ratios)")
     p.add_argument("--out", default="runs/bench_async", help="run dirs, logs and results.json")
     p.add_argument("--keep", action="store_true", help="keep the run dirs (default: logs and figures only)")
     p.add_argument("--num-servers", type=int, default=DEFAULT_NUM_SERVERS, choices=[1, 2],
@@ -691,6 +712,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.steps < 2:
         p.error("--steps must be >= 2")
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
     usable = os.sched_getaffinity(0)
     if not {0, 1} <= usable:
         p.error(f"needs cores 0 and 1 (usable: {sorted(usable)})")
@@ -728,22 +751,26 @@ def main(argv=None) -> int:
     print(f"every mode: {args.steps} RL steps, algorithm.off_policy_correction={args.off_policy_correction}, "
           f"{' '.join(DEFAULT_SETTINGS)} (see DEFAULT_SETTINGS), "
           f"greedy eval on {args.eval_prompts} held-out prompts", flush=True)
-    figs: dict[str, dict] = {}
-    for m in args.modes:
-        run = out / m
-        secs, sampler = run_train(common + MODES[m], run, args.num_servers, args.mode_timeout, sampler_interval=0.25)
-        steps = read_steps(run / "tensorboard")
-        summary = json.loads((run / "summary.json").read_text())
-        figs[m] = mode_figures(steps, summary, sampler, args.steps)
-        figs[m]["process_s"] = secs
-        if not args.keep:
-            shutil.rmtree(run)
-        f = figs[m]
-        print(f"{m}: RL wall {f['rl_wall_s']:.1f}s ({f['step_s']:.3f} s/step; whole run {secs:.0f}s), "
-              f"accuracy after RL {100 * f['accuracy_after_rl']:.1f}%", flush=True)
+    runs: dict[str, list[dict]] = {m: [] for m in args.modes}
+    for rep in range(args.repeats):  # interleaved: a slow spell of the machine hits every mode alike
+        for m in args.modes:
+            run = out / (m if args.repeats == 1 else f"{m}_r{rep + 1}")
+            secs, sampler = run_train(common + MODES[m], run, args.num_servers, args.mode_timeout,
+                                      sampler_interval=0.25)
+            steps = read_steps(run / "tensorboard")
+            summary = json.loads((run / "summary.json").read_text())
+            f = dict(mode_figures(steps, summary, sampler, args.steps), process_s=secs)
+            runs[m].append(f)
+            if not args.keep:
+                shutil.rmtree(run)
+            print(f"{m}{'' if args.repeats == 1 else f' (run {rep + 1}/{args.repeats})'}: RL wall "
+                  f"{f['rl_wall_s']:.1f}s ({f['step_s']:.3f} s/step; whole run {secs:.0f}s), accuracy after RL "
+                  f"{100 * f['accuracy_after_rl']:.1f}%", flush=True)
+    figs = {m: median_run(rs) for m, rs in runs.items()}
 
     samples_per_step = max(f["samples"] for f in figs.values()) / args.steps  # trained samples (measured)
     res = {"command": " ".join([sys.executable, *sys.argv]), "steps": args.steps, "modes": args.modes,
+           "repeats": args.repeats,
            "samples_per_step": samples_per_step, "eval_prompts": args.eval_prompts, "warm_start": str(warm),
            "num_servers": args.num_servers, "pinning": PIN, "pin_line": PIN_LINE,
            "servers_note": (SERVERS_NOTE.format(n=args.num_servers) if args.num_servers == DEFAULT_NUM_SERVERS

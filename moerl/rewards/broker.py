@@ -10,7 +10,9 @@ the rollout side's threads there.
 ``RewardBroker`` starts ``python -c "from moerl.rewards.broker import main; main(FD)"``, which builds the
 ``RewardPool`` (same arguments: workers, per-task timeouts, crash isolation, reward model) and serves its
 calls; the trainer process only pickles one message per group and reads one answer per group (a reader
-thread resolves the call's future: one wake-up of the producer's loop per group). The pool's semantics
+thread resolves the call's future: one wake-up of the producer's loop per group). ``python
+tools/bench_rewards.py`` (the demo's 16 groups x 8 per step): the caller's CPU per step 16.7-19.3 ms with
+RewardPool (its dispatcher thread), 2.6-3.0 ms with RewardBroker (13-16 ms in the broker process). The pool's semantics
 are unchanged: a hanging, raising or crashing sample gets ``error_value`` within ``timeout_s`` and its
 worker is replaced, inside the broker process.
 

@@ -5,7 +5,8 @@ a per-sample function, one group with a group function) runs in a worker process
 limit; a task that runs past ``timeout_s`` gets ``error_value`` and its worker is killed (SIGKILL) and
 replaced; a raising function gets ``error_value``; a worker that dies (``os._exit``, segfault, OOM
 kill) gets ``error_value`` for its task and is replaced. Other samples keep their scores. Nothing here
-uses ``signal.alarm``: one dispatcher thread in the trainer process watches deadlines and pipes.
+uses ``signal.alarm``: one dispatcher thread of the process that owns the pool (the trainer, or a
+``RewardBroker``'s child process: moerl.rewards.broker) watches deadlines and pipes.
 
 Workers are fresh interpreters (``subprocess.Popen`` of ``moerl.rewards._worker``: fork + exec, the
 semantics of multiprocessing's "spawn"; never a bare fork of the threaded trainer) that resolve the
