@@ -48,15 +48,24 @@ def watch_parent(ppid: int) -> None:
         time.sleep(0.5)
 
 
-def main(fd: int) -> None:
-    """Worker entry point (see the module docstring)."""
+def child_setup(fd: int) -> tuple[Any, dict]:
+    """Start-up of a child of moerl.rewards.pool.start_child (a reward worker, the RewardBroker): ignore
+    SIGINT (Ctrl-C is the trainer's, which closes the pool), read the init dict from the socket ``fd``, exit
+    once orphaned (watch_parent on init["parent_pid"]) and take the parent's sys.path (init["sys_path"]).
+    Returns (the Connection, the init dict)."""
     from multiprocessing.connection import Connection
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's; it closes the pool
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(fd)
     init = conn.recv()
     threading.Thread(target=watch_parent, args=(init["parent_pid"],), daemon=True).start()
     sys.path[:] = init["sys_path"]
+    return conn, init
+
+
+def main(fd: int) -> None:
+    """Worker entry point (see the module docstring)."""
+    conn, init = child_setup(fd)
     try:
         if init["kind"] == "model":
             from moerl.rewards.model import RewardModel

@@ -36,7 +36,6 @@ import asyncio
 import itertools
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import threading
@@ -230,16 +229,11 @@ class RewardBroker:
 def main(fd: int) -> None:
     """Broker entry point (see the module docstring)."""
     from concurrent.futures import ThreadPoolExecutor
-    from multiprocessing.connection import Connection
 
-    from moerl.rewards._worker import watch_parent
+    from moerl.rewards._worker import child_setup
     from moerl.rewards.pool import RewardPool
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's; it closes the broker
-    conn = Connection(fd)
-    init = conn.recv()
-    threading.Thread(target=watch_parent, args=(init["parent_pid"],), daemon=True).start()
-    sys.path[:] = init["sys_path"]
+    conn, init = child_setup(fd)
     lock = threading.Lock()
 
     def send(msg) -> None:
