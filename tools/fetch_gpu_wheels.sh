@@ -10,8 +10,9 @@
 # What moerl's GPU checks import beyond that: megatron-core 0.16.1, transformers (+ tokenizers, safetensors,
 # huggingface_hub and theirs), the reference server (fastapi, uvicorn, pydantic), the client (httpx, aiohttp),
 # numpy (usually installed with torch; pip skips it then), psutil, pyyaml, tqdm. The versions are the ones
-# moerl is tested with (setup.py / the CPU venv); every wheel is fetched with --no-deps, so this list is the
-# whole closure (resolved once with `pip install --dry-run --report` for the same target, torch excluded).
+# moerl was tested with when the list was made (the CPU venv; each inside setup.py's range, which
+# tests/test_gpu_check.py checks: a fresh CPU venv may since have newer ones); every wheel is fetched with
+# --no-deps, so this list is the whole closure (resolved once with `pip install --dry-run --report` for the same target, torch excluded).
 #
 # Not fetched (too large for the 60 MiB kit, or needs CUDA build tools): transformer-engine (the te_spec
 # check SKIPs unless TE is preinstalled), sglang (server_step0 uses moerl's reference server), deep-ep,
