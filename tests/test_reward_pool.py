@@ -377,3 +377,28 @@ def test_run_picks_the_pool_process_by_mode(mode, pool_process, cls):
             assert os.sched_getaffinity(pool.pid) == {core}
         (r,) = pool.score_group("u0", "1 + 1 =", ["2"], "2")
         assert r.error is None and r.score == 1.0
+
+
+def test_broker_survives_a_cancelled_awaiting_task(user_file, tmp_path):
+    """A producer shutting down cancels the task awaiting ascore_group; the answer that arrives later must not
+    end the broker's reader: later calls (the final evaluation) are still answered."""
+    with RewardBroker(f"{user_file}:per_sample", num_workers=1, timeout_s=30) as b:
+        b.wait_ready(timeout=60)
+        flag = tmp_path / "flag"
+
+        async def cancelled() -> None:
+            task = asyncio.ensure_future(b.ascore_group("g-cancel", "q", [f"wait:{flag}"], "a", {}))
+            await asyncio.sleep(0.2)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        asyncio.run(cancelled())
+        flag.write_text("")  # the cancelled call's answer comes back now
+        time.sleep(0.3)
+        box: dict = {}
+        th = threading.Thread(target=lambda: box.setdefault("r", b.score_group("g-later", "q", ["a", "b"], "a", {})),
+                              daemon=True)
+        th.start()
+        th.join(30)  # a dead reader would leave this call waiting forever
+        assert "r" in box and _scores(box["r"]) == [1.0, 0.0]

@@ -170,6 +170,9 @@ class RewardBroker:
     # ------------------------------------------------------------------ plumbing
     def _call(self, method: str, *args) -> Future:
         fut: Future = Future()
+        # running from the start: an awaiting task that is cancelled (a producer shutting down) cannot cancel
+        # it, so the reader's set_result never meets a cancelled future (InvalidStateError would end the reader)
+        fut.set_running_or_notify_cancel()
         with self._lock:
             if self._closed:
                 raise RuntimeError("RewardPool is closed")

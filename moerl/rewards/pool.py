@@ -70,6 +70,9 @@ class _Task:
     def __init__(self, tid: int, kind: str, payload: tuple, what: str, timeout: Optional[float]):
         self.tid, self.kind, self.payload, self.what, self.timeout = tid, kind, payload, what, timeout
         self.future: Future = Future()
+        # running from the start: a cancelled awaiting task (asyncio.wrap_future) cannot cancel it, so the
+        # dispatcher's set_result / set_exception never meet a cancelled future (InvalidStateError)
+        self.future.set_running_or_notify_cancel()
 
 
 def start_child(module: str, init: dict) -> tuple[subprocess.Popen, Connection]:
