@@ -64,7 +64,7 @@ def test_fp8_gemm_check_arithmetic_matches_the_reference_on_cpu():
 
 def test_wheel_kit_pins_the_tested_versions():
     """Every wheel the GPU kit pins that moerl requires lies inside setup.py's range for it (its exact pins:
-    megatron-core, transformers, ... equal). Not compared with this environment's versions: a fresh install
+    megatron-core, transformers, ... equal), as installed (the package metadata of the editable install). Not compared with this environment's versions: a fresh install
     takes the registry's newest release inside each range (CI failed on 2026-12-02 when uvicorn 0.55.0 came
     out an hour after the kit's 0.54.0 was the newest)."""
     from packaging.requirements import Requirement

@@ -212,8 +212,9 @@ def test_freeze_gc_on_the_servers_moerl_started(cluster, monkeypatch):
 
 @pytest.mark.parametrize("enabled", [True, False])
 def test_train_freeze_gc_freezes_the_trainer_and_warns_per_refusing_server(enabled, monkeypatch):
-    """train.freeze_gc: the trainer process moves its live objects to the permanent generation and asks the
-    cluster to do the same on its servers; a server that refuses is named in one warning; off: nothing."""
+    """train.freeze_gc: around the RL loop the trainer process keeps its live objects in the permanent
+    generation (unfrozen at the exit) and asks the cluster to do the same on its servers; a server that
+    refuses is named in one warning; off: nothing."""
     import gc
     from types import SimpleNamespace
 
@@ -226,8 +227,9 @@ def test_train_freeze_gc_freezes_the_trainer_and_warns_per_refusing_server(enabl
     ctx = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(freeze_gc=enabled)))
     gc.unfreeze()
     try:
-        components.freeze_gc(ctx, cluster)
-        assert (gc.get_freeze_count() > 0) == enabled and calls == ([1] if enabled else [])
+        with components.frozen_gc(ctx, cluster):
+            assert (gc.get_freeze_count() > 0) == enabled and calls == ([1] if enabled else [])
+        assert gc.get_freeze_count() == 0
         assert len(logs) == (1 if enabled else 0) and all("http://b/freeze_gc" in m and "404" in m for m in logs)
     finally:
         gc.unfreeze()

@@ -320,7 +320,7 @@ def test_broker_death_fails_calls_by_name_and_takes_its_workers(user_file, tmp_p
         assert len(workers) == 2
         box: dict = {}
         th = threading.Thread(target=lambda: box.setdefault("r", _catch(
-            lambda: b.score_group("g-pending", "q", [f"wait:{tmp_path / 'never'}"], "a", {}))))
+            lambda: b.score_group("g-pending", "q", [f"wait:{tmp_path / 'never'}"], "a", {}))), daemon=True)
         th.start()
         time.sleep(0.3)
         os.kill(b.pid, 9)
@@ -402,3 +402,31 @@ def test_broker_survives_a_cancelled_awaiting_task(user_file, tmp_path):
         th.start()
         th.join(30)  # a dead reader would leave this call waiting forever
         assert "r" in box and _scores(box["r"]) == [1.0, 0.0]
+
+
+def test_broker_reader_failure_fails_calls_instead_of_hanging(user_file):
+    """Anything that ends the broker's reader thread (here a logger raising a BaseException while it forwards
+    the pool's log line of a raising sample) fails the call in flight and every later call by name."""
+    class Boom(BaseException):
+        pass
+
+    def log(line: str) -> None:
+        raise Boom()
+
+    with RewardBroker(f"{user_file}:per_sample", num_workers=1, log=log) as b:
+        box: dict = {}
+        th = threading.Thread(target=lambda: box.setdefault("r", _catch(
+            lambda: b.score_group("g-boom", "q", ["raise"], "a", {}))), daemon=True)
+        th.start()
+        th.join(30)
+        assert isinstance(box.get("r"), RuntimeError) and "could not be read" in str(box["r"]), box
+        with pytest.raises(RuntimeError, match="could not be read"):
+            b.score_group("g-after", "q", ["a"], "a", {})
+
+
+def test_broker_refuses_unpicklable_arguments_and_goes_on(user_file):
+    with RewardBroker(f"{user_file}:per_sample", num_workers=1) as b:
+        with pytest.raises(TypeError):
+            b.score_group("g-lock", "q", ["a"], "a", {"lock": threading.Lock()})
+        assert b._pending == {}
+        assert _scores(b.score_group("g-ok", "q", ["a"], "a", {})) == [1.0]

@@ -23,11 +23,13 @@ pool's log lines, forwarded to the parent's ``log``) and ``(call_id, ok, value_o
 of a call is sent before its answer. The broker runs calls concurrently (a thread per call in flight, up to
 :data:`MAX_CONCURRENT_CALLS`).
 
-Failure: the broker runs no reward code itself (its workers do), but it imports the ``reward.function``
-module once, as the pool does, to refuse a bad spec. If it dies anyway, every call in flight and every later
+Failure: the broker runs no reward code itself (its workers do; with ``num_workers=0`` it scores inline,
+without a timeout, as the pool does then), but it imports the ``reward.function`` module once, as the pool
+does, to refuse a bad spec. If it dies anyway, every call in flight and every later
 call raises ``RuntimeError`` naming it (the run stops; nothing is scored silently wrong). It is SIGKILLed
-when the trainer dies (PR_SET_PDEATHSIG) and exits when orphaned; it ignores SIGINT (Ctrl-C is the
-trainer's, which closes the broker).
+when the thread that built it exits (PR_SET_PDEATHSIG: build it on a thread that outlives it, as the
+trainer's main thread does) and exits when orphaned; it ignores SIGINT (Ctrl-C is the trainer's, which
+closes the broker). ``stats()["seconds"]`` is timed inside the broker (without the round trip).
 """
 
 from __future__ import annotations
@@ -84,7 +86,8 @@ class RewardBroker:
 
         self.function, self.pool_kwargs, self._log = function, dict(pool_kwargs), log
         self.num_workers = int(pool_kwargs.get("num_workers", 2))
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # _pending, _closed, _broken
+        self._send_lock = threading.Lock()  # one message on the socket at a time
         self._pending: dict[int, Future] = {}
         self._ids = itertools.count()
         self._closed = False
@@ -143,10 +146,11 @@ class RewardBroker:
             if self._closed:
                 return
             self._closed = True
-            try:
+        try:
+            with self._send_lock:
                 self._conn.send(None)
-            except (OSError, ValueError):
-                pass
+        except (OSError, ValueError):
+            pass
         try:
             self._popen.wait(timeout=5.0)
         except subprocess.TimeoutExpired:
@@ -173,47 +177,55 @@ class RewardBroker:
         # running from the start: an awaiting task that is cancelled (a producer shutting down) cannot cancel
         # it, so the reader's set_result never meets a cancelled future (InvalidStateError would end the reader)
         fut.set_running_or_notify_cancel()
-        with self._lock:
+        cid = next(self._ids)
+        data = pickle.dumps((cid, method, args), protocol=pickle.HIGHEST_PROTOCOL)  # outside the locks; raises
+        with self._lock:  # for arguments that cannot be pickled, before anything is registered
             if self._closed:
                 raise RuntimeError("RewardPool is closed")
             if self._broken is not None:
                 raise self._broken
-            cid = next(self._ids)
             self._pending[cid] = fut
-            try:
-                self._conn.send((cid, method, args))
-            except (OSError, ValueError) as e:
-                del self._pending[cid]
-                raise RuntimeError(f"the reward pool process (pid {self.pid}) is gone: {e}") from e
+        try:
+            with self._send_lock:  # not _lock: the reader resolves answers while a long message is sent
+                self._conn.send_bytes(data)
+        except (OSError, ValueError) as e:
+            with self._lock:
+                self._pending.pop(cid, None)
+            raise RuntimeError(f"the reward pool process (pid {self.pid}) is gone: {e}") from e
         return fut
 
     def _read(self) -> None:
-        while True:
-            try:
-                msg = self._conn.recv()
-            except (EOFError, OSError):
-                break
-            if msg[0] == "log":
+        failure: Optional[BaseException] = None
+        try:
+            while True:
                 try:
-                    self._log(msg[1])
-                except Exception:  # noqa: BLE001 - a broken logger must not lose a reward
-                    pass
-                continue
-            cid, ok, value = msg
+                    msg = self._conn.recv()
+                except (EOFError, OSError):
+                    break
+                if msg[0] == "log":
+                    try:
+                        self._log(msg[1])
+                    except Exception:  # noqa: BLE001 - a broken logger must not lose a reward
+                        pass
+                    continue
+                cid, ok, value = msg
+                with self._lock:
+                    fut = self._pending.pop(cid, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(value) if ok else fut.set_exception(value)
+        except BaseException as e:  # noqa: BLE001 - an unreadable answer: no caller may wait for ever
+            failure = RuntimeError(f"an answer of the reward pool process (pid {self.pid}) could not be read: {e!r}")
+        finally:
+            if failure is None:
+                failure = RuntimeError("RewardPool is closed") if self._closed else RuntimeError(
+                    f"the reward pool process (pid {self.pid}) died (exit code {self._exit_code()}); the run cannot "
+                    "score rollouts (see its stderr above)")
             with self._lock:
-                fut = self._pending.pop(cid, None)
-            if fut is not None:
-                fut.set_result(value) if ok else fut.set_exception(value)
-        with self._lock:
-            if self._closed:
-                err: BaseException = RuntimeError("RewardPool is closed")
-            else:
-                err = RuntimeError(f"the reward pool process (pid {self.pid}) died (exit code {self._exit_code()}); "
-                                   "the run cannot score rollouts (see its stderr above)")
-            self._broken = self._broken or err
-            pending, self._pending = self._pending, {}
-        for fut in pending.values():
-            fut.set_exception(err)
+                self._broken = self._broken or failure
+                pending, self._pending = self._pending, {}
+            for fut in pending.values():
+                if not fut.done():
+                    fut.set_exception(failure)
 
     def _exit_code(self) -> Optional[int]:
         try:
@@ -240,9 +252,10 @@ def main(fd: int) -> None:
     lock = threading.Lock()
 
     def send(msg) -> None:
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)  # may raise: run() then answers the error
         with lock:
             try:
-                conn.send(msg)
+                conn.send_bytes(data)
             except (OSError, ValueError):  # the parent is gone; watch_parent ends this process
                 pass
 
@@ -258,8 +271,8 @@ def main(fd: int) -> None:
             if method not in _METHODS:
                 raise ValueError(f"RewardBroker: unknown method {method!r}")
             send((cid, True, getattr(pool, method)(*args)))
-        except BaseException as e:  # noqa: BLE001 - the caller's future raises it
-            send((cid, False, _portable(e)))
+        except BaseException as e:  # noqa: BLE001 - the caller's future raises it (a result that cannot be
+            send((cid, False, _portable(e)))  # pickled included: every call gets an answer)
 
     calls = ThreadPoolExecutor(max_workers=MAX_CONCURRENT_CALLS, thread_name_prefix="moerl-reward-call")
     try:

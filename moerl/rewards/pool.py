@@ -78,8 +78,9 @@ class _Task:
 def start_child(module: str, init: dict) -> tuple[subprocess.Popen, Connection]:
     """Start ``python -c "from <module> import main; main(FD)"`` (a fresh interpreter: fork + exec) with one
     end of a socket pair as FD, send it ``init`` and return (the process, the parent's Connection). The child
-    gets SIGKILL when the calling thread's process dies (PR_SET_PDEATHSIG, even if its own code holds its
-    GIL), is no rank of a torchrun job (``child_env``) and finds moerl on its PYTHONPATH.
+    gets SIGKILL when the calling THREAD exits (PR_SET_PDEATHSIG tracks the forking thread; it works even if
+    the child's own code holds its GIL): call this from a thread that lives as long as the child should. The
+    child is no rank of a torchrun job (``child_env``) and finds moerl on its PYTHONPATH.
 
     Raises:
         OSError: the process could not be started.
@@ -221,6 +222,8 @@ class RewardPool:
             while True:
                 if self._broken is not None:
                     raise self._broken
+                if self._closed:  # close() notifies: no wait for workers that will never start
+                    raise RuntimeError("RewardPool is closed")
                 if all(p.ready for p in self._procs):
                     return
                 left = None if deadline is None else deadline - time.monotonic()

@@ -125,13 +125,16 @@ def rollout_manager(ctx, cluster, sampler, sync, state):
                        if cfg.moe.routing_replay == "r3" else None))
 
 
-def freeze_gc(ctx, cluster) -> None:
-    """train.freeze_gc, at the start of RL: ``gc.collect()`` + ``gc.freeze()`` in this process (every rank)
-    and, on rank 0, SGLang's POST /freeze_gc on the rollout servers moerl started (best effort: a server that
-    refuses is named in a warning). Objects alive now (model, optimizer, tokenizer, start-up state) are no
-    longer walked by the cyclic collector; they are still freed by reference counting (a reference cycle
-    among them that becomes garbage later is kept: start-up state is meant to live for the run)."""
+@contextlib.contextmanager
+def frozen_gc(ctx, cluster):
+    """train.freeze_gc, around the RL loop: on entry ``gc.collect()`` + ``gc.freeze()`` in this process (every
+    rank) and, on rank 0, SGLang's POST /freeze_gc on the rollout servers moerl started (best effort: a
+    server that refuses is named in a warning); on exit ``gc.unfreeze()`` in this process (the servers end
+    with the run). Objects alive at entry (model, optimizer, tokenizer, start-up state) are not walked by
+    the cyclic collector meanwhile; reference counting still frees them (only a reference cycle among them
+    that becomes garbage waits for the exit)."""
     if not ctx.cfg.train.freeze_gc:
+        yield
         return
     import gc
 
@@ -142,6 +145,10 @@ def freeze_gc(ctx, cluster) -> None:
                     "all its objects (train.freeze_gc)")
     gc.collect()
     gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def reward_pool(ctx):

@@ -33,7 +33,7 @@ from moerl.runtime import world
 from moerl.runtime.distributed import destroy_distributed, init_distributed
 from moerl.runtime.world import broadcast_from_main, log
 from moerl.train.advantages import needs_token_advantages, outcome_advantages, shape_rewards, token_advantages
-from moerl.train.components import (build_actor, build_critic, build_reference, export_final, freeze_gc,
+from moerl.train.components import (build_actor, build_critic, build_reference, export_final, frozen_gc,
                                     reset_reference, reward_pool, rollout_manager, rollout_servers,
                                     train_critic, warm_start)
 from moerl.train.losses import policy_loss, update_mismatch_metrics
@@ -106,7 +106,6 @@ def _train(ctx, t_start: float) -> dict:
         ckpt.critic = critic = build_critic(ctx, actor, sync, pkw, resume_path if resumed_rl else None)  # gae
         eval_rows = ctx.eval_rows[: cfg.eval.num_prompts]
         manager = rollout_manager(ctx, cluster, samplers["rl"], sync, state)  # rank 0 only (else None)
-        freeze_gc(ctx, cluster)  # train.freeze_gc: start-up state out of the cyclic GC's walks
 
         def save_cursor() -> None:
             state.weight_version = sync.version
@@ -120,7 +119,8 @@ def _train(ctx, t_start: float) -> dict:
             telemetry.enabled = True
         if cfg.moe.routing_replay != "none":  # R2/R3 in the RL passes only (not SFT)
             actor.routing_replay = RoutingReplay(actor.model, cfg.moe.routing_replay)
-        with manager if manager is not None else contextlib.nullcontext():
+        # train.freeze_gc: start-up state out of the cyclic GC's walks during RL (before the producer starts)
+        with frozen_gc(ctx, cluster), (manager if manager is not None else contextlib.nullcontext()):
             for step in timers.steps(first, cfg.train.num_steps):  # step clock, profile.steps
                 metrics = rl_step(ctx, step, actor, ref, manager, sync, timers, critic)
                 state.rl_step, state.weight_version = step, sync.version
