@@ -264,10 +264,11 @@ def test_closed_pool_refuses(user_file):
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable cores")
-def test_reward_workers_start_on_the_rollout_cores():
-    """rollout.cpu_affinity: the run's RewardPool (moerl.train.components.reward_pool) starts its workers and
-    dispatcher thread on the rollout cores (rollout-side host work, off an emulated training device; a worker
-    the dispatcher restarts after a timeout inherits them); the trainer's own affinity is left as it was."""
+def test_reward_workers_start_on_the_rollout_cores(user_file):
+    """rollout.cpu_affinity: the run's RewardPool (moerl.train.components.reward_pool) starts its workers on
+    the rollout cores (rollout-side host work, off an emulated training device), and so does its dispatcher
+    thread when it replaces a dead worker, while that thread itself stays on the trainer's cores (it shares the
+    trainer's interpreter lock); the trainer's own affinity is left as it was."""
     from types import SimpleNamespace
 
     from moerl.config.schema import RecipeConfig
@@ -275,12 +276,21 @@ def test_reward_workers_start_on_the_rollout_cores():
 
     mine = os.sched_getaffinity(0)
     core = max(mine)
-    cfg = RecipeConfig().model_copy(update={"rollout": RecipeConfig().rollout.model_copy(update={"cpu_affinity": [core]})})
+    base = RecipeConfig()
+    cfg = base.model_copy(update={"rollout": base.rollout.model_copy(update={"cpu_affinity": [core]}),
+                                  "reward": base.reward.model_copy(update={"function": f"{user_file}:per_sample",
+                                                                           "num_workers": 1})})
     with reward_pool(SimpleNamespace(cfg=cfg)) as pool:
         assert os.sched_getaffinity(0) == mine
-        assert [os.sched_getaffinity(p.popen.pid) for p in pool._procs] == [{core}] * cfg.reward.num_workers
-        assert os.sched_getaffinity(pool._thread.native_id) == {core}
-        (r,) = pool.score_group("u0", "1 + 1 =", ["2"], "2")  # the pinned workers score
+        assert [os.sched_getaffinity(p.popen.pid) for p in pool._procs] == [{core}]
+        assert os.sched_getaffinity(pool._thread.native_id) == mine
+        first = pool._procs[0].popen.pid
+        (r,) = pool.score_group("u0", "q", ["die"], "a", {})  # the worker dies; the dispatcher replaces it
+        assert r.error == "worker died (exit code 3)"
+        pool.wait_ready(timeout=60)
+        assert pool.stats()["respawns"] == 1 and pool._procs[0].popen.pid != first
+        assert os.sched_getaffinity(pool._procs[0].popen.pid) == {core}
+        (r,) = pool.score_group("u1", "q", ["a"], "a", {})  # the replacement scores
         assert r.error is None and r.score == 1.0
 
 
@@ -359,7 +369,8 @@ def test_closed_broker_refuses_and_is_gone(user_file):
 def test_run_picks_the_pool_process_by_mode(mode, pool_process, cls):
     """reward.pool_process null: the pool runs in a broker process when scoring overlaps training
     (one_step_off / async), in a thread of the trainer in sync; true / false force it. The broker process
-    (and so its workers) starts on the rollout cores."""
+    (and so its workers) starts on the rollout cores, its reader thread in the trainer stays on the
+    trainer's cores."""
     from types import SimpleNamespace
 
     from moerl.config.schema import RecipeConfig
@@ -375,6 +386,7 @@ def test_run_picks_the_pool_process_by_mode(mode, pool_process, cls):
         assert type(pool) is cls
         if cls is RewardBroker:
             assert os.sched_getaffinity(pool.pid) == {core}
+            assert os.sched_getaffinity(pool._reader.native_id) == os.sched_getaffinity(0)
         (r,) = pool.score_group("u0", "1 + 1 =", ["2"], "2")
         assert r.error is None and r.score == 1.0
 

@@ -519,27 +519,33 @@ def test_aligned_batches_start_a_draw_only_when_the_previous_one_finished(aligne
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable cores")
-def test_the_background_push_runs_on_the_rollout_cores():
-    """rollout.cpu_affinity: the push thread (pause, send, continue: rollout-side work) runs on the rollout
-    cores like the producer thread; the trainer thread's affinity is unchanged."""
-    core = max(os.sched_getaffinity(0))
-    mine = os.sched_getaffinity(0)
+def test_the_producer_and_push_threads_stay_on_the_trainer_cores():
+    """rollout.cpu_affinity pins the rollout side's processes only: the producer and push threads share the
+    trainer's interpreter lock, so they run on the trainer's cores (a lock holder preempted on a busy rollout
+    core stalls training), and the trainer thread's affinity is unchanged."""
+    before = os.sched_getaffinity(0)
+    trainer, rollout = min(before), max(before)
     servers = FakeServers()
     cfg = _cfg_bg(None, max_staleness=1)
-    cfg.rollout.cpu_affinity = [core]
-    mgr = _manager(servers, cfg, num_steps=2)
+    cfg.rollout.cpu_affinity = [rollout]
     seen = []
 
     def push() -> int:
         seen.append(os.sched_getaffinity(0))
         return servers.push()
 
-    with mgr:
-        mgr.get_batch(1)
-        mgr.update_weights(push, 1, version=1)
-        mgr.wait_weights()
-        assert os.sched_getaffinity(0) == mine
-    assert seen == [{core}]
+    os.sched_setaffinity(0, {trainer})  # train.cpu_affinity: this thread is the trainer's
+    try:
+        mgr = _manager(servers, cfg, num_steps=2)
+        with mgr:
+            assert os.sched_getaffinity(mgr._thread.native_id) == {trainer}
+            mgr.get_batch(1)
+            mgr.update_weights(push, 1, version=1)
+            mgr.wait_weights()
+            assert os.sched_getaffinity(0) == {trainer}
+    finally:
+        os.sched_setaffinity(0, before)
+    assert seen == [{trainer}]
 
 
 def test_one_step_off_starts_no_request_while_a_background_push_is_sent():

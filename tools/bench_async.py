@@ -32,8 +32,9 @@ Figures per mode (from the run's TensorBoard events, summary.json and /proc samp
 * CPU: trainer-core use (trainer process CPU / RL wall), the CPU per step of the trainer's busiest
   non-main thread (the rollout producer: HTTP client, reward scoring; it shares core 0 with training)
   and of its other threads, and the foreign load on cores 0 / 1 (busy ticks of the core minus our
-  processes' ticks on it: the trainer's threads pinned to core 1 (producer, weight push, reward dispatcher)
-  count as core-1 time; what is left is other jobs and this tool; the report warns above 10%).
+  processes' ticks on it: a trainer thread pinned to core 1 alone, if any, counts as core-1 time (moerl
+  keeps the producer, weight push and reward dispatcher threads on the trainer's core); what is left is
+  other jobs and this tool; the report warns above 10%).
 
 Time model (from the sync run's per-step phase means; S = steps):
 
@@ -379,8 +380,8 @@ class ProcSampler:
     def __init__(self, pid: int, interval: float = 0.25):
         self.pid, self.interval = pid, interval
         self.hz = os.sysconf("SC_CLK_TCK")
-        # threads_core1: the trainer's non-main threads pinned to core 1 alone (the rollout side's producer,
-        # weight push and reward dispatcher threads): their CPU is core-1 time, not core-0 time
+        # threads_core1: the trainer's non-main threads pinned to core 1 alone, if any (moerl keeps its
+        # producer, push and dispatcher threads on the trainer's core): their CPU is core-1 time
         self.series: dict[str, list[tuple[float, float]]] = {"main": [], "threads": [], "rollout": [],
                                                              "threads_core1": []}
         self._on_core1: set[int] = set()
@@ -573,7 +574,7 @@ def mode_figures(steps: list[dict], summary: dict, sampler: Optional[ProcSampler
         fig["trainer_core_use"] = trainer_cpu / wall
         fig["server_idle"] = max(0.0, 1.0 - cpu["rollout"] / wall)
         cores = cpu["cores"]
-        on1 = cpu.get("threads_core1", 0.0)  # trainer threads pinned to the rollout core (producer, push, ...)
+        on1 = cpu.get("threads_core1", 0.0)  # trainer threads pinned to the rollout core, if any
         fig["cpu"]["trainer_threads_on_core1_s"] = on1
         fig["foreign_core0"] = max(0.0, cores.get(0, trainer_cpu - on1) - (trainer_cpu - on1)) / wall
         fig["foreign_core1"] = max(0.0, cores.get(1, cpu["rollout"] + on1) - cpu["rollout"] - on1) / wall

@@ -424,9 +424,11 @@ class RolloutConfig(_Section):
     # per step (moerl.rollout.manager). Off: a step trains on the rollout_batch_size groups it drew.
     dynamic_sampling: bool = False
     max_oversample_factor: float = Field(3.0, ge=1.0)
-    # CPU cores the servers and router moerl starts, the RolloutManager producer thread, its HTTP worker and
-    # the reward workers are pinned to (os.sched_setaffinity; [] = not pinned). With train.cpu_affinity this
-    # emulates separate rollout and training devices on one machine.
+    # CPU cores the processes of the rollout side are pinned to (os.sched_setaffinity; [] = not pinned): the
+    # servers and router moerl starts (restarts too), the RolloutManager's HTTP worker, the reward workers and
+    # broker. The trainer's own threads (producer, weight push, reward dispatcher) stay on its cores: they
+    # share its interpreter lock. With train.cpu_affinity this emulates separate rollout and training devices
+    # on one machine.
     cpu_affinity: list[int] = Field(default_factory=list)
     # train.mode=async: how a weight update pauses the servers (SGLang /pause_generation mode). abort cuts
     # the running responses, which resume from their prefix under the new weights (partial rollouts, exact

@@ -36,7 +36,7 @@ from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from moerl.rewards.errors import RewardConfigError
 from moerl.rewards.registry import as_metadata, resolve_reward_fn
@@ -75,12 +75,14 @@ class _Task:
         self.future.set_running_or_notify_cancel()
 
 
-def start_child(module: str, init: dict) -> tuple[subprocess.Popen, Connection]:
+def start_child(module: str, init: dict, cpu_affinity: Optional[Iterable[int]] = None
+                ) -> tuple[subprocess.Popen, Connection]:
     """Start ``python -c "from <module> import main; main(FD)"`` (a fresh interpreter: fork + exec) with one
     end of a socket pair as FD, send it ``init`` and return (the process, the parent's Connection). The child
     gets SIGKILL when the calling THREAD exits (PR_SET_PDEATHSIG tracks the forking thread; it works even if
     the child's own code holds its GIL): call this from a thread that lives as long as the child should. The
-    child is no rank of a torchrun job (``child_env``) and finds moerl on its PYTHONPATH.
+    child is no rank of a torchrun job (``child_env``) and finds moerl on its PYTHONPATH. ``cpu_affinity``:
+    the child's cores (None: the calling thread's).
 
     Raises:
         OSError: the process could not be started.
@@ -91,7 +93,7 @@ def start_child(module: str, init: dict) -> tuple[subprocess.Popen, Connection]:
     try:
         popen = subprocess.Popen([sys.executable, "-c", f"from {module} import main; main({child.fileno()})"],
                                  pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL,
-                                 preexec_fn=pdeathsig_preexec(os.getpid()))
+                                 preexec_fn=pdeathsig_preexec(os.getpid(), cpu_affinity=cpu_affinity))
     except BaseException:
         parent.close()
         raise
@@ -105,8 +107,8 @@ def start_child(module: str, init: dict) -> tuple[subprocess.Popen, Connection]:
 class _Proc:
     """One worker process and the parent's end of its socket."""
 
-    def __init__(self, kind: str, init: dict):
-        self.popen, self.conn = start_child("moerl.rewards._worker", init)
+    def __init__(self, kind: str, init: dict, cpu_affinity: Optional[Iterable[int]] = None):
+        self.popen, self.conn = start_child("moerl.rewards._worker", init, cpu_affinity)
         self.kind = kind
         self.ready = False
         self.task: Optional[_Task] = None
@@ -178,6 +180,9 @@ class RewardPool:
         self.model_path, self.model_weight, self.rule_weight = model_path, float(model_weight), float(rule_weight)
         self.model_batch_size, self.model_device = int(model_batch_size), model_device
         self._log = log
+        # the workers' cores: those of the thread creating the pool (moerl.train.components.reward_pool
+        # creates it on rollout.cpu_affinity), also for a worker the dispatcher thread replaces later
+        self._cpu_affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         self._lock = threading.Lock()
         self._ready_cv = threading.Condition(self._lock)
         self._stats = {"scored": 0, "timeouts": 0, "exceptions": 0, "crashes": 0, "respawns": 0, "seconds": 0.0}
@@ -424,7 +429,7 @@ class RewardPool:
         init = {"kind": kind, "function": self.function, "group": self.group, "model_path": self.model_path,
                 "batch_size": self.model_batch_size, "device": self.model_device, "sys_path": list(sys.path),
                 "parent_pid": os.getpid()}
-        return _Proc(kind, init)
+        return _Proc(kind, init, self._cpu_affinity)
 
     def _replace(self, proc: _Proc) -> None:
         with self._lock:

@@ -6,7 +6,7 @@ HTTP framing and the JSON encoding / decoding of every request (about 0.6 ms of 
 per demo step of 128 samples) run under the trainer's interpreter lock, and every torch op the trainer
 releases the lock for can be followed by a wait for the producer to hand it back. :class:`HttpWorker`
 moves the requests into a child process (``python -m moerl.rollout.http_worker``, pinned to
-``rollout.cpu_affinity`` like the producer thread): the trainer process only pickles the request body
+``rollout.cpu_affinity``; the producer thread itself stays on the trainer's cores): the trainer process only pickles the request body
 and unpickles the decoded answer through a socket pair. :class:`moerl.rollout.client.RolloutClient`
 uses it for single attempts (``RolloutClient.worker``); its retry policy, failover checks
 (``cluster.check_alive``) and result-id checks stay in the trainer process, unchanged.

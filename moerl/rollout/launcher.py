@@ -462,6 +462,7 @@ class RolloutCluster:
         # spawning THREAD exits, so a short-lived restart thread would take its server with it.
         self._spawn_q: "queue.Queue" = queue.Queue()
         self._spawner: Optional[threading.Thread] = None
+        self._cpu_affinity: Optional[set] = None  # cores of the thread that started the cluster (see start)
 
     # ------------------------------------------------------------------ start
 
@@ -497,7 +498,8 @@ class RolloutCluster:
         log_file.write(f"# {' '.join(argv)}\n".encode())
         proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=log_file,
                                 stderr=subprocess.STDOUT, env=self._env(index), start_new_session=True,
-                                preexec_fn=pdeathsig_preexec(os.getpid()), close_fds=True)
+                                preexec_fn=pdeathsig_preexec(os.getpid(), cpu_affinity=self._cpu_affinity),
+                                close_fds=True)
         return _Child(name, index, url, log_path, proc, log_file)
 
     def _server_argv(self, i: int, port: int) -> list[str]:
@@ -538,6 +540,10 @@ class RolloutCluster:
             if self._started:
                 raise RuntimeError("RolloutCluster.start() called twice")
             self.check_ports()
+            # every server, the router and a server restarted later (by the spawner thread) get the cores of
+            # the thread starting the cluster (moerl.train.components.pinned_start: rollout.cpu_affinity)
+            if hasattr(os, "sched_getaffinity"):
+                self._cpu_affinity = os.sched_getaffinity(0)
             if self.log_dir is None:
                 self.log_dir = tempfile.mkdtemp(prefix="moerl_rollout_")
             os.makedirs(self.log_dir, exist_ok=True)

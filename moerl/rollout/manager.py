@@ -236,8 +236,9 @@ class RolloutManager:
         self.pause_mode = getattr(ro, "pause_mode", "abort")
         if self.pause_mode == "auto":
             self.pause_mode = "in_place" if getattr(ro, "backend", "reference") == "reference" else "abort"
-        # rollout.cpu_affinity: the producer thread runs on the rollout cores (the trainer's host CPU
-        # work of the rollout side, kept off an emulated training device)
+        # rollout.cpu_affinity: the cores of the producer's HTTP worker process. The producer and push THREADS
+        # stay on the trainer's cores: they share its interpreter lock, and a thread holding it while a
+        # server preempts it on the rollout core stalls training (moerl.train.components.pinned)
         self.cpu_affinity = list(getattr(ro, "cpu_affinity", None) or [])
         # rollout.client_process: the producer's HTTP attempts in a child process (moerl.rollout.http_worker)
         use = getattr(ro, "client_process", None)
@@ -300,7 +301,6 @@ class RolloutManager:
         def run() -> None:
             loop = asyncio.new_event_loop()
             asyncio.set_event_loop(loop)
-            self._pin_thread()
             self._loop = loop
             self._unpaused, self._wake = asyncio.Event(), asyncio.Event()
             self._unpaused.set()
@@ -367,11 +367,6 @@ class RolloutManager:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def _pin_thread(self) -> None:
-        """Pin the calling thread (producer, weight push: rollout-side work) to rollout.cpu_affinity."""
-        if self.cpu_affinity and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, set(self.cpu_affinity))  # this thread only (Linux: pid 0 = caller)
 
     def _kick(self) -> None:
         if self._loop is not None and self._wake is not None and not self._loop.is_closed():
@@ -827,7 +822,6 @@ class RolloutManager:
             self.version, self._pushing = self.version + 1 if version is None else int(version), True
 
         def run() -> None:
-            self._pin_thread()
             try:
                 self._update_now(push, step)
             except BaseException as e:  # surfaces in wait_weights and get_batch

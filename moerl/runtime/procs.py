@@ -19,7 +19,7 @@ import ctypes
 import os
 import signal
 import sys
-from typing import Callable, Mapping, Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 __all__ = ["TORCHRUN_ENV_KEYS", "child_env", "die_with_parent", "pdeathsig_preexec", "die_with_torchrun_agent"]
 
@@ -64,12 +64,18 @@ def die_with_parent(sig: int = signal.SIGTERM, expected_parent: Optional[int] = 
     return True
 
 
-def pdeathsig_preexec(parent_pid: int, sig: int = signal.SIGKILL) -> Callable[[], None]:
+def pdeathsig_preexec(parent_pid: int, sig: int = signal.SIGKILL,
+                      cpu_affinity: Optional[Iterable[int]] = None) -> Callable[[], None]:
     """``preexec_fn`` for ``subprocess.Popen``: the child gets ``sig`` when ``parent_pid`` (the caller,
     ``os.getpid()``) dies, and exits at once if it already has. Set the death signal from the thread
-    that lives as long as the child should (the kernel tracks the forking thread)."""
+    that lives as long as the child should (the kernel tracks the forking thread). ``cpu_affinity``
+    (cores, or None = inherit the forking thread's): the child is pinned to them (os.sched_setaffinity)
+    before it executes anything, whichever thread starts it."""
+    cores = None if cpu_affinity is None else set(cpu_affinity)
 
     def fn() -> None:
+        if cores and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, cores)
         die_with_parent(sig, expected_parent=parent_pid)
 
     return fn

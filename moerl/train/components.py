@@ -165,34 +165,53 @@ def reward_pool(ctx):
     if use is None:
         use = ctx.cfg.train.mode != "sync" and r.num_workers > 0
     cls = RewardBroker if use else RewardPool
-    # started on the rollout cores (rollout.cpu_affinity): the workers and the pool's dispatcher (thread or
-    # process) are rollout-side host work, kept off an emulated training device like the producer thread
+    # started on the rollout cores (rollout.cpu_affinity): the workers and the broker process are rollout-side
+    # host work, kept off an emulated training device; the pool's threads in this process stay on its cores
     with pinned(ctx.cfg.rollout.cpu_affinity):
         return cls(r.function, group=r.group, num_workers=r.num_workers, timeout_s=r.timeout_s,
                    error_value=r.error_value, model_path=r.model_path, model_weight=r.model_weight,
                    rule_weight=r.rule_weight, model_batch_size=r.model_batch_size, log=log)
 
 
+def _threads() -> set[int]:
+    """Native ids of this process's threads (Linux /proc/self/task; empty elsewhere)."""
+    try:
+        return {int(t) for t in os.listdir("/proc/self/task")}
+    except OSError:
+        return set()
+
+
 @contextlib.contextmanager
 def pinned(cores: list[int]):
-    """The calling thread pinned to ``cores`` (os.sched_setaffinity) inside the block, so processes and
-    threads started there inherit them; its own affinity is restored after. Empty ``cores``: no-op."""
+    """The calling thread pinned to ``cores`` (os.sched_setaffinity) inside the block, so the processes
+    started there inherit them; its own affinity is restored after, and so is that of every thread of THIS
+    process started inside the block (a reward pool's dispatcher, the broker's reader, the cluster's
+    monitor): they share the trainer's interpreter lock, and one of them preempted on a busy rollout core
+    while holding it stalls the training thread. tools/bench_async.py, async staleness 1: the update took
+    1.09-1.30x sync's with the producer and push threads on the rollout core, 1.02x on the trainer's.
+    Empty ``cores``: no-op."""
     if not cores:
         yield
         return
-    mine = os.sched_getaffinity(0)
+    mine, before = os.sched_getaffinity(0), _threads()
     os.sched_setaffinity(0, set(cores))
     try:
         yield
     finally:
         os.sched_setaffinity(0, mine)
+        for tid in _threads() - before:
+            try:
+                os.sched_setaffinity(tid, mine)
+            except OSError:  # ended meanwhile
+                pass
 
 
 @contextlib.contextmanager
 def pinned_start(cm, cores: list[int]):
     """Enter ``cm`` (which starts server processes) with this process pinned to ``cores``, so the
     processes it starts inherit that CPU affinity (rollout.cpu_affinity), then restore this process's
-    own affinity. A server restarted later by failover inherits the trainer's affinity instead."""
+    own affinity (and its threads', see :func:`pinned`). A RolloutCluster keeps the cores for a server that
+    failover restarts later."""
     with contextlib.ExitStack() as stack:
         with pinned(cores):
             entered = stack.enter_context(cm)
