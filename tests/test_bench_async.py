@@ -233,3 +233,13 @@ def test_median_run_takes_one_whole_run():
     assert ba.median_run(runs[:1])["repeat_walls_s"] == [9.0]
     with pytest.raises(ValueError):
         ba.median_run([])
+
+
+def test_round_ratios_by_hand():
+    per, pooled = ba.round_ratios([15.9, 14.5, 13.7], [10.4, 8.1, 8.7])
+    assert per == pytest.approx([15.9 / 10.4, 14.5 / 8.1, 13.7 / 8.7])
+    assert pooled == pytest.approx(44.1 / 27.2)
+    with pytest.raises(ValueError):
+        ba.round_ratios([1.0], [1.0, 2.0])
+    with pytest.raises(ValueError):
+        ba.round_ratios([], [])

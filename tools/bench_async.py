@@ -603,6 +603,17 @@ def median_run(runs: list[dict]) -> dict:
     return dict(runs[order[(len(runs) - 1) // 2]], repeat_walls_s=[r["rl_wall_s"] for r in runs])
 
 
+def round_ratios(sync_walls: Sequence[float], mode_walls: Sequence[float]) -> tuple[list[float], float]:
+    """(sync wall / mode wall of each round, sum of sync walls / sum of the mode's walls) for the RL walls of
+    interleaved repeats (round k = the k-th run of every mode).
+
+    Raises:
+        ValueError: the lists differ in length or are empty."""
+    if len(sync_walls) != len(mode_walls) or not sync_walls:
+        raise ValueError(f"need one wall per round of each mode, got {len(sync_walls)} and {len(mode_walls)}")
+    return [s / m for s, m in zip(sync_walls, mode_walls)], sum(sync_walls) / sum(mode_walls)
+
+
 def report(res: dict) -> str:
     modes, figs = res["modes"], res["figures"]
     sync = figs.get("sync")
@@ -629,6 +640,13 @@ def report(res: dict) -> str:
         out += ["", f"--repeats {res['repeats']}: the modes ran interleaved {res['repeats']} times; every figure of a "
                     "mode is from its median run (RL wall s of each run, in order):"]
         out += [f"  {m}: " + " ".join(f"{w:.1f}" for w in figs[m]["repeat_walls_s"]) for m in modes]
+        if sync:
+            out += ["  the same as ratios sync / mode, per round (a round's runs are adjacent in time) and pooled "
+                    "(sum of sync walls / sum of the mode's walls):"]
+            for m in modes:
+                if m != "sync":
+                    per, pooled = round_ratios(sync["repeat_walls_s"], figs[m]["repeat_walls_s"])
+                    out.append(f"  {m}: per round " + " ".join(f"{r:.2f}" for r in per) + f"; pooled {pooled:.2f}")
     out += ["", "per-step phase means (s); CPU: core0 use = trainer process CPU / RL wall, producer = its busiest "
                 "non-main thread (CPU s/step), core1 use = servers + router CPU / RL wall, foreign = the core's "
                 "busy time not ours / RL wall (other jobs: noise):"]
