@@ -72,14 +72,15 @@ Targets (PASS / FAIL printed; the exit code stays 0): sync wall / async(s=1) wal
 greedy accuracy within 3 points of sync; the model's predicted sync / async(s=1) ratio within 20% of the
 measured one.
 
-Measured (40 steps, the defaults; the README's Async section has the tables): three runs of commit 800c5f2,
-sync 0.488-0.587 s/step, async s=1 1.40x / 1.40x / 1.39x, one_step_off 1.30-1.59x, s=2 1.15-1.57x; async s=1
-accuracy within 2.2 points of sync, time model within 15-17%. The demo is balanced (sync R 0.22-0.27 s,
-T 0.24-0.29 s, W 0.03 s), so a perfect overlap would give (R + T + W) / max(R, T) = 2.0-2.1x; the
-overlapped update takes 1.17-1.27x as long as sync's (the main thread slower while core 1 is busy, and waiting for the interpreter
-lock behind the producer, reward-pool and push threads), and the one-step bound leaves 30-45 ms per step
-of waiting for a batch. Earlier (commit 6d493aa, with the reference forward, training-bound): async s=1
-1.23-1.70x over four runs.
+Measured (40 steps, the defaults, --repeats 3; the README's Async section has the tables): two benchmarks of
+commit 1f86af3 one after the other gave async s=1 1.67x and 1.44x (median runs; per round 1.53-1.78x and
+1.32-1.52x), one_step_off 1.46x, s=2 1.41x; async s=1 accuracy -1.8 / +2.7 points against sync, time model
+within 5% / 11%. The demo is balanced (sync R 0.15 s, T 0.20 s, W 0.02 s): perfect overlap would give 1.8x.
+What varies is the overlapped update: 0.97-1.02x sync's in three benchmarks, 1.13-1.19x in the fourth (the
+same work slower while the other vCPU is busy). Before 1f86af3 the trainer's producer / push / reward threads
+ran on core 1, where a server preempted them while they held the trainer's interpreter lock: update
+1.09-1.34x sync's, async s=1 1.26-1.57x. Earlier: commit 800c5f2 1.39-1.40x (single runs), commit 6d493aa
+(with the reference forward, training-bound) 1.23-1.70x.
 
 Usage: python tools/bench_async.py [--steps 40] [--warm-start DIR] [--modes sync one_step_off async_s1
        async_s2] [--out DIR] [--keep] [--num-servers 1] [--eval-prompts 1000]

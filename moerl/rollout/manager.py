@@ -84,7 +84,8 @@ MAX_SEGMENTS = 16
 #: the interval before the main thread gets it back. tools/bench_async.py (pinned, 40 steps, async staleness
 #: 1): the update took 1.34x as long as in sync with 5 ms (one run), 1.16-1.21x with 0.5 ms (two runs) and
 #: 1.17-1.27x with 0.1 ms (three runs): noisy single runs that do not separate 0.1 from 0.5 ms, so the
-#: milder 0.5 ms.
+#: milder 0.5 ms. (Measured while the producer thread ran on the rollout core; it now stays on the trainer's,
+#: see moerl.train.components.pinned, and the interval was not measured again.)
 PRODUCER_SWITCH_INTERVAL_S = 0.0005
 
 
