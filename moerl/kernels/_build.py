@@ -14,6 +14,7 @@ one warning), ``native`` (a build failure raises), ``torch`` (never build; the r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -73,6 +74,38 @@ def _build_dir(name: str) -> Path:
     return path
 
 
+#: torch.utils.cpp_extension's cross-process build lock: a FILE in the build directory (FileBaton) that a build
+#: killed mid-way leaves behind, after which every later build of that extension polls for it for ever
+TORCH_BATON = "lock"
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path):
+    """Hold the build of the extension in ``build_dir`` for this process: ``fcntl.flock`` on
+    ``<build_dir>/moerl_build.lock``, which the kernel releases when its holder dies (even by SIGKILL).
+
+    While it is held no other moerl process builds there, so a torch FileBaton file (:data:`TORCH_BATON`)
+    found then was left by a build that was killed. It is removed with a warning naming it; otherwise
+    ``cpp_extension.load`` would wait on it for ever. Without fcntl (not POSIX) the lock is a no-op.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    with open(build_dir / "moerl_build.lock", "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # waits while another live process builds
+        try:
+            baton = build_dir / TORCH_BATON
+            if baton.exists():
+                warnings.warn(f"removed {baton}: torch's build lock left by a native-kernel build that was killed "
+                              "(no live moerl process holds the build)", RuntimeWarning, stacklevel=3)
+                baton.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
 def _missing_tools(cuda: bool) -> Optional[str]:
     from torch.utils import cpp_extension
 
@@ -98,11 +131,13 @@ def _build(kind: str, verbose: bool) -> None:
     name = "moerl_kernels_cuda" if cuda else "moerl_kernels_cpu"
     sources = [str(p) for p in (cuda_sources() if cuda else cpu_sources())]
     flags = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
+    build_dir = _build_dir(name)
     try:
-        cpp_extension.load(
-            name=name, sources=sources, extra_cflags=flags, extra_cuda_cflags=["-O3"] if cuda else None,
-            extra_include_paths=[str(CSRC / "include")], build_directory=str(_build_dir(name)),
-            is_python_module=False, verbose=verbose, with_cuda=cuda)
+        with build_lock(build_dir):  # a killed earlier build's torch lock file does not hang this one
+            cpp_extension.load(
+                name=name, sources=sources, extra_cflags=flags, extra_cuda_cflags=["-O3"] if cuda else None,
+                extra_include_paths=[str(CSRC / "include")], build_directory=str(build_dir),
+                is_python_module=False, verbose=verbose, with_cuda=cuda)
     except Exception as e:  # noqa: BLE001 - a compiler error surfaces as RuntimeError/subprocess errors
         text = str(e).strip().splitlines()
         raise NativeBuildError(f"building {name} from {CSRC} failed: {text[-1] if text else type(e).__name__} "

@@ -12,13 +12,28 @@ Contents:
   * /pause_generation modes: :data:`PAUSE_MODES`, :func:`check_pause_mode`;
   * hosts: :func:`resolve_host` ("auto" -> this node's address), :func:`is_loopback_or_wildcard`,
     :func:`url_host`, :func:`remote_server_urls`, :func:`resolve_master_address`;
-  * JSON value checks: :func:`is_int`, :func:`is_num` (bool is not a number in SGLang's fields).
+  * JSON value checks: :func:`is_int`, :func:`is_num` (bool is not a number in SGLang's fields);
+  * :func:`per_server`: one call per server URL, in parallel threads.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Optional, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Optional, Sequence, TypeVar
+
+_T = TypeVar("_T")
+
+
+def per_server(urls: Sequence[str], one: Callable[[str], _T]) -> dict[str, _T]:
+    """``{url: one(url)}`` for every URL of ``urls`` (in their order), the calls run in parallel, one thread
+    each (blocking HTTP to several servers: pause / continue, weight-update posts, GC freeze).
+    ``one`` should return its failure rather than raise; an exception it raises propagates (after every
+    call has ended). No URLs: {}."""
+    if not urls:
+        return {}
+    with ThreadPoolExecutor(max_workers=len(urls)) as pool:
+        return dict(zip(urls, pool.map(one, urls)))
 
 #: weight_version a server reports before its first update (SGLang ``ServerArgs.weight_version`` default).
 DEFAULT_WEIGHT_VERSION = "default"

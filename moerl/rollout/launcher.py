@@ -56,7 +56,7 @@ from typing import Callable, Optional, Sequence
 import httpx
 
 from moerl.rollout.client import RolloutClient
-from moerl.rollout.common import DEFAULT_PAUSE_MODE, check_pause_mode, version_dirname
+from moerl.rollout.common import DEFAULT_PAUSE_MODE, check_pause_mode, per_server, version_dirname
 from moerl.rollout.errors import (HealthTimeoutError, PortInUseError, RolloutError, RolloutRequestError,
                                   RolloutServerDiedError, RolloutStartupError, ServerExitedError, WeightSyncError)
 from moerl.runtime.procs import child_env, pdeathsig_preexec
@@ -695,10 +695,7 @@ class RolloutCluster:
                 return f"{type(e).__name__}: {e}"
             return None if r.status_code == 200 else f"HTTP {r.status_code}: {r.text[:200]}"
 
-        if not urls:
-            return {}
-        with concurrent.futures.ThreadPoolExecutor(max_workers=len(urls)) as pool:
-            return dict(zip(urls, pool.map(one, urls)))
+        return per_server(urls, one)
 
     def colocated_server_urls(self) -> list[str]:
         """The servers colocated placement releases / resumes memory on: :meth:`live_server_urls`
@@ -815,8 +812,7 @@ class RolloutCluster:
                 return str(e)
             return None
 
-        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(urls))) as pool:
-            errors = dict(zip(urls, pool.map(one, urls)))
+        errors = per_server(urls, one)
         failed = [u for u in urls if errors[u]]
         if failed:
             # a SIGKILLed server's sockets close a moment before it can be reaped (see update_weights)

@@ -31,12 +31,12 @@ offload / reload hooks default to no-ops that are still called and recorded.
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional, Sequence, Union
 
 import httpx
 
 from moerl.rollout.client import MEMORY_TAGS
+from moerl.rollout.common import per_server
 from moerl.rollout.errors import RolloutError
 
 PLACEMENTS = ("colocated", "disaggregated")
@@ -96,8 +96,7 @@ class RolloutPlacement:
                 return f"{url}: {type(e).__name__}: {e}"
             return None if r.status_code == 200 else f"{url}: HTTP {r.status_code}: {r.text[:300]}"
 
-        with ThreadPoolExecutor(max_workers=len(urls)) as pool:
-            errors = [e for e in pool.map(one, urls) if e]
+        errors = [e for e in per_server(urls, one).values() if e]
         if errors:
             raise RolloutError(f"{path} {tags} failed on {len(errors)} of {len(urls)} servers: " + "; ".join(errors))
 

@@ -49,6 +49,7 @@ import torch
 from moerl.rollout.common import (  # noqa: F401 - re-exported (moerl.train.weight_sync imports them from here)
     is_loopback_or_wildcard, remote_server_urls, resolve_master_address, url_host)
 from moerl.rollout.common import this_machines_addresses as _this_machines_addresses  # noqa: F401
+from moerl.rollout.common import per_server
 from moerl.rollout.common import version_dirname as _version_dirname
 from moerl.rollout.errors import WeightSyncError
 
@@ -106,8 +107,7 @@ def _post_all(server_urls: Sequence[str], path: str, payload: dict, timeout_s: f
             return f"{url}: {type(e).__name__}: {e}"
         return _response_error(url, r)
 
-    with ThreadPoolExecutor(max_workers=max(1, len(server_urls))) as pool:
-        errors = [e for e in pool.map(one, server_urls) if e]
+    errors = [e for e in per_server(server_urls, one).values() if e]
     if errors:
         raise WeightSyncError(f"{path} failed on {len(errors)} of {len(server_urls)} servers:\n" + "\n".join(errors))
 

@@ -1,0 +1,27 @@
+"""moerl.rollout.common.per_server: one call per server URL, in parallel threads, results by URL in order."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from moerl.rollout.common import per_server
+
+
+def test_per_server_runs_the_calls_at_once_and_keeps_the_order():
+    urls = [f"http://127.0.0.1:{30000 + i}" for i in range(4)]
+    barrier = threading.Barrier(len(urls), timeout=10)  # passes only if all four calls run together
+
+    def one(url: str) -> str:
+        barrier.wait()
+        return url[-1] if url.endswith("2") else None
+
+    out = per_server(urls, one)
+    assert list(out) == urls and out == {urls[0]: None, urls[1]: None, urls[2]: "2", urls[3]: None}
+
+
+def test_per_server_without_urls_and_with_a_raising_call():
+    assert per_server([], lambda u: 1 / 0) == {}
+    with pytest.raises(ZeroDivisionError):
+        per_server(["a", "b"], lambda u: 1 / 0 if u == "b" else u)
