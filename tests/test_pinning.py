@@ -79,3 +79,20 @@ def test_pdeathsig_preexec_pins_the_child_whichever_thread_starts_it(cores):
         for p in (proc, plain):
             p.kill()
             p.wait()
+
+
+def test_a_server_the_cluster_spawns_later_gets_the_recorded_cores(cores, tmp_path):
+    """RolloutCluster records the cores of the thread that starts it; a server it spawns later (failover's
+    spawner thread, on the trainer's cores) is pinned to them all the same."""
+    from moerl.rollout.launcher import RolloutCluster
+
+    trainer, rollout = cores
+    cluster = RolloutCluster(str(tmp_path), 1, log_dir=str(tmp_path))
+    cluster._cpu_affinity = {rollout}  # what start() records under pinned_start
+    child = cluster._spawn("server 0", 0, "http://127.0.0.1:1", [sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert os.sched_getaffinity(child.proc.pid) == {rollout}
+    finally:
+        child.proc.kill()
+        child.proc.wait()
+        child.log_file.close()

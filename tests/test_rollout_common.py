@@ -1,4 +1,4 @@
-"""moerl.rollout.common.per_server: one call per server URL, in parallel threads, results by URL in order."""
+"""moerl.rollout.common.per_server: one call per server URL, in parallel threads, results in URL order."""
 
 from __future__ import annotations
 
@@ -13,15 +13,20 @@ def test_per_server_runs_the_calls_at_once_and_keeps_the_order():
     urls = [f"http://127.0.0.1:{30000 + i}" for i in range(4)]
     barrier = threading.Barrier(len(urls), timeout=10)  # passes only if all four calls run together
 
-    def one(url: str) -> str:
+    def one(url: str):
         barrier.wait()
         return url[-1] if url.endswith("2") else None
 
-    out = per_server(urls, one)
-    assert list(out) == urls and out == {urls[0]: None, urls[1]: None, urls[2]: "2", urls[3]: None}
+    assert per_server(urls, one) == [None, None, "2", None]
+
+
+def test_per_server_calls_a_repeated_url_twice():
+    calls = []
+    assert per_server(["a", "a"], lambda u: calls.append(u) or f"{u}!") == ["a!", "a!"]
+    assert calls == ["a", "a"]
 
 
 def test_per_server_without_urls_and_with_a_raising_call():
-    assert per_server([], lambda u: 1 / 0) == {}
+    assert per_server([], lambda u: 1 / 0) == []
     with pytest.raises(ZeroDivisionError):
         per_server(["a", "b"], lambda u: 1 / 0 if u == "b" else u)

@@ -76,8 +76,9 @@ Measured (40 steps, the defaults, --repeats 3; the README's Async section has th
 commit 1f86af3 one after the other gave async s=1 1.67x and 1.44x (median runs; per round 1.53-1.78x and
 1.32-1.52x), one_step_off 1.46x, s=2 1.41x; async s=1 accuracy -1.8 / +2.7 points against sync, time model
 within 5% / 11%. The demo is balanced (sync R 0.15 s, T 0.20 s, W 0.02 s): perfect overlap would give 1.8x.
-What varies is the overlapped update: 0.97-1.02x sync's in three benchmarks, 1.13-1.19x in the fourth (the
-same work slower while the other vCPU is busy). Before 1f86af3 the trainer's producer / push / reward threads
+What varies is the overlapped update: 0.97-1.02x sync's in three benchmarks (the first above, and two of an
+experiment that moved only the producer and push threads), 1.13-1.19x in the second above (the same work
+slower while the other vCPU is busy). Before 1f86af3 the trainer's producer / push / reward threads
 ran on core 1, where a server preempted them while they held the trainer's interpreter lock: update
 1.09-1.34x sync's, async s=1 1.26-1.57x. Earlier: commit 800c5f2 1.39-1.40x (single runs), commit 6d493aa
 (with the reference forward, training-bound) 1.23-1.70x.

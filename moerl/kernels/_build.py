@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import threading
 import warnings
 from pathlib import Path
@@ -75,35 +76,85 @@ def _build_dir(name: str) -> Path:
 
 
 #: torch.utils.cpp_extension's cross-process build lock: a FILE in the build directory (FileBaton) that a build
-#: killed mid-way leaves behind, after which every later build of that extension polls for it for ever
+#: killed mid-way (kill -9, a crash: not Ctrl-C, which removes it) leaves behind, after which every later build
+#: of that extension polls for it for ever
 TORCH_BATON = "lock"
+#: moerl's flock file and the record of the build holding it ("<host> <pid>"), both in the build directory
+BUILD_LOCK, BUILD_OWNER = "moerl_build.lock", "moerl_build.owner"
+
+
+def _stale_baton(build_dir: Path) -> Optional[str]:
+    """Called holding the flock: why torch's lock file in ``build_dir`` is stale, or None when that is not
+    known (no file; no owner record: an older moerl or another tool; a record of another host, where the
+    flock may not reach). A record is written only under the flock and removed when its build ends, so one
+    of this host found under the flock belongs to a build that was killed (its process may still be a
+    zombie, its pid reused: neither is asked)."""
+    if not (build_dir / TORCH_BATON).exists():
+        return None
+    try:
+        host, pid = (build_dir / BUILD_OWNER).read_text().split()
+        pid_i = int(pid)
+    except (OSError, ValueError):
+        return None
+    if host != socket.gethostname():
+        return None
+    return f"left by build process {pid_i}, which was killed"
 
 
 @contextlib.contextmanager
 def build_lock(build_dir: Path):
     """Hold the build of the extension in ``build_dir`` for this process: ``fcntl.flock`` on
-    ``<build_dir>/moerl_build.lock``, which the kernel releases when its holder dies (even by SIGKILL).
+    ``<build_dir>/moerl_build.lock`` (released by the kernel when its holder dies, even by SIGKILL), with
+    ``moerl_build.owner`` recording this host and pid while the build runs.
 
-    While it is held no other moerl process builds there, so a torch FileBaton file (:data:`TORCH_BATON`)
-    found then was left by a build that was killed. It is removed with a warning naming it; otherwise
-    ``cpp_extension.load`` would wait on it for ever. Without fcntl (not POSIX) the lock is a no-op.
+    A torch FileBaton file (:data:`TORCH_BATON`) found under the lock with an owner record of this machine
+    was left by a killed build (see :func:`_stale_baton`): it is removed with a warning naming it
+    (``cpp_extension.load`` would wait on it for ever). Any other leftover (no record: an older moerl or
+    another tool; a record of another host sharing the directory, where flock may not reach) is left alone
+    with a warning that names the file to delete if no build is running. Best effort: without fcntl, or where the
+    filesystem refuses locks or the files, the build runs as it would without this lock.
     """
     try:
         import fcntl
-    except ImportError:  # pragma: no cover - Windows
+    except ImportError:  # pragma: no cover - not POSIX
         yield
         return
-    with open(build_dir / "moerl_build.lock", "a+") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # waits while another live process builds
+    try:
+        fd = os.open(build_dir / BUILD_LOCK, os.O_RDONLY | os.O_CREAT, 0o666)  # flock needs no write access
+    except OSError:
+        fd = None
+    locked = False
+    if fd is not None:
         try:
-            baton = build_dir / TORCH_BATON
-            if baton.exists():
-                warnings.warn(f"removed {baton}: torch's build lock left by a native-kernel build that was killed "
-                              "(no live moerl process holds the build)", RuntimeWarning, stacklevel=3)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # waits while another live process builds
+            locked = True
+        except OSError:  # e.g. a filesystem without locks
+            pass
+    owner = build_dir / BUILD_OWNER
+    try:
+        baton = build_dir / TORCH_BATON
+        if locked:
+            why = _stale_baton(build_dir)
+            if why is not None:
+                warnings.warn(f"removed {baton}: torch's build lock {why}", RuntimeWarning, stacklevel=3)
                 baton.unlink(missing_ok=True)
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+            elif baton.exists():
+                warnings.warn(f"{baton} exists (torch's build lock, not held by a moerl build known to be gone): the "
+                              "build waits until it disappears; delete it if no build of the native kernels is "
+                              "running", RuntimeWarning, stacklevel=3)
+            try:
+                owner.write_text(f"{socket.gethostname()} {os.getpid()}")
+            except OSError:
+                pass
+        yield
+    finally:
+        if locked:
+            try:
+                owner.unlink(missing_ok=True)
+            except OSError:
+                pass
+        if fd is not None:
+            os.close(fd)  # releases the flock
 
 
 def _missing_tools(cuda: bool) -> Optional[str]:

@@ -25,15 +25,15 @@ from typing import Callable, Optional, Sequence, TypeVar
 _T = TypeVar("_T")
 
 
-def per_server(urls: Sequence[str], one: Callable[[str], _T]) -> dict[str, _T]:
-    """``{url: one(url)}`` for every URL of ``urls`` (in their order), the calls run in parallel, one thread
-    each (blocking HTTP to several servers: pause / continue, weight-update posts, GC freeze).
+def per_server(urls: Sequence[str], one: Callable[[str], _T]) -> list[_T]:
+    """``[one(url) for url in urls]`` with the calls run in parallel, one thread each (blocking HTTP to
+    several servers: pause / continue, weight-update posts, GC freeze); a URL given twice is called twice.
     ``one`` should return its failure rather than raise; an exception it raises propagates (after every
-    call has ended). No URLs: {}."""
+    call has ended). No URLs: []."""
     if not urls:
-        return {}
+        return []
     with ThreadPoolExecutor(max_workers=len(urls)) as pool:
-        return dict(zip(urls, pool.map(one, urls)))
+        return list(pool.map(one, urls))
 
 #: weight_version a server reports before its first update (SGLang ``ServerArgs.weight_version`` default).
 DEFAULT_WEIGHT_VERSION = "default"

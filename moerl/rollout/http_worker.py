@@ -98,7 +98,8 @@ class HttpWorker:
             self.proc = subprocess.Popen([sys.executable, "-m", "moerl.rollout.http_worker", cfg],
                                          pass_fds=[theirs.fileno()], env=child_env(), stdin=subprocess.DEVNULL,
                                          # own session (as the servers): a terminal's Ctrl-C is the trainer's
-                                         start_new_session=True, preexec_fn=pdeathsig_preexec(os.getpid()))
+                                         start_new_session=True, preexec_fn=pdeathsig_preexec(
+                                             os.getpid(), cpu_affinity=self.cpu_affinity or None))
         except OSError as e:
             ours.close()
             raise HttpWorkerError(f"could not start the HTTP worker process ({sys.executable} -m "

@@ -695,7 +695,7 @@ class RolloutCluster:
                 return f"{type(e).__name__}: {e}"
             return None if r.status_code == 200 else f"HTTP {r.status_code}: {r.text[:200]}"
 
-        return per_server(urls, one)
+        return dict(zip(urls, per_server(urls, one)))
 
     def colocated_server_urls(self) -> list[str]:
         """The servers colocated placement releases / resumes memory on: :meth:`live_server_urls`
@@ -812,7 +812,7 @@ class RolloutCluster:
                 return str(e)
             return None
 
-        errors = per_server(urls, one)
+        errors = dict(zip(urls, per_server(urls, one)))  # urls: distinct
         failed = [u for u in urls if errors[u]]
         if failed:
             # a SIGKILLed server's sockets close a moment before it can be reaped (see update_weights)

@@ -96,7 +96,7 @@ class RolloutPlacement:
                 return f"{url}: {type(e).__name__}: {e}"
             return None if r.status_code == 200 else f"{url}: HTTP {r.status_code}: {r.text[:300]}"
 
-        errors = [e for e in per_server(urls, one).values() if e]
+        errors = [e for e in per_server(urls, one) if e]
         if errors:
             raise RolloutError(f"{path} {tags} failed on {len(errors)} of {len(urls)} servers: " + "; ".join(errors))
 

@@ -107,7 +107,7 @@ def _post_all(server_urls: Sequence[str], path: str, payload: dict, timeout_s: f
             return f"{url}: {type(e).__name__}: {e}"
         return _response_error(url, r)
 
-    errors = [e for e in per_server(server_urls, one).values() if e]
+    errors = [e for e in per_server(server_urls, one) if e]
     if errors:
         raise WeightSyncError(f"{path} failed on {len(errors)} of {len(server_urls)} servers:\n" + "\n".join(errors))
 

@@ -70,12 +70,16 @@ def pdeathsig_preexec(parent_pid: int, sig: int = signal.SIGKILL,
     ``os.getpid()``) dies, and exits at once if it already has. Set the death signal from the thread
     that lives as long as the child should (the kernel tracks the forking thread). ``cpu_affinity``
     (cores, or None = inherit the forking thread's): the child is pinned to them (os.sched_setaffinity)
-    before it executes anything, whichever thread starts it."""
+    before it executes anything, whichever thread starts it; best effort (cores no longer allowed, e.g.
+    after a cpuset change: the child keeps the forking thread's)."""
     cores = None if cpu_affinity is None else set(cpu_affinity)
 
     def fn() -> None:
         if cores and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, cores)
+            try:
+                os.sched_setaffinity(0, cores)
+            except OSError:
+                pass
         die_with_parent(sig, expected_parent=parent_pid)
 
     return fn

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -173,37 +174,38 @@ def reward_pool(ctx):
                    rule_weight=r.rule_weight, model_batch_size=r.model_batch_size, log=log)
 
 
-def _threads() -> set[int]:
-    """Native ids of this process's threads (Linux /proc/self/task; empty elsewhere)."""
-    try:
-        return {int(t) for t in os.listdir("/proc/self/task")}
-    except OSError:
-        return set()
-
-
 @contextlib.contextmanager
 def pinned(cores: list[int]):
     """The calling thread pinned to ``cores`` (os.sched_setaffinity) inside the block, so the processes
-    started there inherit them; its own affinity is restored after, and so is that of every thread of THIS
-    process started inside the block (a reward pool's dispatcher, the broker's reader, the cluster's
-    monitor): they share the trainer's interpreter lock, and one of them preempted on a busy rollout core
-    while holding it stalls the training thread. tools/bench_async.py, async staleness 1: the update took
-    1.09-1.30x sync's with the producer and push threads on the rollout core, 1.02x on the trainer's.
-    Empty ``cores``: no-op."""
+    started there inherit them; its own affinity is restored after, and so is that of every Python thread
+    started inside the block (a reward pool's dispatcher, the broker's reader, the cluster's monitor and
+    spawner, and threads those start before they are moved): they share the trainer's interpreter lock,
+    and one of them preempted on a busy rollout core while holding it stalls the training thread.
+    tools/bench_async.py, async staleness 1: the update took 1.09-1.34x sync's with the producer and push
+    threads on the rollout core, 0.97-1.02x on the trainer's. Processes those threads start later get
+    the rollout cores explicitly (moerl.runtime.procs.pdeathsig_preexec ``cpu_affinity``). Empty
+    ``cores``: no-op."""
     if not cores:
         yield
         return
-    mine, before = os.sched_getaffinity(0), _threads()
+    mine, before = os.sched_getaffinity(0), set(threading.enumerate())
     os.sched_setaffinity(0, set(cores))
     try:
         yield
     finally:
         os.sched_setaffinity(0, mine)
-        for tid in _threads() - before:
-            try:
-                os.sched_setaffinity(tid, mine)
-            except OSError:  # ended meanwhile
-                pass
+        moved: set = set()
+        while True:  # until no new thread shows up (one started by a thread not yet moved)
+            new = [t for t in threading.enumerate() if t not in before and t not in moved]
+            if not new:
+                break
+            for t in new:
+                moved.add(t)
+                if t.native_id is not None and t.is_alive():
+                    try:
+                        os.sched_setaffinity(t.native_id, mine)
+                    except OSError:  # ended meanwhile
+                        pass
 
 
 @contextlib.contextmanager
