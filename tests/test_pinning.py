@@ -96,3 +96,17 @@ def test_a_server_the_cluster_spawns_later_gets_the_recorded_cores(cores, tmp_pa
         child.proc.kill()
         child.proc.wait()
         child.log_file.close()
+
+
+def test_the_http_worker_process_gets_the_rollout_cores(cores):
+    """The producer's HTTP worker (a process: rollout-side work) is pinned to rollout.cpu_affinity from its
+    first instruction, while the thread that starts it stays on the trainer's cores."""
+    from moerl.rollout.http_worker import HttpWorker
+
+    trainer, rollout = cores
+    worker = HttpWorker(timeout_s=5.0, cpu_affinity=[rollout]).start()
+    try:
+        assert os.sched_getaffinity(worker.proc.pid) == {rollout}
+        assert os.sched_getaffinity(0) == {trainer}
+    finally:
+        worker.close()

@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from moerl.rewards.errors import RewardConfigError
 from moerl.rewards.registry import as_metadata, resolve_reward_fn
-from moerl.runtime.procs import child_env, pdeathsig_preexec
+from moerl.runtime.procs import child_env, current_cpu_affinity, pdeathsig_preexec
 
 _MOERL_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _MAX_START_FAILURES = 3  # consecutive workers dying before "ready": the pool is broken
@@ -182,7 +182,7 @@ class RewardPool:
         self._log = log
         # the workers' cores: those of the thread creating the pool (moerl.train.components.reward_pool
         # creates it on rollout.cpu_affinity), also for a worker the dispatcher thread replaces later
-        self._cpu_affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        self._cpu_affinity = current_cpu_affinity()
         self._lock = threading.Lock()
         self._ready_cv = threading.Condition(self._lock)
         self._stats = {"scored": 0, "timeouts": 0, "exceptions": 0, "crashes": 0, "respawns": 0, "seconds": 0.0}

@@ -6,8 +6,8 @@ HTTP framing and the JSON encoding / decoding of every request (about 0.6 ms of 
 per demo step of 128 samples) run under the trainer's interpreter lock, and every torch op the trainer
 releases the lock for can be followed by a wait for the producer to hand it back. :class:`HttpWorker`
 moves the requests into a child process (``python -m moerl.rollout.http_worker``, pinned to
-``rollout.cpu_affinity``; the producer thread itself stays on the trainer's cores): the trainer process only pickles the request body
-and unpickles the decoded answer through a socket pair. :class:`moerl.rollout.client.RolloutClient`
+``rollout.cpu_affinity``; the producer thread itself stays on the trainer's cores): the trainer process
+only pickles the request body and unpickles the decoded answer through a socket pair. :class:`moerl.rollout.client.RolloutClient`
 uses it for single attempts (``RolloutClient.worker``); its retry policy, failover checks
 (``cluster.check_alive``) and result-id checks stay in the trainer process, unchanged.
 
@@ -93,7 +93,7 @@ class HttpWorker:
 
         ours, theirs = socket.socketpair()
         cfg = json.dumps({"fd": theirs.fileno(), "timeout_s": self.timeout_s,
-                          "max_connections": self.max_connections, "cpu_affinity": self.cpu_affinity})
+                          "max_connections": self.max_connections})
         try:
             self.proc = subprocess.Popen([sys.executable, "-m", "moerl.rollout.http_worker", cfg],
                                          pass_fds=[theirs.fileno()], env=child_env(), stdin=subprocess.DEVNULL,
@@ -273,9 +273,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     # Ctrl-C is the trainer's (its handler stops the run; this process then exits with its socket); a
     # KeyboardInterrupt here would only print a traceback under the trainer's exit message
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    cfg = json.loads((argv if argv is not None else sys.argv[1:])[0])
-    if cfg.get("cpu_affinity") and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, set(cfg["cpu_affinity"]))
+    cfg = json.loads((argv if argv is not None else sys.argv[1:])[0])  # pinned before exec (HttpWorker.start)
     conn = Connection(int(cfg["fd"]))
     try:
         asyncio.run(_serve(conn, float(cfg["timeout_s"]), int(cfg["max_connections"])))

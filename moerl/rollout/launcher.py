@@ -59,7 +59,7 @@ from moerl.rollout.client import RolloutClient
 from moerl.rollout.common import DEFAULT_PAUSE_MODE, check_pause_mode, per_server, version_dirname
 from moerl.rollout.errors import (HealthTimeoutError, PortInUseError, RolloutError, RolloutRequestError,
                                   RolloutServerDiedError, RolloutStartupError, ServerExitedError, WeightSyncError)
-from moerl.runtime.procs import child_env, pdeathsig_preexec
+from moerl.runtime.procs import child_env, current_cpu_affinity, pdeathsig_preexec
 
 ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
 
@@ -542,8 +542,7 @@ class RolloutCluster:
             self.check_ports()
             # every server, the router and a server restarted later (by the spawner thread) get the cores of
             # the thread starting the cluster (moerl.train.components.pinned_start: rollout.cpu_affinity)
-            if hasattr(os, "sched_getaffinity"):
-                self._cpu_affinity = os.sched_getaffinity(0)
+            self._cpu_affinity = current_cpu_affinity()
             if self.log_dir is None:
                 self.log_dir = tempfile.mkdtemp(prefix="moerl_rollout_")
             os.makedirs(self.log_dir, exist_ok=True)

@@ -21,7 +21,8 @@ import signal
 import sys
 from typing import Callable, Iterable, Mapping, Optional
 
-__all__ = ["TORCHRUN_ENV_KEYS", "child_env", "die_with_parent", "pdeathsig_preexec", "die_with_torchrun_agent"]
+__all__ = ["TORCHRUN_ENV_KEYS", "child_env", "current_cpu_affinity", "die_with_parent", "pdeathsig_preexec",
+           "die_with_torchrun_agent"]
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -62,6 +63,13 @@ def die_with_parent(sig: int = signal.SIGTERM, expected_parent: Optional[int] = 
     if expected_parent is not None and os.getppid() != expected_parent:
         os._exit(1)
     return True
+
+
+def current_cpu_affinity() -> Optional[set[int]]:
+    """The calling thread's cores (``os.sched_getaffinity(0)``), or None where the OS cannot tell: what an
+    object that starts processes later from another thread records, to give them as ``cpu_affinity`` to
+    :func:`pdeathsig_preexec`."""
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
 
 
 def pdeathsig_preexec(parent_pid: int, sig: int = signal.SIGKILL,
