@@ -263,18 +263,20 @@ def weight_update_split(ph: dict, wp: float, background_push: bool) -> tuple[flo
     return ph["W"] - wp, wp
 
 
-def time_model(sync_steps: Sequence[dict], producer_cpu_per_step: float = 0.0, background_push: bool = True) -> dict:
+def time_model(sync_steps: Sequence[dict], producer_cpu_per_step: float = 0.0, background_push: bool = True,
+               producer_process: bool = False) -> dict:
     """The module docstring's time model from the sync run's per-step records. Returns the phase means,
     the sync step, the weight-update split (We, Wp), the predicted overlapped steps (pairwise for
     one_step_off / async_s1, buffered for async_s2), predicted walls (step 1 = a sync step) and the
-    predicted sync / mode ratios."""
+    predicted sync / mode ratios. ``producer_process`` (rollout.producer_process in the overlapped modes):
+    the producer's CPU P is rollout-side work (R + P) instead of the trainer's (T + P)."""
     S = len(sync_steps)
     ph = phase_means(sync_steps)
     sync_step = ph["R"] + ph["L"] + ph["U"] + ph["W"] + ph["O"]
     We, Wp = weight_update_split(ph, push_phase(sync_steps), background_push)
-    R = [s.get("time/rollout", 0.0) for s in sync_steps]
-    T = [s.get("time/log_prob", 0.0) + s.get("time/update", 0.0) + ph["O"] + producer_cpu_per_step
-         for s in sync_steps]
+    P_r, P_t = (producer_cpu_per_step, 0.0) if producer_process else (0.0, producer_cpu_per_step)
+    R = [s.get("time/rollout", 0.0) + P_r for s in sync_steps]
+    T = [s.get("time/log_prob", 0.0) + s.get("time/update", 0.0) + ph["O"] + P_t for s in sync_steps]
     steps = {"one_step_off": overlapped_step(R, T, We, Wp, buffered=False),
              "async_s1": overlapped_step(R, T, We, Wp, buffered=False),
              "async_s2": overlapped_step(R, T, We, Wp, buffered=True)}
@@ -283,9 +285,13 @@ def time_model(sync_steps: Sequence[dict], producer_cpu_per_step: float = 0.0, b
     # steady-state sync / overlapped ratios (means) if an overhead went away: the producer off the
     # trainer's core, the push not pausing generation (only the trainer pays its part), both
     Rm, Tm, P = ph["R"], ph["L"] + ph["U"] + ph["O"], producer_cpu_per_step
-    what_if = {"as measured": max(Rm + Wp, Tm + P + We), "producer off the trainer core": max(Rm + Wp, Tm + We),
-               "push does not pause generation": max(Rm, Tm + P + We), "both": max(Rm, Tm + We)}
+    what_if = {"as measured": max(Rm + P_r + Wp, Tm + P_t + We),
+               "producer thread on the trainer core": max(Rm + Wp, Tm + P + We),
+               "producer process on the rollout core": max(Rm + P + Wp, Tm + We),
+               "producer off the trainer core": max(Rm + Wp, Tm + We),
+               "push does not pause generation": max(Rm + P_r, Tm + P_t + We), "both": max(Rm, Tm + We)}
     return {"phases": ph, "P": producer_cpu_per_step, "We": We, "Wp": Wp, "background_push": background_push,
+            "producer_process": producer_process,
             "sync_step": sync_step, "steps": steps, "sync_wall": sync_wall, "walls": walls,
             "ratios": {m: sync_wall / w for m, w in walls.items()},
             "steady_ratios": {m: sync_step / st for m, st in steps.items()},
@@ -331,6 +337,17 @@ def background_push_of(overrides: Sequence[str]) -> bool:
     for o in overrides:
         key, _, v = o.partition("=")
         if key.strip() == "rollout.background_push":
+            value = v.strip().lower()
+    return value not in ("false", "0", "no", "off")
+
+
+def producer_process_of(overrides: Sequence[str]) -> bool:
+    """Whether the overlapped modes run the producer in a process of its own: rollout.producer_process null
+    (the default: a process in one_step_off / async) unless an override sets it false."""
+    value = None
+    for o in overrides:
+        key, _, v = o.partition("=")
+        if key.strip() == "rollout.producer_process":
             value = v.strip().lower()
     return value not in ("false", "0", "no", "off")
 
@@ -667,9 +684,12 @@ def report(res: dict) -> str:
     if model:
         ph = model["phases"]
         out += ["", f"time model (sync phases): R {ph['R']:.3f}  L {ph['L']:.3f}  U {ph['U']:.3f}  W {ph['W']:.3f}  "
-                    f"O {ph['O']:.3f}  P (producer CPU on core 0) {model['P']:.3f} s/step; sync step "
+                    f"O {ph['O']:.3f}  P (producer CPU, sync run) {model['P']:.3f} s/step; sync step "
                     f"{model['sync_step']:.3f} s; W = export We {model['We']:.3f} + push Wp {model['Wp']:.3f}; "
-                    + ("overlapped step = max(R + Wp, L+U+O+P + We) (background push)"
+                    + (("overlapped step = max(R + P + Wp, L+U+O + We) (background push; producer process on the "
+                        "rollout core)" if model.get("producer_process") else
+                        "overlapped step = max(R + Wp, L+U+O+P + We) (background push; producer thread on the "
+                        "trainer core)")
                        if model["background_push"] else "overlapped step = W + max(R, L+U+O+P) (foreground push)")]
         rows = []
         for m in modes:
@@ -801,7 +821,8 @@ def main(argv=None) -> int:
     if "sync" in figs:
         sync_steps = figs["sync"]["per_step"]
         background = background_push_of(DEFAULT_SETTINGS + args.extra)
-        model = time_model(sync_steps, figs["sync"].get("producer_cpu_per_step", 0.0), background)
+        model = time_model(sync_steps, figs["sync"].get("producer_cpu_per_step", 0.0), background,
+                           producer_process_of(DEFAULT_SETTINGS + args.extra))
         res["model"] = model
         ph = model["phases"]
         R, T, W = ph["R"], ph["L"] + ph["U"] + ph["O"], ph["W"]

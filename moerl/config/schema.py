@@ -443,6 +443,13 @@ class RolloutConfig(_Section):
     # false = the producer thread itself; null = a child process in train.mode one_step_off / async (where the
     # producer runs while the trainer trains), the thread in sync
     client_process: Optional[bool] = None
+    # where the whole rollout producer runs (moerl.rollout.producer_process): true = a child process pinned to
+    # rollout.cpu_affinity with its own HTTP client and reward workers (the sampler's draws, prompt encoding,
+    # requests, parsing, decoding and reward dispatch leave the trainer's core and interpreter lock; the
+    # weight push and the cluster's failover stay in the trainer; client_process then does not apply);
+    # false = a thread of the trainer; null = a child process in train.mode one_step_off / async, the
+    # thread in sync
+    producer_process: Optional[bool] = None
     # groups generating at once in one_step_off / async (AReaL's max_concurrent_rollouts); null =
     # rollout_batch_size. The servers batch every request they hold, so groups of the NEXT batch started while
     # the current one runs share its decode steps and delay it; one batch's worth keeps each batch's

@@ -98,6 +98,18 @@ def sampling_seed(seed: int, *keys: int) -> int:
     return int.from_bytes(h[:4], "little") & 0x7FFFFFFF
 
 
+def background_push(cfg) -> bool:
+    """rollout.background_push resolved: null = on in one_step_off / async, except with an NCCL weight-update
+    group (its broadcast on the push thread could run concurrently with the trainer's own NCCL collectives:
+    unordered communicators may deadlock); never in sync."""
+    ro = cfg.rollout
+    bg = getattr(ro, "background_push", None)
+    if bg is None:
+        bg = not (getattr(ro, "weight_sync", None) == "distributed"
+                  and getattr(ro, "weight_sync_backend", "gloo") == "nccl")
+    return bool(bg) and cfg.train.mode != "sync"
+
+
 def _version_int(v: Any, fallback: int) -> int:
     try:
         return int(v)
@@ -247,12 +259,7 @@ class RolloutManager:
         self._worker = None  # the HttpWorker while the producer runs
         # rollout.background_push: a weight update's pause / push / continue on a thread of its own while the
         # trainer goes on (one at a time; wait_weights() joins it)
-        bg = getattr(ro, "background_push", None)
-        if bg is None:  # not with an NCCL weight-update group: its broadcast on the push thread could run
-            # concurrently with the trainer's own NCCL collectives (NCCL: unordered communicators may deadlock)
-            bg = not (getattr(ro, "weight_sync", None) == "distributed"
-                      and getattr(ro, "weight_sync_backend", "gloo") == "nccl")
-        self.background_push = bool(bg) and tr.mode != "sync"
+        self.background_push = background_push(cfg)
         self._push_thread: Optional[threading.Thread] = None
         self._push_error: Optional[BaseException] = None
         self._pushing = False  # a background push has not landed yet (steps_done lags self.version)
@@ -819,8 +826,7 @@ class RolloutManager:
         if push is None or not self.background_push:
             self._update_now(push, step)
             return
-        with self._cv:
-            self.version, self._pushing = self.version + 1 if version is None else int(version), True
+        self.begin_push(self.version + 1 if version is None else int(version))
 
         def run() -> None:
             try:
@@ -850,40 +856,70 @@ class RolloutManager:
             raise err
 
     def _update_now(self, push: Optional[Callable[[], Any]], step: int) -> None:
-        if push is not None:
-            t0 = time.monotonic()
-            if self.mode == "one_step_off":
-                with self._cv:
-                    while self._inflight and self._error is None:
-                        self._cv.wait(timeout=1.0)
-            paused = self.mode == "async" and self.cluster is not None and self._producing()
-            try:
-                if paused:
-                    self._loop.call_soon_threadsafe(self._unpaused.clear)
-                    self.cluster.pause_generation(self.pause_mode)
-                t1 = time.monotonic()
-                version = push()
-                t2 = time.monotonic()
-            except BaseException:
-                if paused:  # best effort: the push's error is the one to report
-                    try:
-                        self.cluster.continue_generation()
-                    except Exception:
-                        pass
-                    self._resume_producer()
-                raise
+        if push is None:
+            self.end_push(step)
+            return
+        t0 = time.monotonic()
+        paused = self.hold_for_push()
+        try:
             if paused:
+                self.cluster.pause_generation(self.pause_mode)
+            t1 = time.monotonic()
+            version = push()
+            t2 = time.monotonic()
+        except BaseException:
+            if paused:  # best effort: the push's error is the one to report
                 try:
                     self.cluster.continue_generation()
-                finally:
-                    self._resume_producer()
-            with self._cv:
-                self.version = _version_int(version, self.version + 1)
-                self._counters["pause_s"] += t1 - t0
-                self._counters["push_s"] += t2 - t1
-                self._counters["continue_s"] += time.monotonic() - t2
+                except Exception:
+                    pass
+                self._resume_producer()
+            raise
+        if paused:
+            try:
+                self.cluster.continue_generation()
+            finally:
+                self._resume_producer()
+        self.end_push(step, version, (t1 - t0, t2 - t1, time.monotonic() - t2))
+
+    # the three steps of a weight update, also driven from another process (moerl.rollout.producer_process)
+    def begin_push(self, version: int) -> None:
+        """A background push of ``version`` (int) starts: the trainer's version from now on; the staleness
+        gate counts the step as done only at :meth:`end_push`."""
         with self._cv:
-            self.steps_done = max(self.steps_done, step)
+            self.version, self._pushing = int(version), True
+
+    def hold_for_push(self) -> bool:
+        """Before a push: one_step_off waits until no group is in flight; async stops starting requests
+        (they wait for :meth:`end_push`). Returns True when the servers must be paused for the push (async
+        with a cluster), the caller's job (``cluster.pause_generation(self.pause_mode)``, then
+        ``continue_generation()`` after the push)."""
+        if self.mode == "one_step_off":
+            with self._cv:
+                while self._inflight and self._error is None:
+                    self._cv.wait(timeout=1.0)
+        paused = self.mode == "async" and self.cluster is not None and self._producing()
+        if paused:
+            self._loop.call_soon_threadsafe(self._unpaused.clear)
+        return paused
+
+    def end_push(self, step: int, version: Any = None, seconds: Optional[Sequence[float]] = None,
+                 failed: bool = False) -> None:
+        """After a push (or a skipped update: ``seconds`` None): requests start again; with ``seconds`` =
+        (pause_s, push_s, continue_s) the version becomes ``version`` (int or str; None or not a number:
+        the current one + 1) and the times are counted; ``step`` counts as done (unless ``failed``: the
+        push raised, the version stays)."""
+        self._resume_producer()
+        with self._cv:
+            if seconds is not None and not failed:
+                self.version = _version_int(version, self.version + 1)
+                for k, v in zip(("pause_s", "push_s", "continue_s"), seconds):
+                    self._counters[k] += v
+            if not failed:
+                self.steps_done = max(self.steps_done, step)
+            elif self._error is None:  # as a failed background push here: the producer stops, get_batch raises
+                self._error = RuntimeError(f"the weight push after step {step} failed (the trainer reports why)")
+            self._pushing = False
             self._cv.notify_all()
         self._kick()
 

@@ -109,21 +109,33 @@ def rollout_servers(ctx, model_path: str):
 
 def rollout_manager(ctx, cluster, sampler, sync, state):
     """The RolloutManager of rank 0 (None on other ranks, where ``cluster`` is None): its own RolloutClient
-    (the producer runs its own event loop), resumed from ``state.rollout``; routing recorded for R3."""
+    (the producer runs its own event loop), resumed from ``state.rollout``; routing recorded for R3. With
+    rollout.producer_process (null: in one_step_off / async) a moerl.rollout.producer_process
+    .RolloutManagerProcess: the same manager in a child process on the rollout cores."""
     if cluster is None:
         return None
     from moerl.rollout.client import RolloutClient
     from moerl.rollout.manager import RolloutManager
 
     cfg, ro = ctx.cfg, ctx.cfg.rollout
+    routing_shape = ((ctx.hf_config.num_hidden_layers, ctx.hf_config.num_experts_per_tok)
+                     if cfg.moe.routing_replay == "r3" else None)
+    common = dict(eos_id=ctx.eos_id, num_steps=cfg.train.num_steps, version=sync.version, steps_done=state.rl_step,
+                  state=state.rollout or None, routing_shape=routing_shape)
+    use = ro.producer_process
+    if use is None:
+        use = cfg.train.mode != "sync"
+    if use:  # rollout.producer_process: the whole producer in a child process on the rollout cores
+        from moerl.rollout.producer_process import RolloutManagerProcess
+
+        spec = dict(common, router_url=cluster.router_url, timeout_s=ro.request_timeout_s, max_retries=ro.max_retries,
+                    cfg=cfg, sampler=sampler, tokenizer=ctx.tokenizer, system_prompt=cfg.data.system_prompt)
+        return RolloutManagerProcess(cluster=cluster, spec=spec, cpu_affinity=ro.cpu_affinity, log=log)
     return RolloutManager(
         client=RolloutClient(cluster.router_url, timeout_s=ro.request_timeout_s, max_retries=ro.max_retries,
                              cluster=cluster),
         cluster=cluster, sampler=sampler, encode=ctx.encode, decode=ctx.decode, reward_fn=ctx.rewards, cfg=cfg,
-        eos_id=ctx.eos_id, num_steps=cfg.train.num_steps, version=sync.version, steps_done=state.rl_step,
-        state=state.rollout or None, log=log,
-        routing_shape=((ctx.hf_config.num_hidden_layers, ctx.hf_config.num_experts_per_tok)
-                       if cfg.moe.routing_replay == "r3" else None))
+        log=log, **common)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,439 @@
+"""The RolloutManager's producer in a child process (``rollout.producer_process``), off the trainer's core.
+
+In ``train.mode`` one_step_off / async the producer (:class:`moerl.rollout.manager.RolloutManager`: the
+sampler's draws, prompt encoding, the /generate requests, result parsing, decoding and reward dispatch)
+runs while the trainer trains. As a thread of the trainer process it shares the trainer's core and
+interpreter lock: about 0.013 s of core-0 CPU per demo step (tools/bench_async.py, py-spy), and every
+torch op the training thread releases the lock for may be followed by a wait for the producer to give it
+back. :class:`RolloutManagerProcess` runs the whole RolloutManager in a child process instead
+(``python -m moerl.rollout.producer_process``, pinned to ``rollout.cpu_affinity``, dying with the thread
+that started it: PR_SET_PDEATHSIG), as verl's and slime's rollout workers are processes of their own.
+The child has its own RolloutClient (aiohttp in its own event loop: no separate HTTP worker) and its own
+:class:`moerl.rewards.RewardPool` (reward.* keys; the trainer's pool still scores evaluations).
+
+What stays in the trainer: the weight push itself (its export and the servers' pause / continue, through
+the trainer's RolloutCluster) and the cluster (failover restarts). The child sees the cluster through
+:class:`_ClusterView`: the live server URLs, the failover flag and the cluster's fatal error, sent by the
+trainer when they change (polled every ``CLUSTER_POLL_S``) and before every batch.
+
+Wire: three ``multiprocessing.connection.Connection`` socket pairs, each strictly request -> answer from
+one trainer thread at a time: ``main`` (the spec, then get_batch / state_dict / close; the training
+thread), ``push`` (begin / hold / end of a weight update; the push thread), ``cluster`` (one-way cluster
+views). An answer is ``("ok", value)`` or ``("err", exception)`` (an exception that cannot be pickled
+travels as a RuntimeError with its type and text).
+
+The resume contract is the RolloutManager's (its module docstring): ``state_dict`` is the child's.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any, Callable, Optional
+
+#: seconds between the trainer's checks of its cluster for a changed live-server list or a fatal error
+CLUSTER_POLL_S = 0.25
+
+
+class ProducerProcessError(RuntimeError):
+    """The producer process could not start, or exited while the trainer needed it (the message says how)."""
+
+
+class _ClusterView:
+    """The child's picture of the trainer's RolloutCluster: what RolloutManager / RolloutClient read of it
+    (``failover``, ``num_servers``, ``server_urls``, ``extra_worker_urls``, ``live_server_urls()``,
+    ``check_alive()``). ``fatal`` is the text of the cluster's check_alive error (a server died without
+    failover, or failover gave up), raised here as RolloutServerDiedError."""
+
+    def __init__(self, view: dict):
+        self._lock = threading.Lock()
+        self.failover = bool(view["failover"])
+        self.num_servers = int(view["num_servers"])
+        self.server_urls = list(view["server_urls"])
+        self.extra_worker_urls = list(view["extra_worker_urls"])
+        self._live, self._fatal = list(view["live"]), view["fatal"]
+
+    def update(self, live: list, fatal: Optional[str]) -> None:
+        with self._lock:
+            self._live, self._fatal = list(live), fatal
+
+    def live_server_urls(self) -> list:
+        with self._lock:
+            return list(self._live)
+
+    def check_alive(self) -> None:
+        with self._lock:
+            fatal = self._fatal
+        if fatal is not None:
+            from moerl.rollout.errors import RolloutServerDiedError
+
+            raise RolloutServerDiedError(fatal)
+
+
+def cluster_view(cluster) -> dict:
+    """The picklable view of ``cluster`` (a RolloutCluster or a double) that :class:`_ClusterView` holds."""
+    live = getattr(cluster, "live_server_urls", None)
+    fatal = None
+    try:
+        check = getattr(cluster, "check_alive", None)
+        if check is not None:
+            check()
+    except Exception as e:  # the trainer raises the original itself (RolloutManagerProcess._check_cluster)
+        fatal = f"{type(e).__name__}: {e}"
+    return {"failover": bool(getattr(cluster, "failover", False)),
+            "num_servers": int(getattr(cluster, "num_servers", 1) or 1),
+            "server_urls": list(getattr(cluster, "server_urls", None) or []),
+            "extra_worker_urls": list(getattr(cluster, "extra_worker_urls", None) or []),
+            "live": list(live() if callable(live) else getattr(cluster, "server_urls", None) or []),
+            "fatal": fatal}
+
+
+def _answer(conn: Connection, fn: Callable[[], Any]) -> None:
+    try:
+        out = ("ok", fn())
+    except BaseException as e:  # noqa: BLE001 - every error goes back to the trainer
+        out = ("err", e)
+    try:
+        conn.send(out)
+    except Exception:  # the exception itself does not pickle: its type and text
+        e = out[1] if out[0] == "err" else None
+        conn.send(("err", RuntimeError(f"{type(e).__name__}: {e}" if e is not None else "unpicklable answer")))
+
+
+class RolloutManagerProcess:
+    """The RolloutManager API (start / close / get_batch / update_weights / wait_weights / state_dict,
+    ``version``) with the manager in a child process (module docstring). Same arguments as
+    :func:`moerl.train.components.rollout_manager` builds a RolloutManager from, but picklable: no
+    callables. A weight push runs here (on a background thread with rollout.background_push, one at a
+    time); its pause / continue of the servers go through ``cluster``.
+
+    Args:
+        cluster: the trainer's RolloutCluster (pause_generation, continue_generation, check_alive,
+            live_server_urls).
+        spec: what the child builds its RolloutManager from: router_url, timeout_s, max_retries, cfg,
+            sampler, tokenizer, system_prompt, eos_id, num_steps, version, steps_done, state,
+            routing_shape (see :func:`_child_manager`).
+        cpu_affinity: cores of the child (rollout.cpu_affinity); empty: inherit.
+        log: line printer.
+    Raises:
+        ProducerProcessError: (start) the child could not start or failed to build its manager.
+    """
+
+    def __init__(self, *, cluster, spec: dict, cpu_affinity=(), log: Callable[[str], None] = print):
+        cfg = spec["cfg"]
+        self.cluster, self.spec, self.log = cluster, spec, log
+        self.cpu_affinity = list(cpu_affinity or [])
+        self.mode = cfg.train.mode
+        self.version = int(spec["version"])
+        from moerl.rollout.manager import background_push
+
+        self.background_push = background_push(cfg)
+        self.proc: Optional[subprocess.Popen] = None
+        self._main = self._push = self._cluster_conn = None
+        self._push_thread: Optional[threading.Thread] = None
+        self._push_error: Optional[BaseException] = None
+        self._poller: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+        self._sent_view: Optional[tuple] = None
+        self._view_lock = threading.Lock()
+        pm = getattr(cfg.rollout, "pause_mode", "abort")
+        self.pause_mode = ("in_place" if getattr(cfg.rollout, "backend", "reference") == "reference" else "abort") \
+            if pm == "auto" else pm
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "RolloutManagerProcess":
+        from moerl.runtime.procs import child_env, pdeathsig_preexec
+
+        pairs = [socket.socketpair() for _ in range(3)]
+        fds = [theirs.fileno() for _, theirs in pairs]
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "moerl.rollout.producer_process", ",".join(map(str, fds))], pass_fds=fds,
+                env=child_env(), stdin=subprocess.DEVNULL, start_new_session=True,  # Ctrl-C is the trainer's
+                preexec_fn=pdeathsig_preexec(os.getpid(), cpu_affinity=self.cpu_affinity or None))
+        except OSError as e:
+            for a, b in pairs:
+                a.close()
+                b.close()
+            raise ProducerProcessError(f"could not start the rollout producer process ({sys.executable} -m "
+                                       f"moerl.rollout.producer_process): {e}") from e
+        conns = []
+        for ours, theirs in pairs:
+            theirs.close()
+            ours.setblocking(True)
+            conns.append(Connection(ours.detach()))
+        self._main, self._push, self._cluster_conn = conns
+        spec = dict(self.spec, cluster=cluster_view(self.cluster))
+        self._sent_view = (tuple(spec["cluster"]["live"]), spec["cluster"]["fatal"])
+        try:
+            self._call(self._main, ("start", spec), "start")
+        except BaseException:
+            self._stop.set()
+            self.close()
+            raise
+        self._poller = threading.Thread(target=self._poll_cluster, name="moerl-producer-cluster", daemon=True)
+        self._poller.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the child after a push in flight has landed (its error, if any, is logged)."""
+        try:
+            self.wait_weights()
+        except Exception as e:
+            self.log(f"WARNING: the last weight push failed: {type(e).__name__}: {e}")
+        self._stop.set()
+        if self._poller is not None:
+            self._poller.join(timeout=5)
+        if self._main is not None:
+            try:
+                self._call(self._main, ("close",), "close")
+            except Exception as e:  # noqa: BLE001 - the run is ending anyway
+                self.log(f"WARNING: the rollout producer process did not close cleanly: {e}")
+        for c in (self._main, self._push, self._cluster_conn):
+            if c is not None:
+                c.close()
+        self._main = self._push = self._cluster_conn = None
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> "RolloutManagerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ wire
+    def _call(self, conn: Connection, msg: tuple, what: str) -> Any:
+        try:
+            conn.send(msg)
+            kind, value = conn.recv()
+        except (EOFError, OSError) as e:
+            self._check_cluster()  # a dead server is the better explanation
+            code = self.proc.poll() if self.proc is not None else None
+            raise ProducerProcessError(f"the rollout producer process (pid {getattr(self.proc, 'pid', None)}) "
+                                       f"exited during {what} (status {code}; its output is above)") from e
+        if kind == "err":
+            self._check_cluster()
+            raise value
+        return value
+
+    def _check_cluster(self) -> None:
+        check = getattr(self.cluster, "check_alive", None)
+        if check is not None:
+            check()
+
+    def _send_view(self) -> None:
+        view = cluster_view(self.cluster)
+        key = (tuple(view["live"]), view["fatal"])
+        with self._view_lock:
+            if key != self._sent_view and self._cluster_conn is not None:
+                self._cluster_conn.send((view["live"], view["fatal"]))
+                self._sent_view = key
+
+    def _poll_cluster(self) -> None:
+        while not self._stop.wait(CLUSTER_POLL_S):
+            try:
+                self._send_view()
+            except (OSError, ValueError):
+                return
+
+    # ------------------------------------------------------------------ trainer side
+    def get_batch(self, step: int):
+        """:meth:`RolloutManager.get_batch <moerl.rollout.manager.RolloutManager.get_batch>` in the child.
+
+        Raises:
+            what the child's get_batch raised (the trainer's own cluster error first: RolloutServerDiedError),
+            ProducerProcessError if the child died.
+        """
+        self._send_view()
+        try:
+            return self._call(self._main, ("get_batch", step), f"get_batch({step})")
+        except BaseException:
+            t = self._push_thread
+            if t is not None and not t.is_alive():  # a failed push stopped the child's producer: its error
+                self.wait_weights()
+            raise
+
+    def state_dict(self) -> dict:
+        """The child's resume cursor (after a push in flight has landed)."""
+        self.wait_weights()
+        return self._call(self._main, ("state_dict",), "state_dict")
+
+    def update_weights(self, push: Optional[Callable[[], Any]], step: int, version: Optional[int] = None) -> None:
+        """As :meth:`RolloutManager.update_weights <moerl.rollout.manager.RolloutManager.update_weights>`
+        with rollout.background_push: the push (and the servers' pause / continue) runs on a thread here;
+        the child holds its requests meanwhile (one_step_off: waits until none is in flight first)."""
+        self.wait_weights()
+        if push is None:
+            self._call(self._push, ("end", step, None, None, False), "update_weights")
+            return
+        self.version = self.version + 1 if version is None else int(version)
+        self._call(self._push, ("begin", self.version), "update_weights")
+
+        def run() -> None:
+            try:
+                self._update_now(push, step)
+            except BaseException as e:  # surfaces in wait_weights
+                self._push_error = e
+
+        if not self.background_push:
+            self._update_now(push, step)
+            return
+        self._push_thread = threading.Thread(target=run, name="moerl-weight-push", daemon=True)
+        self._push_thread.start()
+
+    def _update_now(self, push: Callable[[], Any], step: int) -> None:
+        t0 = time.monotonic()
+        paused = self._call(self._push, ("hold",), "update_weights")
+        try:
+            if paused:
+                self.cluster.pause_generation(self.pause_mode)
+            t1 = time.monotonic()
+            version = push()
+            t2 = time.monotonic()
+            if paused:
+                self.cluster.continue_generation()
+        except BaseException:
+            if paused:  # best effort: the push's error is the one to report
+                try:
+                    self.cluster.continue_generation()
+                except Exception:
+                    pass
+            try:
+                self._call(self._push, ("end", step, None, None, True), "update_weights")
+            except Exception:
+                pass
+            raise
+        self._call(self._push, ("end", step, version, (t1 - t0, t2 - t1, time.monotonic() - t2), False),
+                   "update_weights")
+
+    def wait_weights(self) -> None:
+        """Block until the background push has landed (no-op without one); raises what it raised (once)."""
+        t = self._push_thread
+        if t is not None:
+            t.join()
+            self._push_thread = None
+        err, self._push_error = self._push_error, None
+        if err is not None:
+            raise err
+
+
+# ---------------------------------------------------------------------- child
+def _child_manager(spec: dict):
+    """The child's RolloutManager, RewardPool and cluster view, from the trainer's ``spec``."""
+    from moerl.data.tokenizer import PromptEncoder, decode_response
+    from moerl.rewards import RewardPool
+    from moerl.rollout.client import RolloutClient
+    from moerl.rollout.manager import RolloutManager
+
+    cfg, r = spec["cfg"], spec["cfg"].reward
+    view = _ClusterView(spec["cluster"])
+    tokenizer = spec["tokenizer"]
+    encoder = PromptEncoder(tokenizer, spec["system_prompt"])
+    pool = RewardPool(r.function, group=r.group, num_workers=r.num_workers, timeout_s=r.timeout_s,
+                      error_value=r.error_value, model_path=r.model_path, model_weight=r.model_weight,
+                      rule_weight=r.rule_weight, model_batch_size=r.model_batch_size, log=_log)
+    client = RolloutClient(spec["router_url"], timeout_s=spec["timeout_s"], max_retries=spec["max_retries"],
+                           cluster=view)
+    manager = RolloutManager(
+        client=client, cluster=view, sampler=spec["sampler"], encode=encoder,
+        decode=lambda ids: decode_response(tokenizer, ids), reward_fn=pool, cfg=cfg, eos_id=spec["eos_id"],
+        num_steps=spec["num_steps"], version=spec["version"], steps_done=spec["steps_done"], state=spec["state"],
+        routing_shape=spec["routing_shape"], log=_log)
+    manager.client_process = False  # this process is already off the trainer: aiohttp in its own loop
+    manager.background_push = False  # the trainer runs the push; this side only holds and resumes
+    return manager, pool, view
+
+
+def _close(manager, pool) -> None:
+    """Stop the producer, then the reward workers (idempotent)."""
+    manager.close()
+    pool.close()
+
+
+def _log(msg: str) -> None:
+    print(f"[moerl {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _serve_push(conn: Connection, manager) -> None:
+    def handle(msg: tuple) -> Any:
+        if msg[0] == "begin":
+            return manager.begin_push(msg[1])
+        if msg[0] == "hold":
+            return manager.hold_for_push()
+        if msg[0] == "end":
+            _, step, version, seconds, failed = msg
+            return manager.end_push(step, version, seconds, failed=failed)
+        raise ValueError(f"unknown push message {msg[0]!r}")
+
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        _answer(conn, lambda: handle(msg))
+
+
+def _serve_cluster(conn: Connection, view: _ClusterView) -> None:
+    while True:
+        try:
+            live, fatal = conn.recv()
+        except (EOFError, OSError):
+            return
+        view.update(live, fatal)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Child entry point: ``python -m moerl.rollout.producer_process MAIN_FD,PUSH_FD,CLUSTER_FD``."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's; the sockets close with it
+    main_fd, push_fd, cluster_fd = (int(x) for x in (argv if argv is not None else sys.argv[1:])[0].split(","))
+    conn, push_conn, cluster_conn = Connection(main_fd), Connection(push_fd), Connection(cluster_fd)
+    msg = conn.recv()
+    if msg[0] != "start":
+        raise ProducerProcessError(f"expected the start message, got {msg[0]!r}")
+    built: dict = {}
+
+    def build() -> None:
+        manager, pool, view = _child_manager(msg[1])
+        built.update(manager=manager, pool=pool, view=view)
+        manager.start()
+
+    _answer(conn, build)
+    if "manager" not in built:
+        return 1
+    manager, pool = built["manager"], built["pool"]
+    for target, c, arg in ((_serve_push, push_conn, manager), (_serve_cluster, cluster_conn, built["view"])):
+        threading.Thread(target=target, args=(c, arg), daemon=True).start()
+    try:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):  # the trainer is gone
+                return 0
+            if msg[0] == "get_batch":
+                _answer(conn, lambda: manager.get_batch(msg[1]))
+            elif msg[0] == "state_dict":
+                _answer(conn, manager.state_dict)
+            elif msg[0] == "close":
+                _answer(conn, lambda: _close(manager, pool))
+                return 0
+            else:
+                _answer(conn, lambda: (_ for _ in ()).throw(ValueError(f"unknown message {msg[0]!r}")))
+    finally:
+        _close(manager, pool)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""rollout.producer_process (moerl.rollout.producer_process): the RolloutManager in a child process hands the
+trainer the same batches as the RolloutManager thread it replaces, keeps the staleness bound with weight
+updates cut into running requests, and reports a child that dies or a push that fails.
+
+Reference: the in-process RolloutManager on the same simulated servers (tests/test_rollout_manager.py's
+FakeServers, here behind a real HTTP endpoint so that the child process can reach them), the same prompts,
+tokenizer and reward function.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from moerl.data.dataset import PromptSampler
+from moerl.data.tokenizer import PromptEncoder, build_tokenizer, decode_response
+from moerl.rollout.client import RolloutClient
+from moerl.rollout.manager import RolloutManager
+from moerl.rollout.producer_process import ProducerProcessError, RolloutManagerProcess
+from test_rollout_manager import PROMPT_LEN, STOP, FakeServers
+
+REWARD_PY = '''
+def reward(response, label):
+    return float(len(response) % 2)
+'''
+
+
+class HttpFakeServers(FakeServers):
+    """FakeServers on a real port (aiohttp, a thread of the test process), and the cluster API the
+    producer process reads (server_urls, live_server_urls, check_alive, failover)."""
+
+    failover = False
+    num_servers = 1
+    extra_worker_urls: list = []
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        from aiohttp import web
+
+        self.dead = None
+        ready = threading.Event()
+
+        async def generate(request):
+            return web.json_response(await self.post("/generate", await request.json()))
+
+        def serve():
+            loop = asyncio.new_event_loop()
+            self.loop = loop
+            app = web.Application()
+            app.router.add_post("/generate", generate)
+            runner = web.AppRunner(app)
+            loop.run_until_complete(runner.setup())
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            loop.run_until_complete(site.start())
+            self.server_urls = [f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"]
+            ready.set()
+            loop.run_forever()
+
+        threading.Thread(target=serve, daemon=True).start()
+        ready.wait(10)
+
+    def live_server_urls(self):
+        return list(self.server_urls)
+
+    def check_alive(self):
+        if self.dead:
+            raise RuntimeError(self.dead)
+
+
+def _cfg(reward_path, mode="async", max_staleness=1, B=4, n=2, max_new=8):
+    return SimpleNamespace(
+        seed=7,
+        train=SimpleNamespace(mode=mode, max_staleness=max_staleness, staleness_policy="wait",
+                              partial_rollout_mask_old=False),
+        rollout=SimpleNamespace(n_samples_per_prompt=n, rollout_batch_size=B, dynamic_sampling=False,
+                                max_oversample_factor=3.0, max_new_tokens=max_new, temperature=1.0, top_p=1.0,
+                                top_k=-1, placement="disaggregated", max_inflight_groups=None, group_requests=True,
+                                pause_mode="abort", backend="sglang", startup_timeout_s=5.0),
+        data=SimpleNamespace(prompt_key="prompt", label_key="label"),
+        reward=SimpleNamespace(function=f"{reward_path}:reward", group=False, num_workers=0, timeout_s=10.0,
+                               error_value=0.0, model_path=None, model_weight=1.0, rule_weight=1.0,
+                               model_batch_size=16))
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return build_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture
+def reward_path(tmp_path):
+    p = tmp_path / "reward_fn.py"
+    p.write_text(REWARD_PY)
+    return str(p)
+
+
+def _rows():
+    return [{"prompt": f"{i:03d}+{i:03d}=", "label": str(2 * i)} for i in range(40)]
+
+
+def _process(servers, cfg, tok, num_steps):
+    spec = dict(router_url=servers.server_urls[0], timeout_s=30.0, max_retries=0, cfg=cfg,
+                sampler=PromptSampler(_rows(), cfg.rollout.rollout_batch_size, 3), tokenizer=tok, system_prompt=None,
+                eos_id=STOP, num_steps=num_steps, version=servers.version, steps_done=0, state=None,
+                routing_shape=None)
+    return RolloutManagerProcess(cluster=servers, spec=spec, log=lambda m: None)
+
+
+def _thread(servers, cfg, tok, num_steps):
+    from moerl.rewards.registry import resolve_reward_fn
+
+    fn = resolve_reward_fn(cfg.reward.function)
+    client = RolloutClient(servers.server_urls[0], timeout_s=30.0, max_retries=0, cluster=servers)
+    return RolloutManager(client=client, cluster=servers, sampler=PromptSampler(_rows(), cfg.rollout.rollout_batch_size, 3),
+                          encode=PromptEncoder(tok, None), decode=lambda ids: decode_response(tok, ids),
+                          reward_fn=lambda text, label: float(fn(text, label)), cfg=cfg, eos_id=STOP,
+                          num_steps=num_steps, version=servers.version, log=lambda m: None)
+
+
+def _run(mgr, servers, num_steps):
+    out = []
+    with mgr:
+        for step in range(1, num_steps + 1):
+            b = mgr.get_batch(step)
+            out.append([(s.metadata["uid"], s.prompt_ids, s.response_ids, s.rollout_log_probs, s.token_versions,
+                         s.reward, s.loss_mask) for s in b.samples] + [b.trainer_version])
+            mgr.update_weights(servers.push, step)
+        mgr.wait_weights()
+        state = mgr.state_dict()
+    return out, state
+
+
+def test_child_process_gives_the_thread_managers_batches(tok, reward_path):
+    """async with max_staleness 0: every batch starts after the previous push, so the batches are
+    deterministic; the child's equal the in-process manager's, and so does the resume cursor."""
+    runs = {}
+    for kind, make in (("thread", _thread), ("process", _process)):
+        servers = HttpFakeServers()
+        cfg = _cfg(reward_path, max_staleness=0)
+        runs[kind] = _run(make(servers, cfg, tok, 5), servers, 5)
+    assert runs["process"] == runs["thread"]
+    batches, _ = runs["process"]
+    assert {r for b in batches for (*_, r, _m) in b[:-1]} == {0.0, 1.0}  # the reward function really ran
+
+
+def test_child_process_keeps_the_staleness_bound_through_cut_requests(tok, reward_path):
+    servers = HttpFakeServers(token_s=0.004)
+    cfg = _cfg(reward_path, max_staleness=1)
+    batches, _ = _run(_process(servers, cfg, tok, 8), servers, 8)
+    ages, uids = [], []
+    for step, b in enumerate(batches, start=1):
+        trainer_version = b[-1]
+        assert trainer_version == step - 1
+        for uid, prompt, resp, lps, versions, _r, mask in b[:-1]:
+            assert len(resp) == len(lps) == len(versions) == len(mask)
+            shift = len(prompt) - PROMPT_LEN  # FakeServers counts positions from a 4-token prompt
+            for j, (v, lp) in enumerate(zip(versions, lps)):  # each token's version is its producer's
+                assert lp == pytest.approx(-(v + 1) / 100 - (j + shift) / 1000)
+            ages += [trainer_version - v for v in versions]
+            uids.append(uid)
+    assert max(ages) <= 1 and max(ages) == 1
+    assert len(uids) == len(set(uids)) == 8 * 4 * 2
+    assert servers.pauses == 8  # every push paused the servers from the trainer
+
+
+def test_a_dead_child_and_a_failed_push_are_reported(tok, reward_path):
+    servers = HttpFakeServers()
+    cfg = _cfg(reward_path, max_staleness=1)
+    mgr = _process(servers, cfg, tok, 6).start()
+    try:
+        mgr.get_batch(1)
+
+        def bad_push():
+            raise ValueError("push refused")
+
+        mgr.update_weights(bad_push, 1)
+        with pytest.raises(ValueError, match="push refused"):
+            mgr.get_batch(2)  # the child stops producing; the trainer raises the push's own error
+        os.kill(mgr.proc.pid, signal.SIGKILL)
+        mgr.proc.wait()
+        with pytest.raises(ProducerProcessError, match="exited during get_batch"):
+            mgr.get_batch(2)
+    finally:
+        mgr.close()
