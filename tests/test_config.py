@@ -57,7 +57,7 @@ EXPECTED_TINY = {
         "server_ep_size": 1, "mem_fraction_static": 0.8, "external_urls": [], "failover": True, "max_restarts": 3,
         "dynamic_sampling": False, "max_oversample_factor": 3.0, "cpu_affinity": [],
         "pause_mode": "auto",
-        "client_process": None, "producer_process": None, "max_inflight_groups": None, "background_push": None, "aligned_batches": None,
+        "client_process": None, "producer_process": None, "producer_cpu_affinity": None, "max_inflight_groups": None, "background_push": None, "aligned_batches": None,
         "group_requests": None,
     },
     "algorithm": {

@@ -443,13 +443,17 @@ class RolloutConfig(_Section):
     # false = the producer thread itself; null = a child process in train.mode one_step_off / async (where the
     # producer runs while the trainer trains), the thread in sync
     client_process: Optional[bool] = None
-    # where the whole rollout producer runs (moerl.rollout.producer_process): true = a child process pinned to
-    # rollout.cpu_affinity with its own HTTP client and reward workers (the sampler's draws, prompt encoding,
+    # where the whole rollout producer runs (moerl.rollout.producer_process): true = a child process with its own
+    # HTTP client and reward workers (the sampler's draws, prompt encoding,
     # requests, parsing, decoding and reward dispatch leave the trainer's core and interpreter lock; the
     # weight push and the cluster's failover stay in the trainer; client_process then does not apply);
     # false = a thread of the trainer; null = a child process in train.mode one_step_off / async, the
     # thread in sync
     producer_process: Optional[bool] = None
+    # cores of that producer process (os.sched_setaffinity); null = the trainer's (it is the trainer's host-side
+    # helper, as the producer thread was), e.g. [1] to put it beside the servers. Its reward workers go to
+    # rollout.cpu_affinity either way.
+    producer_cpu_affinity: Optional[list[int]] = None
     # groups generating at once in one_step_off / async (AReaL's max_concurrent_rollouts); null =
     # rollout_batch_size. The servers batch every request they hold, so groups of the NEXT batch started while
     # the current one runs share its decode steps and delay it; one batch's worth keeps each batch's
@@ -485,6 +489,8 @@ class RolloutConfig(_Section):
     @model_validator(mode="after")
     def _cross_fields(self) -> "RolloutConfig":
         _check_cores("rollout.cpu_affinity", self.cpu_affinity)
+        if self.producer_cpu_affinity is not None:
+            _check_cores("rollout.producer_cpu_affinity", self.producer_cpu_affinity)
         if self.pause_mode == "in_place" and self.backend == "sglang":
             raise ValueError("rollout.pause_mode=in_place with rollout.backend=sglang would attribute tokens of two "
                              "weight versions to one (SGLang keeps the running requests and their KV cache): use "

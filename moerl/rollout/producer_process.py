@@ -6,8 +6,9 @@ runs while the trainer trains. As a thread of the trainer process it shares the 
 interpreter lock: about 0.013 s of core-0 CPU per demo step (tools/bench_async.py, py-spy), and every
 torch op the training thread releases the lock for may be followed by a wait for the producer to give it
 back. :class:`RolloutManagerProcess` runs the whole RolloutManager in a child process instead
-(``python -m moerl.rollout.producer_process``, pinned to ``rollout.cpu_affinity``, dying with the thread
-that started it: PR_SET_PDEATHSIG), as verl's and slime's rollout workers are processes of their own.
+(``python -m moerl.rollout.producer_process``, on the trainer's cores unless ``rollout.producer_cpu_affinity``
+says otherwise, its reward workers on ``rollout.cpu_affinity``; dying with the thread that started it:
+PR_SET_PDEATHSIG), as verl's and slime's rollout workers are processes of their own.
 The child has its own RolloutClient (aiohttp in its own event loop: no separate HTTP worker) and its own
 :class:`moerl.rewards.RewardPool` (reward.* keys; the trainer's pool still scores evaluations).
 
@@ -118,8 +119,8 @@ class RolloutManagerProcess:
             live_server_urls).
         spec: what the child builds its RolloutManager from: router_url, timeout_s, max_retries, cfg,
             sampler, tokenizer, system_prompt, eos_id, num_steps, version, steps_done, state,
-            routing_shape (see :func:`_child_manager`).
-        cpu_affinity: cores of the child (rollout.cpu_affinity); empty: inherit.
+            routing_shape, reward_cpu_affinity (cores of its reward workers; see :func:`_child_manager`).
+        cpu_affinity: cores of the child (rollout.producer_cpu_affinity); empty: the caller's.
         log: line printer.
     Raises:
         ProducerProcessError: (start) the child could not start or failed to build its manager.
@@ -335,14 +336,16 @@ def _child_manager(spec: dict):
     from moerl.rewards import RewardPool
     from moerl.rollout.client import RolloutClient
     from moerl.rollout.manager import RolloutManager
+    from moerl.runtime.procs import pinned
 
     cfg, r = spec["cfg"], spec["cfg"].reward
     view = _ClusterView(spec["cluster"])
     tokenizer = spec["tokenizer"]
     encoder = PromptEncoder(tokenizer, spec["system_prompt"])
-    pool = RewardPool(r.function, group=r.group, num_workers=r.num_workers, timeout_s=r.timeout_s,
-                      error_value=r.error_value, model_path=r.model_path, model_weight=r.model_weight,
-                      rule_weight=r.rule_weight, model_batch_size=r.model_batch_size, log=_log)
+    with pinned(spec.get("reward_cpu_affinity") or ()):  # the workers on the rollout cores, its threads here
+        pool = RewardPool(r.function, group=r.group, num_workers=r.num_workers, timeout_s=r.timeout_s,
+                          error_value=r.error_value, model_path=r.model_path, model_weight=r.model_weight,
+                          rule_weight=r.rule_weight, model_batch_size=r.model_batch_size, log=_log)
     client = RolloutClient(spec["router_url"], timeout_s=spec["timeout_s"], max_retries=spec["max_retries"],
                            cluster=view)
     manager = RolloutManager(

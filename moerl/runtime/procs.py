@@ -15,14 +15,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import sys
+import threading
 from typing import Callable, Iterable, Mapping, Optional
 
 __all__ = ["TORCHRUN_ENV_KEYS", "child_env", "current_cpu_affinity", "die_with_parent", "pdeathsig_preexec",
-           "die_with_torchrun_agent"]
+           "die_with_torchrun_agent", "pinned"]
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -119,3 +121,38 @@ def die_with_torchrun_agent(grace_s: float = 20.0) -> bool:
 
     threading.Thread(target=watch, name="moerl-agent-watch", daemon=True).start()
     return True
+
+
+@contextlib.contextmanager
+def pinned(cores: Iterable[int]):
+    """The calling thread pinned to ``cores`` (os.sched_setaffinity) inside the block, so the processes
+    started there inherit them; its own affinity is restored after, and so is that of every Python thread
+    started inside the block (a reward pool's dispatcher, the broker's reader, the cluster's monitor and
+    spawner, and threads those start before they are moved): they share the trainer's interpreter lock,
+    and one of them preempted on a busy rollout core while holding it stalls the training thread.
+    tools/bench_async.py, async staleness 1: the update took 1.09-1.34x sync's with the producer and push
+    threads on the rollout core, 0.97-1.02x on the trainer's. Processes those threads start later get
+    the rollout cores explicitly (moerl.runtime.procs.pdeathsig_preexec ``cpu_affinity``). Empty
+    ``cores``: no-op."""
+    cores = list(cores or [])
+    if not cores:
+        yield
+        return
+    mine, before = os.sched_getaffinity(0), set(threading.enumerate())
+    os.sched_setaffinity(0, set(cores))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, mine)
+        moved: set = set()
+        while True:  # until no new thread shows up (one started by a thread not yet moved)
+            new = [t for t in threading.enumerate() if t not in before and t not in moved]
+            if not new:
+                break
+            for t in new:
+                moved.add(t)
+                if t.native_id is not None and t.is_alive():
+                    try:
+                        os.sched_setaffinity(t.native_id, mine)
+                    except OSError:  # ended meanwhile
+                        pass

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from pathlib import Path
 from typing import Optional
 
@@ -16,6 +15,7 @@ from moerl.moe.config import moe_actor_kwargs
 from moerl.moe.telemetry import MoETelemetry
 from moerl.rollout.sglang_launcher import launch_reference_rollout, launch_sglang_rollout, resolve_host
 from moerl.runtime import world
+from moerl.runtime.procs import pinned  # noqa: F401 - re-exported (moerl.train.components.pinned)
 from moerl.runtime.world import broadcast_from_main, log
 from moerl.train.actor import MegatronActor, actor_parallel_kwargs
 from moerl.train.sft import evaluate, run_sft
@@ -129,8 +129,9 @@ def rollout_manager(ctx, cluster, sampler, sync, state):
         from moerl.rollout.producer_process import RolloutManagerProcess
 
         spec = dict(common, router_url=cluster.router_url, timeout_s=ro.request_timeout_s, max_retries=ro.max_retries,
-                    cfg=cfg, sampler=sampler, tokenizer=ctx.tokenizer, system_prompt=cfg.data.system_prompt)
-        return RolloutManagerProcess(cluster=cluster, spec=spec, cpu_affinity=ro.cpu_affinity, log=log)
+                    cfg=cfg, sampler=sampler, tokenizer=ctx.tokenizer, system_prompt=cfg.data.system_prompt,
+                    reward_cpu_affinity=list(ro.cpu_affinity))
+        return RolloutManagerProcess(cluster=cluster, spec=spec, cpu_affinity=ro.producer_cpu_affinity or (), log=log)
     return RolloutManager(
         client=RolloutClient(cluster.router_url, timeout_s=ro.request_timeout_s, max_retries=ro.max_retries,
                              cluster=cluster),
@@ -184,40 +185,6 @@ def reward_pool(ctx):
         return cls(r.function, group=r.group, num_workers=r.num_workers, timeout_s=r.timeout_s,
                    error_value=r.error_value, model_path=r.model_path, model_weight=r.model_weight,
                    rule_weight=r.rule_weight, model_batch_size=r.model_batch_size, log=log)
-
-
-@contextlib.contextmanager
-def pinned(cores: list[int]):
-    """The calling thread pinned to ``cores`` (os.sched_setaffinity) inside the block, so the processes
-    started there inherit them; its own affinity is restored after, and so is that of every Python thread
-    started inside the block (a reward pool's dispatcher, the broker's reader, the cluster's monitor and
-    spawner, and threads those start before they are moved): they share the trainer's interpreter lock,
-    and one of them preempted on a busy rollout core while holding it stalls the training thread.
-    tools/bench_async.py, async staleness 1: the update took 1.09-1.34x sync's with the producer and push
-    threads on the rollout core, 0.97-1.02x on the trainer's. Processes those threads start later get
-    the rollout cores explicitly (moerl.runtime.procs.pdeathsig_preexec ``cpu_affinity``). Empty
-    ``cores``: no-op."""
-    if not cores:
-        yield
-        return
-    mine, before = os.sched_getaffinity(0), set(threading.enumerate())
-    os.sched_setaffinity(0, set(cores))
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, mine)
-        moved: set = set()
-        while True:  # until no new thread shows up (one started by a thread not yet moved)
-            new = [t for t in threading.enumerate() if t not in before and t not in moved]
-            if not new:
-                break
-            for t in new:
-                moved.add(t)
-                if t.native_id is not None and t.is_alive():
-                    try:
-                        os.sched_setaffinity(t.native_id, mine)
-                    except OSError:  # ended meanwhile
-                        pass
 
 
 @contextlib.contextmanager
