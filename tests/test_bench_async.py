@@ -135,6 +135,21 @@ def test_time_model_hand_worked():
     assert m4["what_if_ratios"]["push does not pause generation"] == pytest.approx((3.1 / 3) / 0.6)
 
 
+def test_time_model_producer_on_the_rollout_core():
+    # rollout.producer_cpu_affinity = the rollout core: P 0.05 joins R (0.6 + 0.05 + Wp 0.04), T loses it
+    steps = [dict(s, **{"rollout/push_s": 0.04}) for s in STEPS]
+    m = ba.time_model(steps, producer_cpu_per_step=0.05, background_push=True, producer_on_rollout=True)
+    assert m["steps"]["async_s2"] == pytest.approx(0.6 + 0.05 + 0.04)
+    O = 3.1 / 3 - 1.0
+    w = m["what_if_ratios"]
+    assert w["as measured"] == w["producer on the rollout core"] == pytest.approx((3.1 / 3) / 0.69)
+    assert w["producer on the trainer core"] == pytest.approx((3.1 / 3) / max(0.64, 0.2 + 0.1 + O + 0.05 + 0.06))
+    assert ba.producer_on_rollout_of(["rollout.producer_cpu_affinity=[1]"])
+    assert ba.producer_on_rollout_of(["rollout.producer_cpu_affinity=[ 1 ]"])
+    assert not ba.producer_on_rollout_of(["rollout.producer_cpu_affinity=[0]"])
+    assert not ba.producer_on_rollout_of(["rollout.producer_cpu_affinity=[1]", "rollout.producer_cpu_affinity=null"])
+
+
 def test_own_producer_step():
     m = ba.time_model(STEPS, producer_cpu_per_step=0.05, background_push=False)
     O = 3.1 / 3 - 1.0

@@ -30,7 +30,8 @@ Figures per mode (from the run's TensorBoard events, summary.json and /proc samp
   (algorithm.off_policy_correction=decoupled in every mode by default, see --off-policy-correction).
 * staleness: token-weighted mean of staleness/mean, max of staleness/max over the steps.
 * CPU: trainer-core use (trainer process CPU / RL wall), the CPU per step of the trainer's busiest
-  non-main thread (the rollout producer: HTTP client, reward scoring; it shares core 0 with training)
+  non-main thread (in sync the rollout producer: HTTP client, reward scoring; it shares core 0 with
+  training; in one_step_off / async the producer is a process of its own and counts as rollout-side CPU)
   and of its other threads, and the foreign load on cores 0 / 1 (busy ticks of the core minus our
   processes' ticks on it: a trainer thread pinned to core 1 alone, if any, counts as core-1 time (moerl
   keeps the producer, weight push and reward dispatcher threads on the trainer's core); what is left is
@@ -50,7 +51,10 @@ Time model (from the sync run's per-step phase means; S = steps):
   flight; async pauses the servers for it), so the rollout side needs R + Wp per step; with the
   background push the trainer pays only the export We (the push runs on a thread while it trains the
   next batch), without it the whole W; plus the producer's CPU, which in sync hid inside R and now
-  competes on core 0.
+  competes with one side: here the rollout side (one_step_off / async run the producer as a process,
+  pinned to core 1 by DEFAULT_SETTINGS), overlapped = max(R + P + Wp, L + U + O + We); with
+  --set rollout.producer_cpu_affinity=[0] or rollout.producer_process=false it is the trainer's core, as
+  written above.
   With max_staleness 1 (and one_step_off) each step pairs one generation with one training phase, so the
   step is the mean over all pairs (i, j) of sync steps of max(R_i + Wp, T_j + We) (independent draws;
   the per-step variance makes this larger than max of the means); with max_staleness 2 the extra batch
@@ -112,9 +116,13 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPE = "configs/tiny_arith.yaml"
 
 #: every mode runs with exactly this pinning (emulated rollout device = core 1, trainer device = core 0)
-PIN = ["train.cpu_affinity=[0]", "rollout.cpu_affinity=[1]", "train.num_threads=1", "rollout.threads_per_server=1"]
-PIN_LINE = ("pinning (every mode): trainer process on core 0 (train.cpu_affinity=[0] train.num_threads=1), "
-            "rollout servers + router on core 1 (rollout.cpu_affinity=[1] rollout.threads_per_server=1)")
+TRAINER_CORES, ROLLOUT_CORES = [0], [1]
+PIN = [f"train.cpu_affinity={TRAINER_CORES}", f"rollout.cpu_affinity={ROLLOUT_CORES}", "train.num_threads=1",
+       "rollout.threads_per_server=1"]
+PIN_LINE = ("pinning (every mode): trainer process on core 0 (train.cpu_affinity=[0] train.num_threads=1; in sync with "
+            "its producer thread), rollout servers + router + reward workers on core 1 (rollout.cpu_affinity=[1] "
+            "rollout.threads_per_server=1), and in one_step_off / async the producer process "
+            "(rollout.producer_cpu_affinity=[1])")
 
 MODES = {
     "sync": ["train.mode=sync"],
@@ -148,7 +156,13 @@ DEFAULT_CORRECTION = "decoupled"
 #:   the start policy; it was a third of the trainer's step (log_prob 0.09-0.11 of 0.33 s). verl and slime
 #:   load no reference model when no KL term is used; the demo recipe keeps it as a diagnostic. A KL term
 #:   (--set algorithm.kl_coef=...) needs --set algorithm.reference_policy=true too (the recipe check says so).
-DEFAULT_SETTINGS = ["rollout.weight_sync=tensor", "algorithm.reference_policy=false"]
+#: - rollout.producer_cpu_affinity=[1]: one_step_off's and async's producer process (rollout.producer_process)
+#:   is rollout-side host work, like the HTTP worker and reward workers already on core 1. Measured on an AMD
+#:   EPYC machine (40 steps, --repeats 2-3, commit 13a8be7 / eb4ac73): async staleness 1 was 1.47x sync with the
+#:   process on core 1 (overlapped update 1.02x sync's) and 1.44x on core 0 (update 1.21x: it time-shares the
+#:   trainer's core, 17% of it), 1.51x with the producer thread of rollout.producer_process=false.
+DEFAULT_SETTINGS = ["rollout.weight_sync=tensor", "algorithm.reference_policy=false",
+                    f"rollout.producer_cpu_affinity={ROLLOUT_CORES}"]
 #: foreign load on a benchmark core (share of the RL wall) above which the report warns
 FOREIGN_WARN = 0.10
 
@@ -264,17 +278,18 @@ def weight_update_split(ph: dict, wp: float, background_push: bool) -> tuple[flo
 
 
 def time_model(sync_steps: Sequence[dict], producer_cpu_per_step: float = 0.0, background_push: bool = True,
-               producer_process: bool = False) -> dict:
+               producer_on_rollout: bool = False) -> dict:
     """The module docstring's time model from the sync run's per-step records. Returns the phase means,
     the sync step, the weight-update split (We, Wp), the predicted overlapped steps (pairwise for
     one_step_off / async_s1, buffered for async_s2), predicted walls (step 1 = a sync step) and the
-    predicted sync / mode ratios. ``producer_process`` (rollout.producer_process in the overlapped modes):
-    the producer's CPU P is rollout-side work (R + P) instead of the trainer's (T + P)."""
+    predicted sync / mode ratios. ``producer_on_rollout`` (the overlapped modes' producer process pinned to
+    the rollout core, rollout.producer_cpu_affinity): the producer's CPU P is rollout-side work (R + P)
+    instead of the trainer's (T + P)."""
     S = len(sync_steps)
     ph = phase_means(sync_steps)
     sync_step = ph["R"] + ph["L"] + ph["U"] + ph["W"] + ph["O"]
     We, Wp = weight_update_split(ph, push_phase(sync_steps), background_push)
-    P_r, P_t = (producer_cpu_per_step, 0.0) if producer_process else (0.0, producer_cpu_per_step)
+    P_r, P_t = (producer_cpu_per_step, 0.0) if producer_on_rollout else (0.0, producer_cpu_per_step)
     R = [s.get("time/rollout", 0.0) + P_r for s in sync_steps]
     T = [s.get("time/log_prob", 0.0) + s.get("time/update", 0.0) + ph["O"] + P_t for s in sync_steps]
     steps = {"one_step_off": overlapped_step(R, T, We, Wp, buffered=False),
@@ -286,12 +301,12 @@ def time_model(sync_steps: Sequence[dict], producer_cpu_per_step: float = 0.0, b
     # trainer's core, the push not pausing generation (only the trainer pays its part), both
     Rm, Tm, P = ph["R"], ph["L"] + ph["U"] + ph["O"], producer_cpu_per_step
     what_if = {"as measured": max(Rm + P_r + Wp, Tm + P_t + We),
-               "producer thread on the trainer core": max(Rm + Wp, Tm + P + We),
-               "producer process on the rollout core": max(Rm + P + Wp, Tm + We),
+               "producer on the trainer core": max(Rm + Wp, Tm + P + We),
+               "producer on the rollout core": max(Rm + P + Wp, Tm + We),
                "producer off the trainer core": max(Rm + Wp, Tm + We),
                "push does not pause generation": max(Rm + P_r, Tm + P_t + We), "both": max(Rm, Tm + We)}
     return {"phases": ph, "P": producer_cpu_per_step, "We": We, "Wp": Wp, "background_push": background_push,
-            "producer_process": producer_process,
+            "producer_on_rollout": producer_on_rollout,
             "sync_step": sync_step, "steps": steps, "sync_wall": sync_wall, "walls": walls,
             "ratios": {m: sync_wall / w for m, w in walls.items()},
             "steady_ratios": {m: sync_step / st for m, st in steps.items()},
@@ -341,15 +356,16 @@ def background_push_of(overrides: Sequence[str]) -> bool:
     return value not in ("false", "0", "no", "off")
 
 
-def producer_process_of(overrides: Sequence[str]) -> bool:
-    """Whether the overlapped modes run the producer in a process of its own: rollout.producer_process null
-    (the default: a process in one_step_off / async) unless an override sets it false."""
+def producer_on_rollout_of(overrides: Sequence[str]) -> bool:
+    """Whether the overlapped modes' producer runs on the rollout core: a rollout.producer_cpu_affinity
+    override equal to the benchmark's rollout cores (the default, null, keeps the producer process on the
+    trainer's core, where sync's producer thread is)."""
     value = None
     for o in overrides:
         key, _, v = o.partition("=")
-        if key.strip() == "rollout.producer_process":
-            value = v.strip().lower()
-    return value not in ("false", "0", "no", "off")
+        if key.strip() == "rollout.producer_cpu_affinity":
+            value = v.strip().replace(" ", "")
+    return value == "[" + ",".join(str(c) for c in ROLLOUT_CORES) + "]"
 
 
 def balanced_fraction(R: float, T: float) -> float:
@@ -686,9 +702,9 @@ def report(res: dict) -> str:
         out += ["", f"time model (sync phases): R {ph['R']:.3f}  L {ph['L']:.3f}  U {ph['U']:.3f}  W {ph['W']:.3f}  "
                     f"O {ph['O']:.3f}  P (producer CPU, sync run) {model['P']:.3f} s/step; sync step "
                     f"{model['sync_step']:.3f} s; W = export We {model['We']:.3f} + push Wp {model['Wp']:.3f}; "
-                    + (("overlapped step = max(R + P + Wp, L+U+O + We) (background push; producer process on the "
-                        "rollout core)" if model.get("producer_process") else
-                        "overlapped step = max(R + Wp, L+U+O+P + We) (background push; producer thread on the "
+                    + (("overlapped step = max(R + P + Wp, L+U+O + We) (background push; producer on the "
+                        "rollout core)" if model.get("producer_on_rollout") else
+                        "overlapped step = max(R + Wp, L+U+O+P + We) (background push; producer on the "
                         "trainer core)")
                        if model["background_push"] else "overlapped step = W + max(R, L+U+O+P) (foreground push)")]
         rows = []
@@ -822,7 +838,7 @@ def main(argv=None) -> int:
         sync_steps = figs["sync"]["per_step"]
         background = background_push_of(DEFAULT_SETTINGS + args.extra)
         model = time_model(sync_steps, figs["sync"].get("producer_cpu_per_step", 0.0), background,
-                           producer_process_of(DEFAULT_SETTINGS + args.extra))
+                           producer_on_rollout_of(DEFAULT_SETTINGS + args.extra))
         res["model"] = model
         ph = model["phases"]
         R, T, W = ph["R"], ph["L"] + ph["U"] + ph["O"], ph["W"]

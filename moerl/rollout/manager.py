@@ -55,8 +55,10 @@ in the draw are saved), with the same seeds. Sync mode has nothing in flight at 
 resume is bit-identical there; in async mode the regenerated groups use the resumed weights, and no group
 is taken twice or skipped.
 
-Threads: the producer is an asyncio loop in one daemon thread of the trainer's rank 0; ``get_batch`` and
-``update_weights`` are called from the training thread.
+Threads: the producer is an asyncio loop in one daemon thread of the process that holds the manager: the
+trainer's rank 0, or with rollout.producer_process (null: in one_step_off / async) a child process of it
+(moerl.rollout.producer_process drives ``get_batch``, ``begin_push`` / ``hold_for_push`` / ``end_push`` and
+``state_dict`` there); ``get_batch`` and ``update_weights`` are called from the training thread.
 """
 
 from __future__ import annotations
@@ -173,7 +175,54 @@ class RolloutBatch:
                                     "segments": s.metadata.get("segments", 1), "pid": os.getpid()}) + "\n")
 
 
-class RolloutManager:
+class _PushWaiter:
+    """wait_weights() of an object whose background weight push runs on ``self._push_thread`` and leaves
+    its error in ``self._push_error``."""
+
+    _push_thread: Optional[threading.Thread] = None
+    _push_error: Optional[BaseException] = None
+
+    def wait_weights(self) -> None:
+        """Block until a background weight push has landed (no-op without one). Call before the next
+        export, a checkpoint or an eval. Raises what the push raised (once)."""
+        t = self._push_thread
+        if t is not None:
+            t.join()
+            self._push_thread = None
+        err, self._push_error = self._push_error, None
+        if err is not None:
+            raise err
+
+
+def paused_push(cluster, pause_mode: str, push: Callable[[], Any], t0: float) -> tuple[Any, tuple[float, float, float]]:
+    """One weight push, with the servers paused around it when ``cluster`` is given (async; None: no pause):
+    ``cluster.pause_generation(pause_mode)``, ``push()``, ``cluster.continue_generation()``. ``t0``: when the
+    update started (monotonic s; the pause time counts from it). Returns (push()'s version, (pause_s, push_s,
+    continue_s)).
+
+    Raises:
+        what the pause, the push or the continue raised; after a failed pause or push the servers are
+        continued (best effort: the first error is the one raised).
+    """
+    try:
+        if cluster is not None:
+            cluster.pause_generation(pause_mode)
+        t1 = time.monotonic()
+        version = push()
+        t2 = time.monotonic()
+    except BaseException:
+        if cluster is not None:
+            try:
+                cluster.continue_generation()
+            except Exception:
+                pass
+        raise
+    if cluster is not None:
+        cluster.continue_generation()
+    return version, (t1 - t0, t2 - t1, time.monotonic() - t2)
+
+
+class RolloutManager(_PushWaiter):
     """Buffer, producer, weight versions and pause/continue for every train.mode (module docstring).
 
     Args:
@@ -844,17 +893,6 @@ class RolloutManager:
         self._push_thread = threading.Thread(target=run, name="moerl-weight-push", daemon=True)
         self._push_thread.start()
 
-    def wait_weights(self) -> None:
-        """Block until a background weight push has landed (no-op without one). Call before the next
-        export, a checkpoint or an eval. Raises what the push raised (once)."""
-        t = self._push_thread
-        if t is not None:
-            t.join()
-            self._push_thread = None
-        err, self._push_error = self._push_error, None
-        if err is not None:
-            raise err
-
     def _update_now(self, push: Optional[Callable[[], Any]], step: int) -> None:
         if push is None:
             self.end_push(step)
@@ -862,25 +900,11 @@ class RolloutManager:
         t0 = time.monotonic()
         paused = self.hold_for_push()
         try:
+            version, seconds = paused_push(self.cluster if paused else None, self.pause_mode, push, t0)
+        finally:
             if paused:
-                self.cluster.pause_generation(self.pause_mode)
-            t1 = time.monotonic()
-            version = push()
-            t2 = time.monotonic()
-        except BaseException:
-            if paused:  # best effort: the push's error is the one to report
-                try:
-                    self.cluster.continue_generation()
-                except Exception:
-                    pass
                 self._resume_producer()
-            raise
-        if paused:
-            try:
-                self.cluster.continue_generation()
-            finally:
-                self._resume_producer()
-        self.end_push(step, version, (t1 - t0, t2 - t1, time.monotonic() - t2))
+        self.end_push(step, version, seconds)
 
     # the three steps of a weight update, also driven from another process (moerl.rollout.producer_process)
     def begin_push(self, version: int) -> None:

@@ -38,6 +38,8 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Optional
 
+from moerl.rollout.manager import _PushWaiter
+
 #: seconds between the trainer's checks of its cluster for a changed live-server list or a fatal error
 CLUSTER_POLL_S = 0.25
 
@@ -107,7 +109,7 @@ def _answer(conn: Connection, fn: Callable[[], Any]) -> None:
         conn.send(("err", RuntimeError(f"{type(e).__name__}: {e}" if e is not None else "unpicklable answer")))
 
 
-class RolloutManagerProcess:
+class RolloutManagerProcess(_PushWaiter):
     """The RolloutManager API (start / close / get_batch / update_weights / wait_weights / state_dict,
     ``version``) with the manager in a child process (module docstring). Same arguments as
     :func:`moerl.train.components.rollout_manager` builds a RolloutManager from, but picklable: no
@@ -261,8 +263,10 @@ class RolloutManagerProcess:
             return self._call(self._main, ("get_batch", step), f"get_batch({step})")
         except BaseException:
             t = self._push_thread
-            if t is not None and not t.is_alive():  # a failed push stopped the child's producer: its error
-                self.wait_weights()
+            if t is not None:  # a failed push stops the child's producer: raise the push's own error
+                t.join(timeout=60)  # it ends once the child (or its death) has answered its last call
+                if not t.is_alive():
+                    self.wait_weights()
             raise
 
     def state_dict(self) -> dict:
@@ -294,39 +298,19 @@ class RolloutManagerProcess:
         self._push_thread.start()
 
     def _update_now(self, push: Callable[[], Any], step: int) -> None:
+        from moerl.rollout.manager import paused_push
+
         t0 = time.monotonic()
         paused = self._call(self._push, ("hold",), "update_weights")
         try:
-            if paused:
-                self.cluster.pause_generation(self.pause_mode)
-            t1 = time.monotonic()
-            version = push()
-            t2 = time.monotonic()
-            if paused:
-                self.cluster.continue_generation()
+            version, seconds = paused_push(self.cluster if paused else None, self.pause_mode, push, t0)
         except BaseException:
-            if paused:  # best effort: the push's error is the one to report
-                try:
-                    self.cluster.continue_generation()
-                except Exception:
-                    pass
-            try:
+            try:  # the child resumes its requests; it stops producing (its get_batch raises, the push error wins)
                 self._call(self._push, ("end", step, None, None, True), "update_weights")
             except Exception:
                 pass
             raise
-        self._call(self._push, ("end", step, version, (t1 - t0, t2 - t1, time.monotonic() - t2), False),
-                   "update_weights")
-
-    def wait_weights(self) -> None:
-        """Block until the background push has landed (no-op without one); raises what it raised (once)."""
-        t = self._push_thread
-        if t is not None:
-            t.join()
-            self._push_thread = None
-        err, self._push_error = self._push_error, None
-        if err is not None:
-            raise err
+        self._call(self._push, ("end", step, version, seconds, False), "update_weights")
 
 
 # ---------------------------------------------------------------------- child
