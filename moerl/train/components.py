@@ -123,8 +123,8 @@ def rollout_manager(ctx, cluster, sampler, sync, state):
     common = dict(eos_id=ctx.eos_id, num_steps=cfg.train.num_steps, version=sync.version, steps_done=state.rl_step,
                   state=state.rollout or None, routing_shape=routing_shape)
     use = ro.producer_process
-    if use is None:
-        use = cfg.train.mode != "sync"
+    if use is None:  # not with R3 yet: its routed_experts tensors do not cross the process wire (open defect)
+        use = cfg.train.mode != "sync" and routing_shape is None
     if use:  # rollout.producer_process: the whole producer in a child process on the rollout cores
         from moerl.rollout.producer_process import RolloutManagerProcess
 
