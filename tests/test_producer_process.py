@@ -187,3 +187,45 @@ def test_a_dead_child_and_a_failed_push_are_reported(tok, reward_path):
             mgr.get_batch(2)
     finally:
         mgr.close()
+
+
+def test_the_wire_carries_torch_tensors_from_a_popen_child(tmp_path):
+    """R3 batches hold routed_experts tensors: a child started by Popen sends one through the wire's pickles
+    (Connection.send's ForkingPickler would pass it as shared memory the trainer cannot receive)."""
+    import socket
+    import subprocess
+    import sys
+    from multiprocessing.connection import Connection
+
+    import torch
+
+    from moerl.rollout.producer_process import _recv
+
+    ours, theirs = socket.socketpair()
+    code = ("import sys, torch; from multiprocessing.connection import Connection; "
+            "from moerl.rollout.producer_process import _answer; "
+            "_answer(Connection(int(sys.argv[1])), lambda: {'routed': torch.arange(12, dtype=torch.int32).view(3, 4)})")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(theirs.fileno())], pass_fds=[theirs.fileno()])
+    theirs.close()
+    conn = Connection(ours.detach())
+    kind, value = _recv(conn)
+    assert proc.wait(60) == 0
+    assert kind == "ok" and torch.equal(value["routed"], torch.arange(12, dtype=torch.int32).view(3, 4))
+
+
+def test_an_exception_that_does_not_unpickle_travels_as_its_text():
+    import socket
+    from multiprocessing.connection import Connection
+
+    from moerl.rollout.errors import RolloutServerDiedError
+    from moerl.rollout.producer_process import _answer, _recv
+
+    a, b = socket.socketpair()
+    ca, cb = Connection(a.detach()), Connection(b.detach())
+
+    def die():
+        raise RolloutServerDiedError("server 0 died", index=0, url="http://x", pid=1, returncode=-9)
+
+    _answer(ca, die)
+    kind, err = _recv(cb)
+    assert kind == "err" and isinstance(err, RuntimeError) and "RolloutServerDiedError: server 0 died" in str(err)

@@ -20,7 +20,7 @@ from moerl.rewards.errors import RewardConfigError, RewardValueError
 from moerl.rewards.math_reward import math_reward
 from moerl.rewards.model import RewardModel
 from moerl.rewards.broker import RewardBroker
-from moerl.rewards.pool import RewardPool, RewardResult
+from moerl.rewards.pool import RewardPool, RewardResult, reward_pool_from_config
 from moerl.rewards.reasoning_gym_reward import reasoning_gym_reward
 from moerl.rewards.registry import (
     RewardFn,

@@ -611,3 +611,12 @@ class RewardPool:
             except subprocess.TimeoutExpired:
                 pass
             p.kill()
+
+
+def reward_pool_from_config(r, cls=None, log: Callable[[str], Any] = print):
+    """A RewardPool (or ``cls``: moerl.rewards.RewardBroker, same arguments) of the recipe's ``reward``
+    section ``r`` (function, group, num_workers, timeout_s, error_value, model_path, model_weight,
+    rule_weight, model_batch_size). Raises what the pool's constructor raises (RewardConfigError)."""
+    return (cls or RewardPool)(r.function, group=r.group, num_workers=r.num_workers, timeout_s=r.timeout_s,
+                               error_value=r.error_value, model_path=r.model_path, model_weight=r.model_weight,
+                               rule_weight=r.rule_weight, model_batch_size=r.model_batch_size, log=log)

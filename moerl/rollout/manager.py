@@ -112,6 +112,14 @@ def background_push(cfg) -> bool:
     return bool(bg) and cfg.train.mode != "sync"
 
 
+def pause_mode(ro) -> str:
+    """rollout.pause_mode resolved: auto = in_place with the reference backend, abort with sglang."""
+    mode = getattr(ro, "pause_mode", "abort")
+    if mode == "auto":
+        return "in_place" if getattr(ro, "backend", "reference") == "reference" else "abort"
+    return mode
+
+
 def _version_int(v: Any, fallback: int) -> int:
     try:
         return int(v)
@@ -295,9 +303,7 @@ class RolloutManager(_PushWaiter):
         # server reports each token's version; SGLang's in_place would mix versions inside a response
         # unseen, so the schema refuses it with backend sglang); auto = in_place with the reference
         # backend, abort with sglang
-        self.pause_mode = getattr(ro, "pause_mode", "abort")
-        if self.pause_mode == "auto":
-            self.pause_mode = "in_place" if getattr(ro, "backend", "reference") == "reference" else "abort"
+        self.pause_mode = pause_mode(ro)
         # rollout.cpu_affinity: the cores of the producer's HTTP worker process. The producer and push THREADS
         # stay on the trainer's cores: they share its interpreter lock, and a thread holding it while a
         # server preempts it on the rollout core stalls training (moerl.train.components.pinned)

@@ -18,7 +18,7 @@ the trainer's RolloutCluster) and the cluster (failover restarts). The child see
 trainer when they change (polled every ``CLUSTER_POLL_S``) and before every batch.
 
 Wire: three ``multiprocessing.connection.Connection`` socket pairs, each strictly request -> answer from
-one trainer thread at a time: ``main`` (the spec, then get_batch / state_dict / close; the training
+one trainer thread at a time, carrying plain pickles (by value, so torch tensors travel too): ``main`` (the spec, then get_batch / state_dict / close; the training
 thread), ``push`` (begin / hold / end of a weight update; the push thread), ``cluster`` (one-way cluster
 views). An answer is ``("ok", value)`` or ``("err", exception)`` (an exception that cannot be pickled
 travels as a RuntimeError with its type and text).
@@ -38,7 +38,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Optional
 
-from moerl.rollout.manager import _PushWaiter
+from moerl.rollout.manager import _PushWaiter, background_push, pause_mode, paused_push
 
 #: seconds between the trainer's checks of its cluster for a changed live-server list or a fatal error
 CLUSTER_POLL_S = 0.25
@@ -52,7 +52,8 @@ class _ClusterView:
     """The child's picture of the trainer's RolloutCluster: what RolloutManager / RolloutClient read of it
     (``failover``, ``num_servers``, ``server_urls``, ``extra_worker_urls``, ``live_server_urls()``,
     ``check_alive()``). ``fatal`` is the text of the cluster's check_alive error (a server died without
-    failover, or failover gave up), raised here as RolloutServerDiedError."""
+    failover, or failover gave up), raised here as a RolloutError with its text (the trainer raises the
+    original, with its attributes, from its own cluster)."""
 
     def __init__(self, view: dict):
         self._lock = threading.Lock()
@@ -74,9 +75,9 @@ class _ClusterView:
         with self._lock:
             fatal = self._fatal
         if fatal is not None:
-            from moerl.rollout.errors import RolloutServerDiedError
+            from moerl.rollout.errors import RolloutError
 
-            raise RolloutServerDiedError(fatal)
+            raise RolloutError(fatal)
 
 
 def cluster_view(cluster) -> dict:
@@ -97,16 +98,30 @@ def cluster_view(cluster) -> dict:
             "fatal": fatal}
 
 
+def _send(conn: Connection, obj: Any) -> None:
+    """Send ``obj`` pickled by value (plain pickle): Connection.send's ForkingPickler would pass a torch tensor
+    (R3's routed_experts) as shared memory, which a process started by Popen cannot receive (multiprocessing
+    authkey)."""
+    conn.send_bytes(pickle.dumps(obj))
+
+
+def _recv(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
 def _answer(conn: Connection, fn: Callable[[], Any]) -> None:
     try:
         out = ("ok", fn())
     except BaseException as e:  # noqa: BLE001 - every error goes back to the trainer
         out = ("err", e)
     try:
-        conn.send(out)
-    except Exception:  # the exception itself does not pickle: its type and text
+        data = pickle.dumps(out)
+        if out[0] == "err":
+            pickle.loads(data)  # an exception whose constructor needs other arguments does not unpickle
+    except Exception:  # not picklable: its type and text
         e = out[1] if out[0] == "err" else None
-        conn.send(("err", RuntimeError(f"{type(e).__name__}: {e}" if e is not None else "unpicklable answer")))
+        data = pickle.dumps(("err", RuntimeError(f"{type(e).__name__}: {e}" if e is not None else "unpicklable answer")))
+    conn.send_bytes(data)
 
 
 class RolloutManagerProcess(_PushWaiter):
@@ -134,8 +149,6 @@ class RolloutManagerProcess(_PushWaiter):
         self.cpu_affinity = list(cpu_affinity or [])
         self.mode = cfg.train.mode
         self.version = int(spec["version"])
-        from moerl.rollout.manager import background_push
-
         self.background_push = background_push(cfg)
         self.proc: Optional[subprocess.Popen] = None
         self._main = self._push = self._cluster_conn = None
@@ -145,9 +158,7 @@ class RolloutManagerProcess(_PushWaiter):
         self._stop = threading.Event()
         self._sent_view: Optional[tuple] = None
         self._view_lock = threading.Lock()
-        pm = getattr(cfg.rollout, "pause_mode", "abort")
-        self.pause_mode = ("in_place" if getattr(cfg.rollout, "backend", "reference") == "reference" else "abort") \
-            if pm == "auto" else pm
+        self.pause_mode = pause_mode(cfg.rollout)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "RolloutManagerProcess":
@@ -218,8 +229,8 @@ class RolloutManagerProcess(_PushWaiter):
     # ------------------------------------------------------------------ wire
     def _call(self, conn: Connection, msg: tuple, what: str) -> Any:
         try:
-            conn.send(msg)
-            kind, value = conn.recv()
+            _send(conn, msg)
+            kind, value = _recv(conn)
         except (EOFError, OSError) as e:
             self._check_cluster()  # a dead server is the better explanation
             code = self.proc.poll() if self.proc is not None else None
@@ -240,7 +251,7 @@ class RolloutManagerProcess(_PushWaiter):
         key = (tuple(view["live"]), view["fatal"])
         with self._view_lock:
             if key != self._sent_view and self._cluster_conn is not None:
-                self._cluster_conn.send((view["live"], view["fatal"]))
+                _send(self._cluster_conn, (view["live"], view["fatal"]))
                 self._sent_view = key
 
     def _poll_cluster(self) -> None:
@@ -298,8 +309,6 @@ class RolloutManagerProcess(_PushWaiter):
         self._push_thread.start()
 
     def _update_now(self, push: Callable[[], Any], step: int) -> None:
-        from moerl.rollout.manager import paused_push
-
         t0 = time.monotonic()
         paused = self._call(self._push, ("hold",), "update_weights")
         try:
@@ -317,19 +326,17 @@ class RolloutManagerProcess(_PushWaiter):
 def _child_manager(spec: dict):
     """The child's RolloutManager, RewardPool and cluster view, from the trainer's ``spec``."""
     from moerl.data.tokenizer import PromptEncoder, decode_response
-    from moerl.rewards import RewardPool
+    from moerl.rewards import reward_pool_from_config
     from moerl.rollout.client import RolloutClient
     from moerl.rollout.manager import RolloutManager
     from moerl.runtime.procs import pinned
 
-    cfg, r = spec["cfg"], spec["cfg"].reward
+    cfg = spec["cfg"]
     view = _ClusterView(spec["cluster"])
     tokenizer = spec["tokenizer"]
     encoder = PromptEncoder(tokenizer, spec["system_prompt"])
     with pinned(spec.get("reward_cpu_affinity") or ()):  # the workers on the rollout cores, its threads here
-        pool = RewardPool(r.function, group=r.group, num_workers=r.num_workers, timeout_s=r.timeout_s,
-                          error_value=r.error_value, model_path=r.model_path, model_weight=r.model_weight,
-                          rule_weight=r.rule_weight, model_batch_size=r.model_batch_size, log=_log)
+        pool = reward_pool_from_config(cfg.reward, log=_log)
     client = RolloutClient(spec["router_url"], timeout_s=spec["timeout_s"], max_retries=spec["max_retries"],
                            cluster=view)
     manager = RolloutManager(
@@ -365,7 +372,7 @@ def _serve_push(conn: Connection, manager) -> None:
 
     while True:
         try:
-            msg = conn.recv()
+            msg = _recv(conn)
         except (EOFError, OSError):
             return
         _answer(conn, lambda: handle(msg))
@@ -374,7 +381,7 @@ def _serve_push(conn: Connection, manager) -> None:
 def _serve_cluster(conn: Connection, view: _ClusterView) -> None:
     while True:
         try:
-            live, fatal = conn.recv()
+            live, fatal = _recv(conn)
         except (EOFError, OSError):
             return
         view.update(live, fatal)
@@ -387,7 +394,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's; the sockets close with it
     main_fd, push_fd, cluster_fd = (int(x) for x in (argv if argv is not None else sys.argv[1:])[0].split(","))
     conn, push_conn, cluster_conn = Connection(main_fd), Connection(push_fd), Connection(cluster_fd)
-    msg = conn.recv()
+    msg = _recv(conn)
     if msg[0] != "start":
         raise ProducerProcessError(f"expected the start message, got {msg[0]!r}")
     built: dict = {}
@@ -406,7 +413,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         while True:
             try:
-                msg = conn.recv()
+                msg = _recv(conn)
             except (EOFError, OSError):  # the trainer is gone
                 return 0
             if msg[0] == "get_batch":

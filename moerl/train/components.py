@@ -123,8 +123,8 @@ def rollout_manager(ctx, cluster, sampler, sync, state):
     common = dict(eos_id=ctx.eos_id, num_steps=cfg.train.num_steps, version=sync.version, steps_done=state.rl_step,
                   state=state.rollout or None, routing_shape=routing_shape)
     use = ro.producer_process
-    if use is None:  # not with R3 yet: its routed_experts tensors do not cross the process wire (open defect)
-        use = cfg.train.mode != "sync" and routing_shape is None
+    if use is None:
+        use = cfg.train.mode != "sync"
     if use:  # rollout.producer_process: the whole producer in a child process on the rollout cores
         from moerl.rollout.producer_process import RolloutManagerProcess
 
@@ -172,7 +172,7 @@ def reward_pool(ctx):
     moerl.rewards.RewardBroker with the same API."""
     if not world.is_main():
         return contextlib.nullcontext(None)
-    from moerl.rewards import RewardBroker, RewardPool
+    from moerl.rewards import RewardBroker, RewardPool, reward_pool_from_config
 
     r = ctx.cfg.reward
     use = r.pool_process
@@ -182,9 +182,7 @@ def reward_pool(ctx):
     # started on the rollout cores (rollout.cpu_affinity): the workers and the broker process are rollout-side
     # host work, kept off an emulated training device; the pool's threads in this process stay on its cores
     with pinned(ctx.cfg.rollout.cpu_affinity):
-        return cls(r.function, group=r.group, num_workers=r.num_workers, timeout_s=r.timeout_s,
-                   error_value=r.error_value, model_path=r.model_path, model_weight=r.model_weight,
-                   rule_weight=r.rule_weight, model_batch_size=r.model_batch_size, log=log)
+        return reward_pool_from_config(r, cls, log=log)
 
 
 @contextlib.contextmanager
