@@ -87,7 +87,7 @@ MAX_SEGMENTS = 16
 #: 1): the update took 1.34x as long as in sync with 5 ms (one run), 1.16-1.21x with 0.5 ms (two runs) and
 #: 1.17-1.27x with 0.1 ms (three runs): noisy single runs that do not separate 0.1 from 0.5 ms, so the
 #: milder 0.5 ms. (Measured while the producer thread ran on the rollout core; it now stays on the trainer's,
-#: see moerl.train.components.pinned, and the interval was not measured again.)
+#: see moerl.runtime.procs.pinned, and the interval was not measured again.)
 PRODUCER_SWITCH_INTERVAL_S = 0.0005
 
 
@@ -306,7 +306,7 @@ class RolloutManager(_PushWaiter):
         self.pause_mode = pause_mode(ro)
         # rollout.cpu_affinity: the cores of the producer's HTTP worker process. The producer and push THREADS
         # stay on the trainer's cores: they share its interpreter lock, and a thread holding it while a
-        # server preempts it on the rollout core stalls training (moerl.train.components.pinned)
+        # server preempts it on the rollout core stalls training (moerl.runtime.procs.pinned)
         self.cpu_affinity = list(getattr(ro, "cpu_affinity", None) or [])
         # rollout.client_process: the producer's HTTP attempts in a child process (moerl.rollout.http_worker)
         use = getattr(ro, "client_process", None)

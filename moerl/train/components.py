@@ -111,7 +111,7 @@ def rollout_manager(ctx, cluster, sampler, sync, state):
     """The RolloutManager of rank 0 (None on other ranks, where ``cluster`` is None): its own RolloutClient
     (the producer runs its own event loop), resumed from ``state.rollout``; routing recorded for R3. With
     rollout.producer_process (null: in one_step_off / async) a moerl.rollout.producer_process
-    .RolloutManagerProcess: the same manager in a child process on the rollout cores."""
+    .RolloutManagerProcess: the same manager in a child process (rollout.producer_cpu_affinity; null: the trainer's cores)."""
     if cluster is None:
         return None
     from moerl.rollout.client import RolloutClient
@@ -125,7 +125,7 @@ def rollout_manager(ctx, cluster, sampler, sync, state):
     use = ro.producer_process
     if use is None:
         use = cfg.train.mode != "sync"
-    if use:  # rollout.producer_process: the whole producer in a child process on the rollout cores
+    if use:  # rollout.producer_process: the whole producer in a child process
         from moerl.rollout.producer_process import RolloutManagerProcess
 
         spec = dict(common, router_url=cluster.router_url, timeout_s=ro.request_timeout_s, max_retries=ro.max_retries,
