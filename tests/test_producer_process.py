@@ -13,6 +13,7 @@ import asyncio
 import os
 import signal
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -21,6 +22,7 @@ from moerl.data.dataset import PromptSampler
 from moerl.data.tokenizer import PromptEncoder, build_tokenizer, decode_response
 from moerl.rollout.client import RolloutClient
 from moerl.rollout.manager import RolloutManager
+import moerl.rollout.producer_process as producer_process
 from moerl.rollout.producer_process import ProducerProcessError, RolloutManagerProcess
 from test_rollout_manager import PROMPT_LEN, STOP, FakeServers
 
@@ -187,6 +189,131 @@ def test_a_dead_child_and_a_failed_push_are_reported(tok, reward_path):
             mgr.get_batch(2)
     finally:
         mgr.close()
+
+
+def _within(seconds, fn, *args):
+    """``fn(*args)`` on a thread of its own: its value, or its error raised here; fails the test when it has
+    not returned after ``seconds`` (a hang fails instead of blocking the run)."""
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - raised in the test's thread
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"{getattr(fn, '__name__', fn)} still running after {seconds} s"
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
+def _kill(mgr):
+    if mgr.proc is not None and mgr.proc.poll() is None:
+        mgr.proc.kill()
+        mgr.proc.wait(10)
+
+
+def test_an_interrupted_exchange_breaks_the_proxy_instead_of_reading_its_answer_later(tok, reward_path, monkeypatch):
+    """KeyboardInterrupt between a request and its answer leaves the answer unread: the next call raises
+    ProducerProcessError (it would have read the state_dict answer as its batch), and close() does not wait on
+    the wire: the child sees its connections close and exits by itself."""
+    servers = HttpFakeServers()
+    mgr = _process(servers, _cfg(reward_path), tok, 4).start()
+    try:
+        recv = producer_process._recv
+
+        def interrupted(conn):
+            monkeypatch.setattr(producer_process, "_recv", recv)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(producer_process, "_recv", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            mgr.state_dict()  # the request went out, the child answers it; the answer stays unread
+        for _ in range(2):  # every later call, without reading (or sending) anything
+            with pytest.raises(ProducerProcessError,
+                               match=r"out of step \(state_dict did not complete: KeyboardInterrupt\): get_batch\(1\)"):
+                _within(20, mgr.get_batch, 1)
+        t0 = time.monotonic()
+        _within(20, mgr.close)
+        assert time.monotonic() - t0 < 15
+        assert mgr.proc.returncode == 0  # it exited on its own (not killed)
+    finally:
+        _kill(mgr)
+
+
+def test_close_does_not_wait_forever_for_a_child_that_does_not_answer(tok, reward_path, monkeypatch):
+    """A child that never answers the close message (stopped here) is waited for CLOSE_TIMEOUT_S, then killed."""
+    monkeypatch.setattr(producer_process, "CLOSE_TIMEOUT_S", 1.0, raising=False)
+    servers = HttpFakeServers()
+    mgr = _process(servers, _cfg(reward_path), tok, 4).start()
+    logs = []
+    mgr.log = logs.append
+    try:
+        mgr.get_batch(1)
+        os.kill(mgr.proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        _within(15, mgr.close)
+        assert time.monotonic() - t0 < 10
+        assert mgr.proc.returncode == -signal.SIGKILL
+        assert any("did not answer close within 1 s" in m for m in logs), logs
+    finally:
+        _kill(mgr)
+
+
+def test_a_failed_hold_still_ends_the_push(tok, reward_path, monkeypatch):
+    """The child's hold raises (an unknown message here): the push is still ended as failed, so the child's
+    producer stops and its get_batch raises, rather than handing out batches (or waiting forever) with the push
+    still marked in flight."""
+    servers = HttpFakeServers()
+    mgr = _process(servers, _cfg(reward_path, max_staleness=1), tok, 6).start()
+    call = mgr._call
+    try:
+        mgr.get_batch(1)
+        monkeypatch.setattr(mgr, "_call", lambda conn, msg, what, **kw: call(
+            conn, ("hold-refused",) if msg == ("hold",) else msg, what, **kw))
+        mgr.update_weights(servers.push, 1)
+        with pytest.raises(ValueError, match="unknown push message 'hold-refused'"):
+            _within(20, mgr.wait_weights)  # the push's own error
+        with pytest.raises(RuntimeError, match="the weight push after step 1 failed"):
+            _within(20, mgr.get_batch, 2)  # the child got end(failed=True); the wire is still in step
+        assert servers.pauses == 0
+    finally:
+        _within(60, mgr.close)
+
+
+def test_get_batch_on_a_dead_child_reports_it_when_the_cluster_view_cannot_be_sent(tok, reward_path):
+    servers = HttpFakeServers()
+    mgr = _process(servers, _cfg(reward_path), tok, 4).start()
+    try:
+        mgr.get_batch(1)
+        os.kill(mgr.proc.pid, signal.SIGKILL)
+        mgr.proc.wait(30)
+        servers.server_urls = servers.server_urls + ["http://127.0.0.1:9"]  # get_batch sends the changed view first
+        with pytest.raises(ProducerProcessError, match=r"exited during get_batch\(2\) \(status -9"):
+            _within(20, mgr.get_batch, 2)
+    finally:
+        _within(60, mgr.close)
+
+
+def test_a_push_without_background_push_sets_the_version_as_the_thread_manager(tok, reward_path):
+    """rollout.background_push false: the update is the RolloutManager's (hold, push, end; no begin_push), so
+    the version after it is push()'s, or the previous one + 1 when push() returns none (begin_push first would
+    count that + 1 twice in the child)."""
+    got = {}
+    for kind, make in (("thread", _thread), ("process", _process)):
+        servers = HttpFakeServers()
+        cfg = _cfg(reward_path, max_staleness=1)
+        cfg.rollout.background_push = False
+        with make(servers, cfg, tok, 3) as mgr:
+            assert mgr.background_push is False
+            mgr.get_batch(1)
+            mgr.update_weights(lambda: servers.push() and None, 1)
+            got[kind] = (_within(20, mgr.get_batch, 2).trainer_version, mgr.version, servers.pauses)
+    assert got["process"] == got["thread"] == (1, 1, 1)
 
 
 def test_the_wire_carries_torch_tensors_from_a_popen_child(tmp_path):

@@ -21,7 +21,10 @@ Wire: three ``multiprocessing.connection.Connection`` socket pairs, each strictl
 one trainer thread at a time, carrying plain pickles (by value, so torch tensors travel too): ``main`` (the spec, then get_batch / state_dict / close; the training
 thread), ``push`` (begin / hold / end of a weight update; the push thread), ``cluster`` (one-way cluster
 views). An answer is ``("ok", value)`` or ``("err", exception)`` (an exception that cannot be pickled
-travels as a RuntimeError with its type and text).
+travels as a RuntimeError with its type and text). An exchange that does not complete (the child died, or
+e.g. KeyboardInterrupt between the request and its answer) leaves the answer unread: the proxy is broken
+from then on (every later call raises ProducerProcessError saying what happened, rather than reading the
+wrong answer), and close() only waits ``CLOSE_TIMEOUT_S`` for the child to exit before killing it.
 
 The resume contract is the RolloutManager's (its module docstring): ``state_dict`` is the child's.
 """
@@ -38,14 +41,17 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Optional
 
-from moerl.rollout.manager import _PushWaiter, background_push, pause_mode, paused_push
+from moerl.rollout.manager import _PushWaiter, _version_int, background_push, pause_mode, paused_push
 
 #: seconds between the trainer's checks of its cluster for a changed live-server list or a fatal error
 CLUSTER_POLL_S = 0.25
+#: seconds close() waits for the child's answer to its close message, then for it to exit (then it is killed)
+CLOSE_TIMEOUT_S = 30.0
 
 
 class ProducerProcessError(RuntimeError):
-    """The producer process could not start, or exited while the trainer needed it (the message says how)."""
+    """The producer process could not start, exited while the trainer needed it, or its connection is out of
+    step after an exchange that did not complete (the message says how)."""
 
 
 class _ClusterView:
@@ -158,6 +164,7 @@ class RolloutManagerProcess(_PushWaiter):
         self._stop = threading.Event()
         self._sent_view: Optional[tuple] = None
         self._view_lock = threading.Lock()
+        self._broken: Optional[str] = None  # why an exchange did not complete: the wire is out of step
         self.pause_mode = pause_mode(cfg.rollout)
 
     # ------------------------------------------------------------------ lifecycle
@@ -196,7 +203,9 @@ class RolloutManagerProcess(_PushWaiter):
         return self
 
     def close(self) -> None:
-        """Stop the child after a push in flight has landed (its error, if any, is logged)."""
+        """Stop the child after a push in flight has landed (its error, if any, is logged). The child is asked
+        to close (unless the wire is broken: then its connections are just closed) and waited for at most
+        ``CLOSE_TIMEOUT_S`` for the answer, then as long again to exit; then it is killed."""
         try:
             self.wait_weights()
         except Exception as e:
@@ -206,7 +215,7 @@ class RolloutManagerProcess(_PushWaiter):
             self._poller.join(timeout=5)
         if self._main is not None:
             try:
-                self._call(self._main, ("close",), "close")
+                self._call(self._main, ("close",), "close", timeout=CLOSE_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 - the run is ending anyway
                 self.log(f"WARNING: the rollout producer process did not close cleanly: {e}")
         for c in (self._main, self._push, self._cluster_conn):
@@ -215,7 +224,7 @@ class RolloutManagerProcess(_PushWaiter):
         self._main = self._push = self._cluster_conn = None
         if self.proc is not None:
             try:
-                self.proc.wait(timeout=30)
+                self.proc.wait(timeout=CLOSE_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
@@ -227,19 +236,41 @@ class RolloutManagerProcess(_PushWaiter):
         self.close()
 
     # ------------------------------------------------------------------ wire
-    def _call(self, conn: Connection, msg: tuple, what: str) -> Any:
+    def _call(self, conn: Connection, msg: tuple, what: str, timeout: Optional[float] = None) -> Any:
+        """One request -> answer exchange on ``conn`` (``timeout``: seconds to wait for the answer; None: no
+        limit). One that does not complete breaks the proxy (module docstring)."""
+        if self._broken is not None:
+            raise ProducerProcessError(f"the connection to the rollout producer process is out of step "
+                                       f"({self._broken}): {what} not sent")
         try:
             _send(conn, msg)
+            if timeout is not None and not conn.poll(timeout):
+                raise ProducerProcessError(f"the rollout producer process (pid {getattr(self.proc, 'pid', None)}) "
+                                           f"did not answer {what} within {timeout:g} s")
             kind, value = _recv(conn)
         except (EOFError, OSError) as e:
-            self._check_cluster()  # a dead server is the better explanation
-            code = self.proc.poll() if self.proc is not None else None
-            raise ProducerProcessError(f"the rollout producer process (pid {getattr(self.proc, 'pid', None)}) "
-                                       f"exited during {what} (status {code}; its output is above)") from e
+            raise self._died(what, e) from e
+        except BaseException as e:  # e.g. KeyboardInterrupt between the request and its answer
+            self._broken = self._broken or f"{what} did not complete: {type(e).__name__}" + (f": {e}" if str(e) else "")
+            raise
         if kind == "err":
             self._check_cluster()
             raise value
         return value
+
+    def _died(self, what: str, e: BaseException) -> BaseException:
+        """The error to raise for a connection that failed with ``e`` during ``what`` (the proxy is broken
+        from now on): the cluster's own error if it has one (a dead server is the better explanation), else
+        a ProducerProcessError with the child's exit status."""
+        code = self.proc.poll() if self.proc is not None else None
+        died = (f"the rollout producer process (pid {getattr(self.proc, 'pid', None)}) exited during {what} "
+                f"(status {code}; its output is above)")
+        self._broken = self._broken or died
+        try:
+            self._check_cluster()
+        except Exception as cluster_error:  # noqa: BLE001 - raised by the caller
+            return cluster_error
+        return ProducerProcessError(died)
 
     def _check_cluster(self) -> None:
         check = getattr(self.cluster, "check_alive", None)
@@ -267,10 +298,14 @@ class RolloutManagerProcess(_PushWaiter):
 
         Raises:
             what the child's get_batch raised (the trainer's own cluster error first: RolloutServerDiedError),
-            ProducerProcessError if the child died.
+            or a failed background push's own error; ProducerProcessError if the child died (also when the
+            cluster view could not be sent to it) or the wire is broken.
         """
-        self._send_view()
         try:
+            try:
+                self._send_view()
+            except (EOFError, OSError) as e:
+                raise self._died(f"get_batch({step})", e) from e
             return self._call(self._main, ("get_batch", step), f"get_batch({step})")
         except BaseException:
             t = self._push_thread
@@ -281,17 +316,31 @@ class RolloutManagerProcess(_PushWaiter):
             raise
 
     def state_dict(self) -> dict:
-        """The child's resume cursor (after a push in flight has landed)."""
+        """The child's resume cursor (after a push in flight has landed).
+
+        Raises:
+            what a background push raised; ProducerProcessError if the child died or the wire is broken.
+        """
         self.wait_weights()
         return self._call(self._main, ("state_dict",), "state_dict")
 
     def update_weights(self, push: Optional[Callable[[], Any]], step: int, version: Optional[int] = None) -> None:
-        """As :meth:`RolloutManager.update_weights <moerl.rollout.manager.RolloutManager.update_weights>`
-        with rollout.background_push: the push (and the servers' pause / continue) runs on a thread here;
-        the child holds its requests meanwhile (one_step_off: waits until none is in flight first)."""
+        """As :meth:`RolloutManager.update_weights <moerl.rollout.manager.RolloutManager.update_weights>`:
+        the push (and the servers' pause / continue) runs here, with rollout.background_push on a thread
+        (``version`` is the trainer's from now on, the child's begin_push); the child holds its requests
+        meanwhile (one_step_off: waits until none is in flight first). Without background push the version
+        becomes push()'s once it has landed, as in the RolloutManager (no begin_push).
+
+        Raises:
+            what the push (or a previous background push) raised; ProducerProcessError if the child died or
+            the wire is broken.
+        """
         self.wait_weights()
         if push is None:
             self._call(self._push, ("end", step, None, None, False), "update_weights")
+            return
+        if not self.background_push:
+            self.version = _version_int(self._update_now(push, step), self.version + 1)  # as the child's end_push
             return
         self.version = self.version + 1 if version is None else int(version)
         self._call(self._push, ("begin", self.version), "update_weights")
@@ -302,16 +351,16 @@ class RolloutManagerProcess(_PushWaiter):
             except BaseException as e:  # surfaces in wait_weights
                 self._push_error = e
 
-        if not self.background_push:
-            self._update_now(push, step)
-            return
         self._push_thread = threading.Thread(target=run, name="moerl-weight-push", daemon=True)
         self._push_thread.start()
 
-    def _update_now(self, push: Callable[[], Any], step: int) -> None:
+    def _update_now(self, push: Callable[[], Any], step: int) -> Any:
+        """Hold the child's requests, push (the servers paused when the child says so), end the push; returns
+        push()'s version. A failed hold or push still ends it (failed: the child's producer stops, its get_batch
+        raises; the trainer raises the push's own error)."""
         t0 = time.monotonic()
-        paused = self._call(self._push, ("hold",), "update_weights")
         try:
+            paused = self._call(self._push, ("hold",), "update_weights")
             version, seconds = paused_push(self.cluster if paused else None, self.pause_mode, push, t0)
         except BaseException:
             try:  # the child resumes its requests; it stops producing (its get_batch raises, the push error wins)
@@ -320,6 +369,7 @@ class RolloutManagerProcess(_PushWaiter):
                 pass
             raise
         self._call(self._push, ("end", step, version, seconds, False), "update_weights")
+        return version
 
 
 # ---------------------------------------------------------------------- child
@@ -373,9 +423,9 @@ def _serve_push(conn: Connection, manager) -> None:
     while True:
         try:
             msg = _recv(conn)
-        except (EOFError, OSError):
+            _answer(conn, lambda: handle(msg))
+        except (EOFError, OSError):  # the trainer is gone (or closed the wire before the answer)
             return
-        _answer(conn, lambda: handle(msg))
 
 
 def _serve_cluster(conn: Connection, view: _ClusterView) -> None:
@@ -414,17 +464,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         while True:
             try:
                 msg = _recv(conn)
-            except (EOFError, OSError):  # the trainer is gone
+                if msg[0] == "get_batch":
+                    _answer(conn, lambda: manager.get_batch(msg[1]))
+                elif msg[0] == "state_dict":
+                    _answer(conn, manager.state_dict)
+                elif msg[0] == "close":
+                    _answer(conn, lambda: _close(manager, pool))
+                    return 0
+                else:
+                    _answer(conn, lambda: (_ for _ in ()).throw(ValueError(f"unknown message {msg[0]!r}")))
+            except (EOFError, OSError):  # the trainer is gone (or closed the wire before the answer: a broken proxy)
                 return 0
-            if msg[0] == "get_batch":
-                _answer(conn, lambda: manager.get_batch(msg[1]))
-            elif msg[0] == "state_dict":
-                _answer(conn, manager.state_dict)
-            elif msg[0] == "close":
-                _answer(conn, lambda: _close(manager, pool))
-                return 0
-            else:
-                _answer(conn, lambda: (_ for _ in ()).throw(ValueError(f"unknown message {msg[0]!r}")))
     finally:
         _close(manager, pool)
 
