@@ -114,20 +114,49 @@ def _install_request_log_and_memory(app, engine: "ReferenceEngine", request_log:
                 log_file.write(_json.dumps(rec) + "\n")
                 log_file.flush()
 
-    @app.middleware("http")
-    async def request_log_and_memory_guard(request: Request, call_next):
-        path = request.url.path
-        rec: dict = {"t": time.time(), "pid": os.getpid(), "event": "recv", "method": request.method,
-                     "path": path}
-        if log_file is not None and request.method in ("POST", "PUT"):
-            try:
-                small = int(request.headers.get("content-length") or 0) <= 256 * 1024
-                body = _json.loads(await request.body()) if small else None
-            except ValueError:
-                body = None
-            if isinstance(body, dict):
-                rec.update({k: body[k] for k in _LOGGED_FIELDS if k in body})
+    async def guard(scope, receive, send, app_next) -> None:
+        """The request log and the released-memory refusals around one HTTP request (pure ASGI: a Starlette
+        ``@app.middleware("http")`` (BaseHTTPMiddleware) cost 14% of the server's CPU in the async demo,
+        tools/bench_async.py + py-spy: a task group, memory streams and a streamed copy of every answer)."""
+        path, method = scope["path"], scope["method"]
+        if log_file is None and not released:  # the common case: nothing to record or refuse
+            await app_next(scope, receive, send)
+            return
+        rec: dict = {"t": time.time(), "pid": os.getpid(), "event": "recv", "method": method, "path": path}
+        if log_file is not None and method in ("POST", "PUT"):
+            length = dict(scope.get("headers") or ()).get(b"content-length")
+            if int(length or 0) <= 256 * 1024:  # read it here, hand the app the same bytes
+                chunks, more = [], True
+                while more:
+                    msg = await receive()
+                    if msg["type"] != "http.request":  # the client went away: the app sees that too
+                        chunks, more = None, False
+                        break
+                    chunks.append(msg.get("body", b""))
+                    more = msg.get("more_body", False)
+                if chunks is not None:
+                    data, replayed = b"".join(chunks), [False]
+
+                    async def receive(_receive=receive):  # noqa: F811 - the replaying receive
+                        if not replayed[0]:
+                            replayed[0] = True
+                            return {"type": "http.request", "body": data, "more_body": False}
+                        return await _receive()
+
+                    try:
+                        body = _json.loads(data)
+                    except ValueError:
+                        body = None
+                    if isinstance(body, dict):
+                        rec.update({k: body[k] for k in _LOGGED_FIELDS if k in body})
         write(rec)
+        status = [None]
+
+        async def send_status(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
         if released and path == "/generate":
             resp = JSONResponse({"error": {"message": f"memory of {sorted(released)} is released; call "
                                                       f"/resume_memory_occupation first"}}, status_code=503)
@@ -135,10 +164,22 @@ def _install_request_log_and_memory(app, engine: "ReferenceEngine", request_log:
             resp = JSONResponse({"success": False, "message": "weights memory is released; call "
                                  "/resume_memory_occupation with tags ['weights'] first"}, status_code=400)
         else:
-            resp = await call_next(request)
-        write({**rec, "t": time.time(), "event": "done", "status": resp.status_code,
+            resp = None
+        await (resp(scope, receive, send_status) if resp is not None else app_next(scope, receive, send_status))
+        write({**rec, "t": time.time(), "event": "done", "status": status[0],
                "weight_version": engine.weight_version})
-        return resp
+
+    class _Guard:
+        def __init__(self, app_next):
+            self.app_next = app_next
+
+        async def __call__(self, scope, receive, send) -> None:
+            if scope["type"] != "http":
+                await self.app_next(scope, receive, send)
+            else:
+                await guard(scope, receive, send, self.app_next)
+
+    app.add_middleware(_Guard)
 
     def tags_of(body) -> list:
         tags = (body or {}).get("tags") if isinstance(body, dict) else None
