@@ -93,20 +93,123 @@ def test_failures_are_isolated(pool, bad, counter, error):
     t0 = time.monotonic()
     out = pool.score_group(uid, "q", ["a", bad, "b", "a"], "a", {})
     elapsed = time.monotonic() - t0
-    assert elapsed < TIMEOUT + 1.0  # the spec's bound for the failing sample's result
+    # 4 responses, 2 workers: chunks [0..1] and [2..3]. A hang costs its chunk's limit (2 x TIMEOUT), then its
+    # own limit when the chunk is scored again one response at a time (the culprit was unknown).
+    assert elapsed < (3 * TIMEOUT if bad == "sleep" else TIMEOUT) + 1.0
     assert _scores(out) == [1.0, -1.0, 0.0, 1.0]  # error_value only for the bad sample
     assert [r.error for r in out] == [None, error, None, None]
     assert out[1].metrics == {}
     after = pool.stats()
     assert after[counter] == before[counter] + 1
     assert after["scored"] == before["scored"] + 4
-    assert after["respawns"] == before["respawns"] + (0 if bad == "raise" else 1)  # killed / dead worker replaced
+    # a killed / dead worker is replaced: the chunk's, then the culprit's when it is scored alone again
+    assert after["respawns"] == before["respawns"] + (0 if bad == "raise" else 2)
     assert sum(after[k] for k in ("timeouts", "exceptions", "crashes")) == \
         sum(before[k] for k in ("timeouts", "exceptions", "crashes")) + 1
     assert len([m for m in pool.logs if f"{uid}[1]" in m]) == 1  # logged once, with the sample uid
     # the pool keeps working: the next groups are scored right (replacement workers included)
     for k in range(3):
         assert _scores(pool.score_group(f"{uid}-next{k}", "q", ["a", "x", "a", "a"], "a", {})) == [1.0, 0.0, 1.0, 1.0]
+
+
+FAST = 0.5  # timeout_s of the chunk tests: a hanging response costs its chunk's 4 x FAST, then FAST alone
+
+
+@pytest.fixture(scope="module", params=[RewardPool, RewardBroker], ids=["pool", "broker"])
+def fast_pool(user_file, request):
+    logs: list[str] = []
+    with request.param(f"{user_file}:per_sample", num_workers=2, timeout_s=FAST, error_value=-1.0,
+                       log=logs.append) as p:
+        p.wait_ready(timeout=60)
+        p.logs = logs
+        yield p
+
+
+def _within(seconds: float, fn):
+    """fn() run in a daemon thread; fails the test (instead of hanging it) if it takes over ``seconds``."""
+    box: dict = {}
+    th = threading.Thread(target=lambda: box.setdefault("r", _catch(fn)), daemon=True)
+    th.start()
+    th.join(seconds)
+    assert "r" in box, f"no result within {seconds} s"
+    if isinstance(box["r"], BaseException):
+        raise box["r"]
+    return box["r"]
+
+
+def _delta(after: dict, before: dict) -> dict:
+    return {k: after[k] - before[k] for k in ("timeouts", "exceptions", "crashes", "respawns", "tasks", "scored")}
+
+
+def test_chunk_bounds():
+    from moerl.rewards.pool import _chunks
+
+    assert _chunks(8, 2) == [(0, 4), (4, 8)]
+    assert _chunks(8, 3) == [(0, 3), (3, 6), (6, 8)]  # sizes 3, 3, 2
+    assert _chunks(3, 8) == [(0, 1), (1, 2), (2, 3)]  # never more chunks than responses
+    assert _chunks(1, 2) == [(0, 1)] and _chunks(0, 2) == []
+
+
+def test_group_of_8_is_two_tasks_scored_like_one_per_sample(fast_pool):
+    """num_workers=2, reward.group false: a group of 8 goes out as 2 chunks of 4 (2 task messages instead of
+    8) and its scores are those of scoring each response alone (``score``: one task per item), in order."""
+    responses = ["a", "b", "a", "cc", "a", "a", "x", "a"]
+    before = fast_pool.stats()
+    out = _within(30, lambda: fast_pool.score_group("g-eight", "q", responses, "a", {"scale": 2.0}))
+    d = _delta(fast_pool.stats(), before)
+    assert _scores(out) == [2.0, 0.0, 2.0, 0.0, 2.0, 2.0, 0.0, 2.0]
+    assert [r.metrics for r in out] == [{"len": 1.0}] * 3 + [{"len": 2.0}] + [{"len": 1.0}] * 4
+    assert [r.error for r in out] == [None] * 8
+    assert d == {"timeouts": 0, "exceptions": 0, "crashes": 0, "respawns": 0, "tasks": 2, "scored": 8}
+    before = fast_pool.stats()
+    alone = _within(30, lambda: fast_pool.score([(r, "a", {"scale": 2.0}) for r in responses]))
+    assert [(r.score, r.metrics, r.error) for r in alone] == [(r.score, r.metrics, r.error) for r in out]
+    assert _delta(fast_pool.stats(), before)["tasks"] == 8  # evaluation items stay one task each
+
+
+def test_chunk_with_a_raising_sample(fast_pool):
+    before = fast_pool.stats()
+    out = _within(30, lambda: fast_pool.score_group("g-craise", "q", ["a", "b", "raise", "a", "a", "b", "a", "a"],
+                                                    "a", {}))
+    assert _scores(out) == [1.0, 0.0, -1.0, 1.0, 1.0, 0.0, 1.0, 1.0]
+    assert [r.error for r in out] == [None, None, "exception: RuntimeError('bad reward')"] + [None] * 5
+    # answered inside the chunk's one message: no rescoring, no worker replaced
+    assert _delta(fast_pool.stats(), before) == {"timeouts": 0, "exceptions": 1, "crashes": 0, "respawns": 0,
+                                                 "tasks": 2, "scored": 8}
+    lines = [m for m in fast_pool.logs if "g-craise" in m]
+    assert len(lines) == 1 and "g-craise[2] raised RuntimeError('bad reward')" in lines[0]
+
+
+@pytest.mark.parametrize("bad,counter,error", [("sleep", "timeouts", "timeout"),
+                                               ("die", "crashes", "worker died (exit code 3)")])
+def test_chunk_that_hangs_or_crashes_is_rescored_one_at_a_time(fast_pool, bad, counter, error):
+    """The culprit of a chunk that times out / kills its worker is unknown: the chunk is logged once and its 4
+    responses are scored again one task each; only the culprit gets error_value, counted once as if every
+    response had been scored alone. Respawns: the chunk's worker, then the culprit's."""
+    uid = f"g-c{bad}"
+    responses = ["a", "b", "a", bad, "a", "b", "a", "a"]
+    before = fast_pool.stats()
+    t0 = time.monotonic()
+    out = _within(30, lambda: fast_pool.score_group(uid, "q", responses, "a", {}))
+    elapsed = time.monotonic() - t0
+    assert _scores(out) == [1.0, 0.0, 1.0, -1.0, 1.0, 0.0, 1.0, 1.0]
+    assert [r.error for r in out] == [None, None, None, error] + [None] * 4
+    assert out[3].metrics == {}
+    expected = {"timeouts": 0, "exceptions": 0, "crashes": 0, "respawns": 2, "tasks": 2 + 4, "scored": 8}
+    expected[counter] = 1
+    assert _delta(fast_pool.stats(), before) == expected
+    if bad == "sleep":  # the chunk's limit (4 x FAST), then the culprit's own (FAST), plus a worker's start
+        assert 5 * FAST <= elapsed < 5 * FAST + 2.0
+    chunk_lines = [m for m in fast_pool.logs if f"{uid}[0..3]" in m]
+    assert len(chunk_lines) == 1 and "(4 samples)" in chunk_lines[0] and "one at a time" in chunk_lines[0]
+    culprit = [m for m in fast_pool.logs if f"{uid}[3]" in m]
+    assert len(culprit) == 1 and "error_value" in culprit[0]
+    assert not [m for m in fast_pool.logs if f"{uid}[4..7]" in m]  # the other chunk was fine
+    # the replacement workers score the next group as one chunk each again
+    before = fast_pool.stats()
+    assert _scores(_within(30, lambda: fast_pool.score_group(f"{uid}-next", "q", ["a", "x", "a"], "a", {}))) == \
+        [1.0, 0.0, 1.0]
+    assert _delta(fast_pool.stats(), before)["tasks"] == 2
 
 
 def test_all_workers_crash_then_recover(pool):

@@ -9,6 +9,13 @@ Protocol (pickled tuples): parent -> child: first an init dict, then ``(task_id,
 task, ``None`` to stop; child -> parent: ``("ready", pid)`` or ``("init_error", message)`` once, then
 ``(task_id, "ok", result)`` / ``(task_id, "error", repr)`` per task. The child exits when the parent
 closes its end or dies.
+
+Task kinds (``call_reward``): ``"samples"`` (payload ``(responses, label, metadata)``: a contiguous chunk
+of one group's responses, with ``reward.group`` false), scored one response at a time; each response's
+exception is caught on its own, so the answer is always ``"ok"`` with a list of per-response outcomes
+(``score_samples``): one message back per chunk instead of one per response. ``"sample"`` (one
+response), ``"group"`` (a group function's whole group) and ``"model"`` (a reward-model batch) answer
+``"error"`` with the exception's repr when they raise.
 """
 
 from __future__ import annotations
@@ -18,15 +25,40 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
+
+
+def score_samples(fn: Callable, responses: Sequence[str], label: str, metadata: Any) -> list[tuple[str, Any]]:
+    """Score ``responses`` (one group's, or a chunk of it) one at a time with the per-sample function ``fn``.
+
+    Returns:
+        one outcome per response, in order: ``("ok", (score, metrics))`` (``normalize_reward`` of
+        ``fn(response, label, metadata)``: a float and a dict of float metrics) or ``("error", repr)``
+        (the ``repr`` of the ``Exception`` it raised, at most 2000 characters). A raising response does
+        not stop the others. A ``BaseException`` that is no ``Exception`` (SystemExit, ...) propagates.
+    """
+    from moerl.rewards.registry import normalize_reward
+
+    out: list[tuple[str, Any]] = []
+    for response in responses:
+        try:
+            out.append(("ok", normalize_reward(fn(response, label, metadata))))
+        except Exception as e:  # noqa: BLE001 - this response gets error_value, the others go on
+            out.append(("error", repr(e)[:2000]))
+    return out
 
 
 def call_reward(fn: Callable, kind: str, payload: tuple) -> Any:
     """Run one task: ``"sample"`` -> ``normalize_reward(fn(response, label, metadata))``;
-    ``"group"`` -> ``normalize_group_reward(fn(responses, label, metadata), len(responses))``;
-    ``"model"`` -> ``fn.score(prompts, responses)`` (a ``RewardModel``). Exceptions propagate."""
+    ``"samples"`` -> ``score_samples(fn, responses, label, metadata)`` (per-response outcomes; a response's
+    exception does not propagate); ``"group"`` -> ``normalize_group_reward(fn(responses, label, metadata),
+    len(responses))``; ``"model"`` -> ``fn.score(prompts, responses)`` (a ``RewardModel``). Other exceptions
+    propagate; an unknown kind raises ValueError."""
     from moerl.rewards.registry import normalize_group_reward, normalize_reward
 
+    if kind == "samples":
+        responses, label, metadata = payload
+        return score_samples(fn, responses, label, metadata)
     if kind == "sample":
         response, label, metadata = payload
         return normalize_reward(fn(response, label, metadata))

@@ -2,17 +2,21 @@
 
 ``RewardPool`` keeps one dispatcher thread in the process that owns it: it sends every task to a worker,
 waits on the workers' pipes, watches the deadlines and hands each result back (one wake-up of the caller's
-event loop per sample). In ``train.mode`` one_step_off / async that process is the trainer, and the
-dispatcher's interpreter-lock time is taken from training: py-spy ``--gil`` on tools/bench_async.py's
-async run (128 samples per step) showed it holding the trainer's GIL about 34 ms per step, the largest of
-the rollout side's threads there.
+event loop per task: a chunk of a group's responses, see moerl.rewards.pool). In ``train.mode``
+one_step_off / async that process is the trainer, and the dispatcher's interpreter-lock time is taken from
+training: py-spy ``--gil`` on tools/bench_async.py's async run (128 samples per step, then one task per
+sample) showed it holding the trainer's GIL about 34 ms per step, the largest of the rollout side's threads
+there.
 
 ``RewardBroker`` starts ``python -c "from moerl.rewards.broker import main; main(FD)"``, which builds the
 ``RewardPool`` (same arguments: workers, per-task timeouts, crash isolation, reward model) and serves its
 calls; the trainer process only pickles one message per group and reads one answer per group (a reader
 thread resolves the call's future: one wake-up of the producer's loop per group). ``python
 tools/bench_rewards.py`` (the demo's 16 groups x 8 per step): the caller's CPU per step 16.7-19.3 ms with
-RewardPool (its dispatcher thread), 2.6-3.0 ms with RewardBroker (13-16 ms in the broker process). The pool's semantics
+RewardPool (its dispatcher thread), 2.6-3.0 ms with RewardBroker (13-16 ms in the broker process), when the
+pool sent one task per sample; since it sends a group's responses in ``num_workers`` chunks (32 tasks per
+step instead of 128), on a 2-core machine: 4.3-4.9 ms with RewardPool (15.8-16.0 before on the same
+machine), 2.1 ms with RewardBroker (5.3-5.7 ms in the broker process, 10.7 before). The pool's semantics
 are unchanged: a hanging, raising or crashing sample gets ``error_value`` within ``timeout_s`` and its
 worker is replaced, inside the broker process.
 
