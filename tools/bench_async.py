@@ -27,7 +27,7 @@ Figures per mode (from the run's TensorBoard events, summary.json and /proc samp
   wall time with at least one generation request in flight), which counts a request as busy even while
   it waits (e.g. in the router or on a paused server), so it overstates real server work.
 * greedy accuracy after RL: summary.json accuracy_after_rl on eval.num_prompts held-out prompts
-  (algorithm.off_policy_correction=decoupled in every mode by default, see --off-policy-correction).
+  (algorithm.off_policy_correction=icepop in every mode by default, see --off-policy-correction).
 * staleness: token-weighted mean of staleness/mean, max of staleness/max over the steps.
 * CPU: trainer-core use (trainer process CPU / RL wall), the CPU per step of the trainer's busiest
   non-main thread (in sync the rollout producer: HTTP client, reward scoring; it shares core 0 with
@@ -89,7 +89,7 @@ ran on core 1, where a server preempted them while they held the trainer's inter
 
 Usage: python tools/bench_async.py [--steps 40] [--warm-start DIR] [--modes sync one_step_off async_s1
        async_s2] [--out DIR] [--keep] [--num-servers 1] [--eval-prompts 1000]
-       [--off-policy-correction decoupled] [--devices 8 64] [--set key=value ...]
+       [--off-policy-correction icepop] [--devices 8 64] [--set key=value ...]
 Defaults take about 8.5 minutes on the shared 2-core machine (measured: 502 s, of which the SFT warm
 start 234 s; with --warm-start 184-221 s at commit 800c5f2: each mode 40-90 s, of which 12-24 s RL, the
 rest start-up and greedy evals of 1000 prompts).
@@ -146,9 +146,13 @@ TARGET_ACC_POINTS = 3.0
 TARGET_MODEL_REL_ERR = 0.20
 #: off-policy correction of every mode. With the recipe's default (none) the overlapped modes trained on
 #: one-version-stale samples lost 5-7 points of greedy accuracy against sync in 40 steps (56.9% sync vs
-#: 51.8 / 50.4 / 49.9% one_step_off / async s=1 / s=2 on 1000 prompts); decoupled PPO (AReaL) gave
-#: async s=1 57.2%. In sync the behaviour and proximal policies coincide, so it changes nothing there.
-DEFAULT_CORRECTION = "decoupled"
+#: 51.8 / 50.4 / 49.9% one_step_off / async s=1 / s=2 on 1000 prompts; 56.3% vs 63.4% on a second warm start).
+#: async s=1 against sync, points, on two warm starts (SFT seeds 1 and 2, AMD EPYC machine, commit f8696ff;
+#: repeated runs gave the same accuracy): decoupled PPO (AReaL) -3.7 (58.8-60.1% vs 63.4%, five runs) and
+#: +0.7; tis +4.7 / -0.5; icepop +1.1 / +0.2 (64.5% vs 63.4%, 47.7% vs 47.5%): IcePop's mask of tokens whose
+#: weight leaves [1/2, 2] tracks sync closest. (On an earlier warm start decoupled gave +0.3.) In sync the
+#: behaviour and proximal policies coincide, so the correction changes nothing there.
+DEFAULT_CORRECTION = "icepop"
 #: recipe settings of every mode (the SFT warm start too), before --set (which can override them):
 #: - rollout.weight_sync=tensor: the weights go to the server over HTTP in memory, as between separate devices
 #:   (the recipe's disk mode writes and reads safetensors files on both cores);

@@ -265,7 +265,7 @@ class RolloutManager(_PushWaiter):
             log(f"WARNING: train.mode={tr.mode} trains on tokens up to {tr.max_staleness} versions old without an "
                 "importance correction (algorithm.off_policy_correction=none); on the demo that cost 5-7 points of "
                 "greedy accuracy at staleness 1 (tools/bench_async.py); consider algorithm.off_policy_correction="
-                "decoupled or tis")
+                "icepop, tis or decoupled")
         self.client, self.cluster, self.sampler = client, cluster, sampler
         self.encode, self.decode, self.reward_fn, self.log = encode, decode, reward_fn, log
         self.mode, self.policy = tr.mode, tr.staleness_policy
