@@ -34,6 +34,22 @@ def test_tensorboard_events_round_trip(tmp_path):
     assert set(scalars) == {"train/reward", "train/pg_loss", "tokens_per_s"}
 
 
+def test_one_event_per_log_call_holds_every_scalar(tmp_path):
+    """log() writes one TensorBoard event per call (a Summary with one value per tag), not one per scalar."""
+    import glob
+
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
+
+    with MetricsLogger(tmp_path / "tb") as logger:
+        logger.log(3, {f"m{i}": float(i) for i in range(5)}, prefix="rollout")
+        logger.log(4, {})  # nothing to write
+    (path,) = glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))
+    events = [e for e in map(Event.FromString, RawEventFileLoader(path).Load()) if e.HasField("summary")]
+    assert len(events) == 1 and events[0].step == 3
+    assert [(v.tag, v.simple_value) for v in events[0].summary.value] == [(f"rollout/m{i}", float(i)) for i in range(5)]
+
+
 def test_log_rejects_non_scalars(tmp_path):
     logger = MetricsLogger(tmp_path, tensorboard=False)
     with pytest.raises(TypeError, match="'kl'"):

@@ -177,9 +177,13 @@ class MetricsLogger:
         if isinstance(step, bool) or not isinstance(step, numbers.Integral):
             raise TypeError(f"step must be an int, got {type(step).__name__}")
         values = {_join(prefix, k): _to_float(k, v) for k, v in metrics.items()}
-        if self._tb is not None:
-            for name, v in values.items():
-                self._tb.add_scalar(name, v, global_step=int(step))
+        if self._tb is not None and values:
+            # one event holding every scalar of the step (a Summary with one value per tag, what add_scalar
+            # writes one event each for): ~100 add_scalar calls were 3 ms of the demo's 0.2 s trainer step
+            from tensorboard.compat.proto.summary_pb2 import Summary
+
+            summary = Summary(value=[Summary.Value(tag=name, simple_value=v) for name, v in values.items()])
+            self._tb._get_file_writer().add_summary(summary, int(step))
         if self._wandb_run is not None:
             self._wandb_run.log(values, step=int(step))
 
