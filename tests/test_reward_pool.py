@@ -57,13 +57,26 @@ def user_file(tmp_path_factory):
     return str(path)
 
 
+def _started(cls, user_file, timeout_s):
+    """A started pool / broker of two workers over ``per_sample`` (error_value -1), collecting its log lines
+    in ``.logs``; a context manager."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def cm():
+        logs: list[str] = []
+        with cls(f"{user_file}:per_sample", num_workers=2, timeout_s=timeout_s, error_value=-1.0,
+                 log=logs.append) as p:
+            p.wait_ready(timeout=60)
+            p.logs = logs
+            yield p
+
+    return cm()
+
+
 @pytest.fixture(scope="module", params=[RewardPool, RewardBroker], ids=["pool", "broker"])
 def pool(user_file, request):
-    logs: list[str] = []
-    with request.param(f"{user_file}:per_sample", num_workers=2, timeout_s=TIMEOUT, error_value=-1.0,
-                       log=logs.append) as p:
-        p.wait_ready(timeout=60)
-        p.logs = logs
+    with _started(request.param, user_file, TIMEOUT) as p:
         yield p
 
 
@@ -117,11 +130,7 @@ FAST = 0.5  # timeout_s of the chunk tests: a hanging response costs its chunk's
 
 @pytest.fixture(scope="module", params=[RewardPool, RewardBroker], ids=["pool", "broker"])
 def fast_pool(user_file, request):
-    logs: list[str] = []
-    with request.param(f"{user_file}:per_sample", num_workers=2, timeout_s=FAST, error_value=-1.0,
-                       log=logs.append) as p:
-        p.wait_ready(timeout=60)
-        p.logs = logs
+    with _started(request.param, user_file, FAST) as p:
         yield p
 
 
