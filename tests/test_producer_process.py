@@ -264,6 +264,29 @@ def test_close_does_not_wait_forever_for_a_child_that_does_not_answer(tok, rewar
         _kill(mgr)
 
 
+def test_close_does_not_wait_forever_for_a_push_that_does_not_land(tok, reward_path, monkeypatch):
+    """A background push wedged in push() (a server that never answers) is waited for PUSH_LAND_TIMEOUT_S by
+    close(), which then stops the child anyway and says so."""
+    monkeypatch.setattr(producer_process, "PUSH_LAND_TIMEOUT_S", 1.0)
+    servers = HttpFakeServers()
+    cfg = _cfg(reward_path, max_staleness=1)
+    mgr = _process(servers, cfg, tok, 6).start()
+    assert mgr.background_push
+    logs, wedged = [], threading.Event()
+    mgr.log = logs.append
+    try:
+        mgr.get_batch(1)
+        mgr.update_weights(lambda: wedged.wait(60), 1)
+        t0 = time.monotonic()
+        _within(20, mgr.close)
+        assert time.monotonic() - t0 < 15
+        assert any("did not land within 1 s" in m for m in logs), logs
+        assert mgr.proc.wait(10) is not None
+    finally:
+        wedged.set()
+        _kill(mgr)
+
+
 def test_a_failed_hold_still_ends_the_push(tok, reward_path, monkeypatch):
     """The child's hold raises (an unknown message here): the push is still ended as failed, so the child's
     producer stops and its get_batch raises, rather than handing out batches (or waiting forever) with the push

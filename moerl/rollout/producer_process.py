@@ -47,6 +47,9 @@ from moerl.rollout.manager import _PushWaiter, _version_int, background_push, pa
 CLUSTER_POLL_S = 0.25
 #: seconds close() waits for the child's answer to its close message, then for it to exit (then it is killed)
 CLOSE_TIMEOUT_S = 30.0
+#: seconds close() waits for a background weight push still in flight (the loop itself waits for every push
+#: before its evals and exports, so only an error path gets here; a push wedged longer is left behind)
+PUSH_LAND_TIMEOUT_S = 600.0
 
 
 class ProducerProcessError(RuntimeError):
@@ -203,13 +206,22 @@ class RolloutManagerProcess(_PushWaiter):
         return self
 
     def close(self) -> None:
-        """Stop the child after a push in flight has landed (its error, if any, is logged). The child is asked
+        """Stop the child after a push in flight has landed (its error, if any, is logged; one that has not landed
+        after ``PUSH_LAND_TIMEOUT_S`` is left behind, with a warning). The child is asked
         to close (unless the wire is broken: then its connections are just closed) and waited for at most
         ``CLOSE_TIMEOUT_S`` for the answer, then as long again to exit; then it is killed."""
-        try:
-            self.wait_weights()
-        except Exception as e:
-            self.log(f"WARNING: the last weight push failed: {type(e).__name__}: {e}")
+        t = self._push_thread
+        if t is not None:
+            t.join(timeout=PUSH_LAND_TIMEOUT_S)
+        if t is not None and t.is_alive():
+            self._push_thread = None  # a daemon thread; the wire closes below, which ends its calls to the child
+            self.log(f"WARNING: the weight push in flight did not land within {PUSH_LAND_TIMEOUT_S:g} s; stopping the "
+                     "rollout producer process without it")
+        else:
+            try:
+                self.wait_weights()
+            except Exception as e:
+                self.log(f"WARNING: the last weight push failed: {type(e).__name__}: {e}")
         self._stop.set()
         if self._poller is not None:
             self._poller.join(timeout=5)
