@@ -18,8 +18,10 @@ workers' 1.7-2.0 ms instead of 5.7-6.0.
 
 When a chunk of several responses times out or kills its worker, the culprit is unknown: the pool logs
 one line for the chunk and scores its responses again one per task (limit ``timeout_s`` each), so the
-results and the counted events are those of scoring every response alone; only a hang's wall time grows
-(the chunk's limit plus one response's).
+results and the counted events are those of scoring every response alone, with one difference: the limit
+is the chunk's, so a response slower than ``timeout_s`` still counts as scored when the chunk as a whole
+finishes within its limit (k responses of 12, 1, 1, 1 s with timeout_s 10: the 12 s one is scored). A hang
+holds a worker for the chunk's limit plus one response's ((k + 1) x timeout_s).
 
 Workers are fresh interpreters (``subprocess.Popen`` of ``moerl.rewards._worker``: fork + exec, the
 semantics of multiprocessing's "spawn"; never a bare fork of the threaded trainer) that resolve the

@@ -214,7 +214,7 @@ class RolloutManagerProcess(_PushWaiter):
         if t is not None:
             t.join(timeout=PUSH_LAND_TIMEOUT_S)
         if t is not None and t.is_alive():
-            self._push_thread = None  # a daemon thread; the wire closes below, which ends its calls to the child
+            self._push_thread = None  # a daemon thread; its call to the child ends when the child exits (below)
             self.log(f"WARNING: the weight push in flight did not land within {PUSH_LAND_TIMEOUT_S:g} s; stopping the "
                      "rollout producer process without it")
         else:

@@ -124,27 +124,24 @@ def _install_request_log_and_memory(app, engine: "ReferenceEngine", request_log:
             return
         rec: dict = {"t": time.time(), "pid": os.getpid(), "event": "recv", "method": method, "path": path}
         if log_file is not None and method in ("POST", "PUT"):
-            length = dict(scope.get("headers") or ()).get(b"content-length")
-            if int(length or 0) <= 256 * 1024:  # read it here, hand the app the same bytes
-                chunks, more = [], True
+            try:
+                small = int(dict(scope.get("headers") or ()).get(b"content-length") or 0) <= 256 * 1024
+            except ValueError:
+                small = False
+            if small:  # read it here, hand the app the same messages
+                msgs, more = [], True
                 while more:
                     msg = await receive()
-                    if msg["type"] != "http.request":  # the client went away: the app sees that too
-                        chunks, more = None, False
-                        break
-                    chunks.append(msg.get("body", b""))
-                    more = msg.get("more_body", False)
-                if chunks is not None:
-                    data, replayed = b"".join(chunks), [False]
+                    msgs.append(msg)
+                    more = msg["type"] == "http.request" and msg.get("more_body", False)
+                pending = list(msgs)
 
-                    async def receive(_receive=receive):  # noqa: F811 - the replaying receive
-                        if not replayed[0]:
-                            replayed[0] = True
-                            return {"type": "http.request", "body": data, "more_body": False}
-                        return await _receive()
+                async def receive(_receive=receive):  # noqa: F811 - replays what was read, then the server's
+                    return pending.pop(0) if pending else await _receive()
 
+                if msgs[-1]["type"] == "http.request":  # not cut by a disconnect (replayed to the app as well)
                     try:
-                        body = _json.loads(data)
+                        body = _json.loads(b"".join(m.get("body", b"") for m in msgs))
                     except ValueError:
                         body = None
                     if isinstance(body, dict):
@@ -155,6 +152,10 @@ def _install_request_log_and_memory(app, engine: "ReferenceEngine", request_log:
         async def send_status(message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                # before the answer's last bytes leave: a client that has its answer finds the record
+                write({**rec, "t": time.time(), "event": "done", "status": status[0],
+                       "weight_version": engine.weight_version})
             await send(message)
 
         if released and path == "/generate":
@@ -166,12 +167,10 @@ def _install_request_log_and_memory(app, engine: "ReferenceEngine", request_log:
         else:
             resp = None
         await (resp(scope, receive, send_status) if resp is not None else app_next(scope, receive, send_status))
-        write({**rec, "t": time.time(), "event": "done", "status": status[0],
-               "weight_version": engine.weight_version})
 
     class _Guard:
-        def __init__(self, app_next):
-            self.app_next = app_next
+        def __init__(self, app):  # Starlette before 0.41.3 passes it by keyword (app=...)
+            self.app_next = app
 
         async def __call__(self, scope, receive, send) -> None:
             if scope["type"] != "http":
