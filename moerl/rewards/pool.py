@@ -96,6 +96,12 @@ class _Task:
         # dispatcher's set_result / set_exception never meet a cancelled future (InvalidStateError)
         self.future.set_running_or_notify_cancel()
 
+    @property
+    def chunk(self) -> bool:
+        """A "samples" task of several responses: if it times out or kills its worker the culprit is unknown,
+        so it is scored again one response per task."""
+        return self.kind == "samples" and len(self.names) > 1
+
 
 def _chunks(n: int, k: int) -> list[tuple[int, int]]:
     """``[a, b)`` bounds of ``min(n, k)`` contiguous chunks of ``range(n)`` whose sizes differ by at most
@@ -524,7 +530,7 @@ class RewardPool:
         """``proc``'s task timed out or its worker died (already logged, counted and replaced): the task
         gets ``err``, except a chunk of several responses, which is scored again one response per task."""
         task = proc.task
-        if task is not None and task.kind == "samples" and len(task.names) > 1:
+        if task is not None and task.chunk:
             proc.task, proc.deadline = None, None
             self._rescore(task)
         elif task is not None and task.kind == "samples":
@@ -584,7 +590,7 @@ class RewardPool:
     def _on_death(self, proc: _Proc) -> None:
         code = proc.exit_code()
         task = proc.task
-        chunk = task is not None and task.kind == "samples" and len(task.names) > 1
+        chunk = task is not None and task.chunk
         if task is None and not proc.ready and not self._closed:
             self._start_failures += 1
             if self._start_failures >= _MAX_START_FAILURES:
@@ -628,7 +634,7 @@ class RewardPool:
         if task.kind == "samples":
             if status == "ok":
                 self._finish(proc, self._sample_pairs(task.names, value))
-            elif len(task.names) > 1:  # the task itself raised (not one response): score them one at a time
+            elif task.chunk:  # the task itself raised (not one response): score them one at a time
                 self._say(f"reward: the chunk {task.what} ({len(task.names)} samples) raised {value}; "
                           "scoring them again one at a time")
                 self._fail(proc, f"exception: {value}")
@@ -669,7 +675,7 @@ class RewardPool:
             if proc.deadline is not None and now >= proc.deadline:
                 task = proc.task
                 proc.kill()
-                if task.kind == "samples" and len(task.names) > 1:  # the culprit is unknown: rescoring counts it
+                if task.chunk:  # the culprit is unknown: rescoring counts it
                     self._say(f"reward: the chunk {task.what} ({len(task.names)} samples) timed out after "
                               f"{task.timeout:g} s (reward.timeout_s x {len(task.names)}); worker killed and "
                               "replaced; scoring them again one at a time")
