@@ -399,6 +399,14 @@ def _child_manager(spec: dict):
     encoder = PromptEncoder(tokenizer, spec["system_prompt"])
     with pinned(spec.get("reward_cpu_affinity") or ()):  # the workers on the rollout cores, its threads here
         pool = reward_pool_from_config(cfg.reward, log=_log)
+    try:  # workers up before the first group: else the first batch waits for their start (~0.2-0.5 s here)
+        pool.wait_ready(timeout=cfg.rollout.startup_timeout_s)
+    except TimeoutError:  # slow (a reward model loading): the producer starts anyway, its first scores wait
+        _log(f"reward workers not ready after rollout.startup_timeout_s={cfg.rollout.startup_timeout_s} s: "
+             "producing anyway")
+    except BaseException:
+        pool.close()
+        raise
     client = RolloutClient(spec["router_url"], timeout_s=spec["timeout_s"], max_retries=spec["max_retries"],
                            cluster=view)
     manager = RolloutManager(
