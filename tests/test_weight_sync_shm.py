@@ -251,3 +251,35 @@ def test_buckets_are_pipelined_and_the_version_goes_last(ckpts):
         assert client.get("/get_model_info").json()["weight_version"] == "p1"
     finally:
         engine.close()
+
+
+def test_shm_manager_timeout_is_tried_again_and_other_errors_are_not():
+    """libshm's 1-second wait for torch_shm_manager's answer (pytorch/pytorch#2482) is tried again up to
+    SHM_MANAGER_TRIES calls in all; any other error is raised at the first call."""
+    from moerl.rollout import tensor_serde as ts
+
+    timeout = RuntimeError("Shared memory manager connection has timed out\nException raised from recv at socket.h")
+    calls = []
+
+    def flaky(fail_times, result, error=timeout):
+        def call(*args):
+            calls.append(args)
+            if len(calls) <= fail_times:
+                raise error
+            return result
+        return call
+
+    assert ts._with_shm_manager(flaky(2, "ok"), 1, 2) == "ok" and calls == [(1, 2)] * 3
+    calls.clear()
+    with pytest.raises(RuntimeError, match="timed out"):
+        ts._with_shm_manager(flaky(ts.SHM_MANAGER_TRIES, "never"))
+    assert len(calls) == ts.SHM_MANAGER_TRIES
+    calls.clear()
+    with pytest.raises(RuntimeError, match="other"):
+        ts._with_shm_manager(flaky(1, "never", RuntimeError("other")))
+    assert len(calls) == 1
+    # the real call: a storage moved to /dev/shm once, its handle a torch shm name
+    storage = torch.arange(10, dtype=torch.float32).untyped_storage()
+    manager, handle, size = ts.share_filename(storage)
+    assert storage.is_shared() and handle.startswith(b"/torch_") and size == 40
+    assert ts.share_filename(storage)[1] == handle

@@ -43,6 +43,8 @@ from typing import Optional
 
 import torch
 
+from moerl.rollout.tensor_serde import share_filename
+
 __all__ = ["ArenaSlot", "SharedExportArena"]
 
 _ALIGN = 64  # bytes; every tensor starts at a multiple of this (as in SharedBucketBuffers)
@@ -56,7 +58,7 @@ def _round_mib(nbytes: int) -> int:
 def _shared_bytes(nbytes: int) -> torch.Tensor:
     """A uint8 tensor of ``nbytes`` bytes whose storage is a /dev/shm file (file_system strategy)."""
     buf = torch.empty(nbytes, dtype=torch.uint8)
-    buf.untyped_storage()._share_filename_cpu_()
+    share_filename(buf.untyped_storage())
     return buf
 
 

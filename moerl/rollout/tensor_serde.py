@@ -54,7 +54,7 @@ import torch
 
 __all__ = ["FlattenedTensorMetadata", "LocalSerializedTensor", "TENSOR_LOAD_FORMATS", "deserialize",
            "flatten_bucket", "named_tensors_from_payload", "serialize", "serialize_named_tensors",
-           "serialize_shared", "shared_storages"]
+           "serialize_shared", "share_filename", "shared_storages"]
 
 #: load_format values of /update_weights_from_tensor that the reference server reads.
 TENSOR_LOAD_FORMATS = (None, "direct", "flattened_bucket")
@@ -109,6 +109,33 @@ SHM_DIR = "/dev/shm"
 _SHM_NAME = re.compile(rb"/torch_\d+_\d+_\d+")
 
 
+#: tries of a call that registers a shared-memory file with torch_shm_manager (see :func:`_with_shm_manager`)
+SHM_MANAGER_TRIES = 5
+_SHM_MANAGER_TIMEOUT = "Shared memory manager connection has timed out"
+
+
+def _with_shm_manager(call, *args):
+    """``call(*args)``, tried again (up to SHM_MANAGER_TRIES in all) when torch's libshm raises its
+    manager-connection timeout. libshm waits only 1 s (one poll) for torch_shm_manager's "OK" to a
+    registration, which a loaded machine can miss (pytorch/pytorch#2482; seen here on 2 busy cores). The
+    two calls wrapped here register a file before they create or map it, so one that raises has created,
+    mapped and counted nothing: the next try starts clean (a late "OK" left on the socket is read as the next
+    registration's, and every answer is "OK"). Any other error is raised at once."""
+    for attempt in range(SHM_MANAGER_TRIES):
+        try:
+            return call(*args)
+        except RuntimeError as e:
+            if _SHM_MANAGER_TIMEOUT not in str(e) or attempt == SHM_MANAGER_TRIES - 1:
+                raise
+
+
+def share_filename(storage: torch.UntypedStorage) -> tuple[bytes, bytes, int]:
+    """``storage._share_filename_cpu_()``: a CPU storage moved into a /dev/shm file of torch's file_system
+    strategy (once; a storage already there keeps its file), as (manager socket, handle, nbytes); the
+    manager's registration timeout is tried again (:func:`_with_shm_manager`)."""
+    return _with_shm_manager(storage._share_filename_cpu_)
+
+
 def _rebuild_shared_storage(cls, manager, handle, size, dtype=None):
     """torch.multiprocessing.reductions.rebuild_storage_filename after checking its arguments: a
     torch shared-memory file that exists on this host and holds ``size`` bytes, and the sender's
@@ -133,7 +160,7 @@ def _rebuild_shared_storage(cls, manager, handle, size, dtype=None):
                          f"bytes instead (transport 'bytes')") from None
     if size > have:
         raise ValueError(f"shared-memory handle {path} claims {size} bytes, the file holds {have}")
-    return rebuild_storage_filename(cls, manager, handle, size)
+    return _with_shm_manager(rebuild_storage_filename, cls, manager, handle, size)
 
 
 def _rebuild_empty_storage(cls):
@@ -361,7 +388,7 @@ class _SharedMemoryPickler(pickle.Pickler):
         if isinstance(obj, torch.UntypedStorage):
             if obj.nbytes() == 0:
                 return red.rebuild_storage_empty, (torch.UntypedStorage,)
-            manager, handle, size = obj._share_filename_cpu_()  # moves the bytes to /dev/shm once
+            manager, handle, size = share_filename(obj)  # moves the bytes to /dev/shm once
             obj._shared_incref()  # the receiver's reference; its rebuild_storage_filename gives it back
             red.shared_cache[handle] = red.StorageWeakRef(obj)
             return red.rebuild_storage_filename, (torch.UntypedStorage, manager, handle, size)

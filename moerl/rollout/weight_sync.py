@@ -304,8 +304,10 @@ class SharedBucketBuffers:
         i = k % self.depth
         buf = self._bufs[i]
         if buf is None or buf.numel() < nbytes:
+            from moerl.rollout.tensor_serde import share_filename
+
             buf = torch.empty(max(1 << 20, -(-nbytes // (1 << 20)) << 20), dtype=torch.uint8)
-            buf.untyped_storage()._share_filename_cpu_()  # a /dev/shm file now, once
+            share_filename(buf.untyped_storage())  # a /dev/shm file now, once
             self._bufs[i] = buf
         return buf
 
