@@ -192,3 +192,49 @@ def test_old_log_probs_from_the_update_forward_give_the_same_update(dist, correc
     assert got["train/old_log_probs_from_update"] == 1.0
     for k, v in want.items():  # the micro-batch holds the behaviour log-probs in float32: rounding ~1e-7
         assert got[k] == pytest.approx(v, rel=1e-6, abs=1e-9), k
+
+
+def test_set_step_lr_sets_the_size_of_the_next_adam_step(dist):
+    """Adam's first step moves every parameter by lr * g / (|g| + eps) (bias-corrected moments m = g, v = g^2):
+    about lr for a parameter with |g| >> eps. An actor built at lr 1 and set to 1e-3 by set_step_lr (the SFT
+    warm-up, moerl.train.sft) moves them by 1e-3; the Adam moments are those of the same optimizer."""
+    hf = random_hf_model()
+    samples = make_samples(FIELDS["vocab_size"])
+    actor = actor_with(hf, lr=1.0, clip_grad=0.0, moe_aux_loss_coeff=0.0)
+    optimizer = actor.optimizer
+    actor.set_step_lr(1e-3)
+    assert actor.optimizer is optimizer and all(g["lr"] == 1e-3 for g in optimizer.param_groups)
+    before = [p.detach().clone() for p in actor.model.parameters()]
+    mbatches = split_micro_batches(samples, len(samples), 0)
+    actor.train_step(mbatches, sft_loss(int(sum(mb.loss_mask.sum() for mb in mbatches))), 1.0)
+    steps, grads = [], []
+    for p, b in zip(actor.model.parameters(), before):
+        steps.append((p.detach() - b).flatten())
+        grads.append(p.main_grad.detach().flatten())
+    step, grad = torch.cat(steps), torch.cat(grads)
+    big = grad.abs() > 1e-5  # |g| >> eps = 1e-8: the step is lr to within 0.1%
+    assert int(big.sum()) > 1000
+    torch.testing.assert_close(step[big].abs(), torch.full_like(step[big], 1e-3), rtol=1e-3, atol=0)
+    assert bool((torch.sign(step[big]) == -torch.sign(grad[big])).all())
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_recipe_initializer_range_is_the_init_std(dist, model_type):
+    """model.hf_config.initializer_range (the tiny recipe's 0.08) reaches Megatron's init_method_std in every
+    model family: the word embedding and a QKV projection (4096+ entries each) have that sample std (+-5%; DeepSeek-V3: the MLA query up-projection)."""
+    from moerl.config import load_config
+
+    cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "tiny_arith.yaml"),
+                      [f"model.hf_config.model_type={model_type}", "model.hf_config.vocab_size=128"]
+                      + (["model.hf_config.kv_lora_rank=32", "model.hf_config.qk_nope_head_dim=16",
+                          "model.hf_config.qk_rope_head_dim=16", "model.hf_config.v_head_dim=32"]
+                         if model_type == "deepseek_v3" else []))
+    assert cfg.model.hf_config.initializer_range == 0.08
+    family = __import__(f"moerl.models.families.{model_type}", fromlist=["make_hf_config"])
+    actor = MegatronActor(family.make_hf_config(cfg.model.hf_config.family_fields()))
+    stds = {name: float(p.detach().std()) for name, p in actor.model.named_parameters()
+            if name.endswith(("word_embeddings.weight", "layers.0.self_attention.linear_qkv.weight",
+                              "layers.0.self_attention.linear_q_up_proj.weight"))}
+    assert len(stds) == 2, sorted(stds)
+    for name, std in stds.items():
+        assert std == pytest.approx(0.08, rel=0.05), (name, std)

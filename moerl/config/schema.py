@@ -81,6 +81,7 @@ class HFModelConfig(_Section):
     norm_topk_prob: bool = True
     tie_word_embeddings: bool = True
     vocab_size: Optional[int] = Field(None, ge=1)
+    initializer_range: float = Field(0.02, gt=0)  # std of the normal init of weight matrices (Megatron init_method_std)
     mlp_only_layers: list[int] = []  # layers with a dense MLP (width intermediate_size) instead of MoE
     # DeepSeek-V3 only (model_type: deepseek_v3; null = not set)
     q_lora_rank: Optional[int] = Field(None, ge=1)  # query LoRA rank (null = one query projection)
@@ -715,6 +716,7 @@ class SFTConfig(_Section):
     global_batch_size: int = Field(128, ge=1)
     micro_batch_size: int = Field(128, ge=1)
     max_steps: int = Field(3000, ge=1)
+    warmup_steps: int = Field(0, ge=0)  # the lr rises linearly from sft.lr / warmup_steps to sft.lr over these steps
     eval_every: int = Field(25, ge=1)  # steps
     eval_prompts: int = Field(100, ge=1)
     target_accuracy: float = Field(0.3, gt=0, le=1)  # stop when greedy eval accuracy first reaches it

@@ -424,6 +424,19 @@ class MegatronActor:
             return load_native("cuda" if self.device.type == "cuda" else "cpu")
         return True
 
+    def set_step_lr(self, lr: float) -> None:
+        """Set the learning rate of every parameter group of the current optimizer to ``lr`` (from the next
+        optimizer step on), keeping Adam's moments: one point of an lr schedule (:meth:`set_lr` builds a new
+        optimizer instead).
+
+        Raises:
+            RuntimeError: the actor has no optimizer (trainable=False).
+        """
+        if getattr(self, "optimizer", None) is None:
+            raise RuntimeError("set_step_lr on a frozen actor (trainable=False)")
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
     def set_lr(self, lr: float) -> None:
         """(Re)build the Megatron Adam optimizer at learning rate ``lr`` with fresh moments (used
         between the SFT warm start and RL, which run at different learning rates). With BF16 params

@@ -35,7 +35,9 @@ def run_sft(ctx: RunContext, actor, client, sync, logger, state,
             samplers: dict, ckpt) -> None:
     """Warm start: supervised steps until greedy accuracy on sft.eval_prompts held-out prompts first
     reaches sft.target_accuracy (checked every sft.eval_every steps), or sft.max_steps. Continues
-    from ``state.sft_step``; each DP rank trains on its contiguous share of every batch."""
+    from ``state.sft_step``; each DP rank trains on its contiguous share of every batch. With
+    sft.warmup_steps w > 0, step s trains at lr ``sft.lr * min(1, s / w)`` (a function of the step alone,
+    so a resumed run trains at the lr an uninterrupted one does)."""
     sft = ctx.cfg.sft
     eval_rows = ctx.eval_rows[: sft.eval_prompts]
     dp_size, dp_rank = world.dp_info()
@@ -48,6 +50,8 @@ def run_sft(ctx: RunContext, actor, client, sync, logger, state,
         n_tok = sum(sum(s.loss_mask) for s in samples)  # global denominator
         if sync.placement.trainer_offloaded:  # colocated, after a sync: servers release, trainer reloads
             sync.placement.before_train()
+        if sft.warmup_steps:
+            actor.set_step_lr(sft.lr * min(1.0, step / sft.warmup_steps))
         m = actor.train_step(mbs, sft_loss(n_tok), temperature=1.0)
         state.sft_step = step
         if step % sft.eval_every == 0 or step == sft.max_steps:

@@ -114,7 +114,8 @@ RECIPE_KEYS = {"num_hidden_layers": "num_hidden_layers", "hidden_size": "hidden_
                "head_dim": "head_dim", "num_experts": "num_local_experts", "num_experts_per_tok": "num_experts_per_tok",
                "moe_intermediate_size": "intermediate_size", "max_position_embeddings": "max_position_embeddings",
                "rope_theta": "rope_theta", "rms_norm_eps": "rms_norm_eps", "tie_word_embeddings": "tie_word_embeddings",
-               "vocab_size": "vocab_size"}
+               "vocab_size": "vocab_size",
+               "initializer_range": "initializer_range"}
 
 
 def recipe_problem(recipe: Mapping[str, Any]) -> Optional[str]:
