@@ -86,7 +86,7 @@ EXPECTED_TINY = {
     },
     "sft": {
         "enabled": True, "lr": 1.0e-3, "global_batch_size": 128, "micro_batch_size": 128, "max_steps": 3000,
-        "warmup_steps": 100, "eval_every": 25, "eval_prompts": 100, "target_accuracy": 0.3,
+        "warmup_steps": 100, "eval_every": 10, "eval_prompts": 100, "target_accuracy": 0.3,
     },
     "eval": {"num_prompts": 300, "every_steps": 25, "stop_at_gain": 0.15},
     "log": {"tensorboard": True, "wandb_project": None, "log_every": 1, "samples": False},
@@ -116,12 +116,12 @@ def test_tiny_recipe_matches_spec_and_schema_defaults():
     cfg = load_config(TINY)
     assert cfg.to_dict() == EXPECTED_TINY
     # schema defaults are the tiny recipe, except eval.stop_at_gain (the demo stops early, a recipe that does not
-    # ask runs all its train.num_steps) and the tiny model's SFT settings (init std 0.08 and 100 warm-up steps;
-    # the defaults are Hugging Face's 0.02 and none, which the other recipes were measured with)
+    # ask runs all its train.num_steps) and the tiny model's SFT settings (init std 0.08, 100 warm-up steps, an eval
+    # every 10 steps; the defaults are Hugging Face's 0.02, none and 25, which the other recipes were measured with)
     assert cfg.eval.stop_at_gain == 0.15 and RecipeConfig().eval.stop_at_gain is None
     assert (RecipeConfig().model.hf_config.initializer_range, RecipeConfig().sft.warmup_steps) == (0.02, 0)
     assert load_config(TINY, ["eval.stop_at_gain=null", "model.hf_config.initializer_range=0.02",
-                              "sft.warmup_steps=0"]) == RecipeConfig()
+                              "sft.warmup_steps=0", "sft.eval_every=25"]) == RecipeConfig()
     assert cfg.rollout.n_samples_per_prompt == 8 and cfg.model.hf_config.num_experts == 8
 
 
