@@ -81,7 +81,7 @@ class HFModelConfig(_Section):
     norm_topk_prob: bool = True
     tie_word_embeddings: bool = True
     vocab_size: Optional[int] = Field(None, ge=1)
-    initializer_range: float = Field(0.02, gt=0)  # std of the normal init of weight matrices (Megatron init_method_std)
+    initializer_range: float = Field(0.02, gt=0)  # base std of the normal weight init (Megatron init_method_std; output projections / sqrt(2 * layers))
     mlp_only_layers: list[int] = []  # layers with a dense MLP (width intermediate_size) instead of MoE
     # DeepSeek-V3 only (model_type: deepseek_v3; null = not set)
     q_lora_rank: Optional[int] = Field(None, ge=1)  # query LoRA rank (null = one query projection)

@@ -399,21 +399,24 @@ def _child_manager(spec: dict):
     encoder = PromptEncoder(tokenizer, spec["system_prompt"])
     with pinned(spec.get("reward_cpu_affinity") or ()):  # the workers on the rollout cores, its threads here
         pool = reward_pool_from_config(cfg.reward, log=_log)
-    try:  # workers up before the first group: else the first batch waits for their start (~0.2-0.5 s here)
-        pool.wait_ready(timeout=cfg.rollout.startup_timeout_s)
-    except TimeoutError:  # slow (a reward model loading): the producer starts anyway, its first scores wait
-        _log(f"reward workers not ready after rollout.startup_timeout_s={cfg.rollout.startup_timeout_s} s: "
-             "producing anyway")
+    try:
+        # workers up before the first group, else the first batch waits for their start (~0.2-0.5 s here); a reward
+        # model loads first (the first batch needed it anyway), for at most rollout.startup_timeout_s
+        try:
+            pool.wait_ready(timeout=cfg.rollout.startup_timeout_s)
+        except TimeoutError:  # the producer starts anyway, its first scores wait
+            _log(f"reward workers not ready after rollout.startup_timeout_s={cfg.rollout.startup_timeout_s} s: "
+                 "producing anyway")
+        client = RolloutClient(spec["router_url"], timeout_s=spec["timeout_s"], max_retries=spec["max_retries"],
+                               cluster=view)
+        manager = RolloutManager(
+            client=client, cluster=view, sampler=spec["sampler"], encode=encoder,
+            decode=lambda ids: decode_response(tokenizer, ids), reward_fn=pool, cfg=cfg, eos_id=spec["eos_id"],
+            num_steps=spec["num_steps"], version=spec["version"], steps_done=spec["steps_done"], state=spec["state"],
+            routing_shape=spec["routing_shape"], log=_log)
     except BaseException:
         pool.close()
         raise
-    client = RolloutClient(spec["router_url"], timeout_s=spec["timeout_s"], max_retries=spec["max_retries"],
-                           cluster=view)
-    manager = RolloutManager(
-        client=client, cluster=view, sampler=spec["sampler"], encode=encoder,
-        decode=lambda ids: decode_response(tokenizer, ids), reward_fn=pool, cfg=cfg, eos_id=spec["eos_id"],
-        num_steps=spec["num_steps"], version=spec["version"], steps_done=spec["steps_done"], state=spec["state"],
-        routing_shape=spec["routing_shape"], log=_log)
     manager.client_process = False  # this process is already off the trainer: aiohttp in its own loop
     manager.background_push = False  # the trainer runs the push; this side only holds and resumes
     return manager, pool, view
@@ -471,8 +474,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     def build() -> None:
         manager, pool, view = _child_manager(msg[1])
+        try:
+            manager.start()
+        except BaseException:
+            _close(manager, pool)
+            raise
         built.update(manager=manager, pool=pool, view=view)
-        manager.start()
 
     _answer(conn, build)
     if "manager" not in built:
