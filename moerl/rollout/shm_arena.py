@@ -45,19 +45,16 @@ import torch
 
 from moerl.rollout.tensor_serde import share_filename
 
-__all__ = ["ArenaSlot", "SharedExportArena"]
+__all__ = ["ArenaSlot", "SharedExportArena", "shared_buffer"]
 
 _ALIGN = 64  # bytes; every tensor starts at a multiple of this (as in SharedBucketBuffers)
 _MIN_STORAGE = 1 << 20  # bytes; storages are sized in whole MiB
 
 
-def _round_mib(nbytes: int) -> int:
-    return max(_MIN_STORAGE, -(-nbytes // _MIN_STORAGE) * _MIN_STORAGE)
-
-
-def _shared_bytes(nbytes: int) -> torch.Tensor:
-    """A uint8 tensor of ``nbytes`` bytes whose storage is a /dev/shm file (file_system strategy)."""
-    buf = torch.empty(nbytes, dtype=torch.uint8)
+def shared_buffer(nbytes: int) -> torch.Tensor:
+    """A uint8 tensor of at least ``nbytes`` bytes, rounded up to whole MiB (at least 1 MiB), whose storage is
+    a /dev/shm file of torch's file_system strategy (moerl.rollout.tensor_serde.share_filename)."""
+    buf = torch.empty(max(_MIN_STORAGE, -(-nbytes // _MIN_STORAGE) * _MIN_STORAGE), dtype=torch.uint8)
     share_filename(buf.untyped_storage())
     return buf
 
@@ -85,9 +82,9 @@ class ArenaSlot:
         storage of the bytes used last time, so the layout settles into a single file; an empty slot
         starts with one storage of ``size_hint`` bytes (the other slot's last export) when given."""
         if len(self._chunks) > 1:
-            self._chunks = [_shared_bytes(_round_mib(self.used))]
+            self._chunks = [shared_buffer(self.used)]
         elif not self._chunks and size_hint > 0:
-            self._chunks = [_shared_bytes(_round_mib(size_hint))]
+            self._chunks = [shared_buffer(size_hint)]
         self._chunk, self._at, self.used, self.names, self._seen = 0, 0, 0, [], set()
 
     def alloc(self, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -115,7 +112,7 @@ class ArenaSlot:
         while True:
             if self._chunk >= len(self._chunks):  # grow: a new storage (at least this tensor, at least the last one)
                 size = max(self._initial, span, self._chunks[-1].numel() if self._chunks else 0)
-                self._chunks.append(_shared_bytes(_round_mib(size)))
+                self._chunks.append(shared_buffer(size))
             buf = self._chunks[self._chunk]
             if self._at + nbytes <= buf.numel():
                 break

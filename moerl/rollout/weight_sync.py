@@ -304,11 +304,9 @@ class SharedBucketBuffers:
         i = k % self.depth
         buf = self._bufs[i]
         if buf is None or buf.numel() < nbytes:
-            from moerl.rollout.tensor_serde import share_filename
+            from moerl.rollout.shm_arena import shared_buffer
 
-            buf = torch.empty(max(1 << 20, -(-nbytes // (1 << 20)) << 20), dtype=torch.uint8)
-            share_filename(buf.untyped_storage())  # a /dev/shm file now, once
-            self._bufs[i] = buf
+            buf = self._bufs[i] = shared_buffer(nbytes)  # a /dev/shm file now, once
         return buf
 
     @property
