@@ -108,7 +108,10 @@ def test_kill9_mid_rollout_returns_every_sample_once_and_restart_gets_current_we
             assert item.weight_version == VERSION
             assert out["output_ids"] == exp["output_ids"], req["rid"]
             lp_ref = [e[0] for e in exp["meta_info"]["output_token_logprobs"]]
-            assert item.rollout_log_probs == pytest.approx(lp_ref, abs=1e-5)
+            # float32: the server batches the in-flight requests differently from the reference engine
+            # (and the restarted server differently again), so sums round differently; 0.3-perturbed
+            # weights give log-probs down to ~-10, hence a relative term (v0's weights differ by >1e-1)
+            assert item.rollout_log_probs == pytest.approx(lp_ref, rel=2e-5, abs=1e-5)
         assert lost <= {o["meta_info"]["id"] for o in outs}
         # the lost requests were served by the surviving server, each request once there
         log1 = [r for r in _read_log(cluster.request_log_path(1)) + _read_log(log0)

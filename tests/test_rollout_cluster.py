@@ -202,7 +202,8 @@ def test_ctrl_c_shuts_the_cluster_down_then_raises_keyboardinterrupt(ckpt, tmp_p
     (Python's KeyboardInterrupt) runs; the owner reports its children's exit codes."""
     base, router = _free_ports(1)
     script = textwrap.dedent(f"""
-        import signal, time
+        import faulthandler, signal, time
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's dump of a hang
         # an interactive program's SIGINT (a job started in the background by a non-interactive
         # shell, as CI may do, inherits SIGINT ignored)
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -216,13 +217,20 @@ def test_ctrl_c_shuts_the_cluster_down_then_raises_keyboardinterrupt(ckpt, tmp_p
             print("KeyboardInterrupt", [ch.proc.returncode for ch in c._children()], flush=True)
     """)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                             env=dict(os.environ, PYTHONPATH=root))
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=dict(os.environ, PYTHONPATH=root))
     try:
         pids = [int(x) for x in owner.stdout.readline().split()]
         assert len(pids) == 2
         owner.send_signal(signal.SIGINT)
-        out, _ = owner.communicate(timeout=90)  # liveness bound only (slow when the 2 cores are busy)
+        try:
+            out, _ = owner.communicate(timeout=90)  # liveness bound only (slow when the 2 cores are busy)
+        except subprocess.TimeoutExpired:  # seen once in a loaded fast suite: say where every thread was
+            owner.send_signal(signal.SIGUSR1)
+            time.sleep(2)
+            owner.kill()
+            out, err = owner.communicate()
+            pytest.fail(f"the owner did not exit within 90 s of SIGINT; stdout {out!r}; its threads:\n{err[-6000:]}")
         assert out.startswith("KeyboardInterrupt"), out
         codes = ast.literal_eval(out.split(" ", 1)[1])  # e.g. [0, 0]
         assert all(rc is not None for rc in codes)  # reaped before the interrupt reached the loop

@@ -195,10 +195,16 @@ def resolve_master_address(master_address: Optional[str], host: str, server_urls
     return addr
 
 
+#: ports free_port_block has handed out in this process (never handed out again: two calls before anything
+#: binds, e.g. a rollout block and a torchrun master port, must not overlap)
+_HANDED_OUT_PORTS: set = set()
+
+
 def free_port_block(n: int = 3) -> int:
     """A base port with ``n`` consecutive free ports on 127.0.0.1 below Linux's ephemeral range
     (32768+), so that client sockets of other processes cannot take them between this check and the
-    servers' bind (tests and benchmarks that start servers and a router).
+    servers' bind (tests and benchmarks that start servers and a router). No port of the block was
+    handed out by an earlier call in this process (free-looking until its user binds it).
 
     Raises:
         RuntimeError: no free block found in 500 tries.
@@ -211,8 +217,8 @@ def free_port_block(n: int = 3) -> int:
     rng = random.Random(os.getpid() * 7919 + time.time_ns())
     for _ in range(500):
         base = rng.randrange(20000, 32000 - n)
-        ok = True
-        for p in range(base, base + n):
+        ok = _HANDED_OUT_PORTS.isdisjoint(range(base, base + n))
+        for p in range(base, base + n) if ok else ():
             with socket.socket() as s:
                 try:
                     s.bind(("127.0.0.1", p))
@@ -220,5 +226,6 @@ def free_port_block(n: int = 3) -> int:
                     ok = False
                     break
         if ok:
+            _HANDED_OUT_PORTS.update(range(base, base + n))
             return base
     raise RuntimeError("no free port block")
