@@ -246,8 +246,27 @@ def test_median_run_takes_one_whole_run():
     assert m["x"] == "c" and m["rl_wall_s"] == 8.0 and m["repeat_walls_s"] == [9.0, 7.0, 8.0]
     assert ba.median_run(runs[:2])["x"] == "b"  # even count: the lower middle
     assert ba.median_run(runs[:1])["repeat_walls_s"] == [9.0]
+    assert "accuracy_mean" not in m  # no accuracies: none made up
+    runs = [dict(r, accuracy_after_rl=a) for r, a in zip(runs, (0.5, 0.4, 0.45))]
+    m = ba.median_run(runs)  # the accuracy: every seed's, and their mean (0.45), not the median run's alone
+    assert m["accuracy_after_rl"] == 0.45 and m["repeat_accuracies"] == [0.5, 0.4, 0.45]
+    assert m["accuracy_mean"] == pytest.approx(0.45)
+    assert ba.median_run(runs[:2])["accuracy_mean"] == pytest.approx(0.45)
+    assert ba.median_run(runs[:2])["accuracy_after_rl"] == 0.4
     with pytest.raises(ValueError):
         ba.median_run([])
+
+
+def test_round_seeds_vary_the_rl_seed_on_one_split():
+    assert ba.round_seed_overrides(1234, 0) == ["seed=1234", "data.seed=1234"]
+    assert ba.round_seed_overrides(1234, 2) == ["seed=1236", "data.seed=1234"]
+    import yaml
+
+    assert ba.base_seed_of([]) == yaml.safe_load((ba.REPO / ba.RECIPE).read_text())["seed"]
+    assert ba.base_seed_of(["seed=3", "x.y=1", "seed=9"]) == 9
+    from moerl.config import load_config  # the overrides are recipe keys; the last one wins
+    cfg = load_config(str(ba.REPO / ba.RECIPE), ["seed=5", *ba.round_seed_overrides(7, 1)])
+    assert cfg.seed == 8 and cfg.data.seed == 7
 
 
 def test_round_ratios_by_hand():

@@ -40,7 +40,7 @@ EXPECTED_TINY = {
     },
     "data": {
         "task": "arithmetic", "train_path": None, "eval_path": None, "prompt_key": "prompt", "label_key": "label",
-        "num_train": 20000, "num_eval": 300, "digits": 3, "reasoning_gym": None, "system_prompt": None,
+        "num_train": 20000, "num_eval": 300, "digits": 3, "reasoning_gym": None, "seed": None, "system_prompt": None,
         "tokenizer_path": None,
     },
     "reward": {

@@ -188,6 +188,34 @@ def _jsonl(tmp_path, lines, name="x.jsonl"):
     return p
 
 
+def test_data_seed_fixes_the_split_while_seed_varies(tmp_path):
+    """data.seed: the main job's generated train/eval files are generate_arithmetic's for data.seed whatever
+    the recipe seed (so RL can be repeated with other seeds on a warm start's split); unset, the recipe seed."""
+    from types import SimpleNamespace
+
+    from moerl.config import load_config
+    from moerl.rollout.common import free_port_block
+    from moerl.train.setup import prepare_run
+
+    ref_tr, ref_ev = generate_arithmetic(tmp_path / "ref", 16, 10, 1, 7)
+    dist = SimpleNamespace(world_size=1, is_main=True, rank=0)
+
+    def files(name, *overrides):
+        base = free_port_block(3)
+        cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "tiny_arith.yaml"),
+                          [f"output_dir={tmp_path / name}", f"rollout.base_port={base}", f"rollout.router_port={base + 2}",
+                           "data.digits=1", "data.num_train=16", "data.num_eval=10", "eval.num_prompts=4",
+                           "sft.eval_prompts=4", "rollout.num_servers=1", *overrides])
+        ctx = prepare_run(cfg, dist)
+        return [(ctx.run_dir / "data" / f).read_bytes() for f in ("train.jsonl", "eval.jsonl")]
+
+    ref = [Path(ref_tr).read_bytes(), Path(ref_ev).read_bytes()]
+    assert files("a", "seed=1", "data.seed=7") == ref
+    assert files("b", "seed=2", "data.seed=7") == ref
+    assert files("c", "seed=7") == ref
+    assert files("d", "seed=2")[1] != ref[1]
+
+
 def test_load_prompt_dataset(tmp_path):
     p = _jsonl(tmp_path, ['{"prompt": "1+2=", "label": "3", "id": 1}', "", '{"prompt": "4+5=", "label": "9", "id": 2}'])
     ds = load_prompt_dataset(p, cache_dir=str(tmp_path / "cache"))

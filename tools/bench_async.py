@@ -27,7 +27,11 @@ Figures per mode (from the run's TensorBoard events, summary.json and /proc samp
   wall time with at least one generation request in flight), which counts a request as busy even while
   it waits (e.g. in the router or on a paused server), so it overstates real server work.
 * greedy accuracy after RL: summary.json accuracy_after_rl on eval.num_prompts held-out prompts
-  (algorithm.off_policy_correction=icepop in every mode by default, see --off-policy-correction).
+  (algorithm.off_policy_correction=icepop in every mode by default, see --off-policy-correction). A run is
+  deterministic for its seed, so round k of --repeats (every mode) uses RL seed ``seed + k - 1`` (rollout
+  sampling and batch order; the recipe's seed or --set seed=N) on the warm start's prompt split
+  (data.seed = that seed): the accuracy is the mean over the rounds' seeds, the per-round differences are
+  printed; the timings stay from each mode's median run.
 * staleness: token-weighted mean of staleness/mean, max of staleness/max over the steps.
 * CPU: trainer-core use (trainer process CPU / RL wall), the CPU per step of the trainer's busiest
   non-main thread (in sync the rollout producer: HTTP client, reward scoring; it shares core 0 with
@@ -73,7 +77,7 @@ max(R / N_r, T / N_t) without the background push); sync colocated (every device
 cost) = (R + T) / N + W.
 
 Targets (PASS / FAIL printed; the exit code stays 0): sync wall / async(s=1) wall >= 1.6; async(s=1)
-greedy accuracy within 3 points of sync; the model's predicted sync / async(s=1) ratio within 20% of the
+greedy accuracy (mean over the rounds' seeds) within 3 points of sync's; the model's predicted sync / async(s=1) ratio within 20% of the
 measured one.
 
 Measured (40 steps, the defaults, --repeats 3; the README's Async section has the tables): two benchmarks of
@@ -632,7 +636,9 @@ def fmt_table(header: list[str], rows: list[list[str]]) -> str:
 def median_run(runs: list[dict]) -> dict:
     """Of one mode's repeated runs (each a mode_figures dict), the run with the median RL wall (the lower
     middle one for an even count), with ``repeat_walls_s`` (every run's RL wall, in run order) added: all
-    of a mode's figures then come from one consistent run.
+    of a mode's timing figures then come from one consistent run. The accuracy is not a timing: the rounds
+    use different RL seeds (:func:`round_seed_overrides`), so ``repeat_accuracies`` (every run's
+    accuracy_after_rl, in run order) and their mean ``accuracy_mean`` are added too.
 
     Raises:
         ValueError: no runs.
@@ -640,7 +646,29 @@ def median_run(runs: list[dict]) -> dict:
     if not runs:
         raise ValueError("median_run needs at least one run")
     order = sorted(range(len(runs)), key=lambda i: runs[i]["rl_wall_s"])
-    return dict(runs[order[(len(runs) - 1) // 2]], repeat_walls_s=[r["rl_wall_s"] for r in runs])
+    accs = [r.get("accuracy_after_rl") for r in runs]
+    out = dict(runs[order[(len(runs) - 1) // 2]], repeat_walls_s=[r["rl_wall_s"] for r in runs])
+    if all(a is not None for a in accs):
+        out.update(repeat_accuracies=accs, accuracy_mean=sum(accs) / len(accs))
+    return out
+
+
+def base_seed_of(overrides: Sequence[str]) -> int:
+    """The run seed: the last ``seed=N`` of ``overrides`` (--set), else the recipe's ``seed``."""
+    for o in reversed(overrides):
+        if o.startswith("seed="):
+            return int(o.split("=", 1)[1])
+    import yaml
+
+    return int(yaml.safe_load((REPO / RECIPE).read_text())["seed"])
+
+
+def round_seed_overrides(base_seed: int, rep: int) -> list[str]:
+    """Recipe overrides of round ``rep`` (0-based) of every mode: RL seed ``base_seed + rep`` (rollout
+    sampling, batch order), the prompt split of ``base_seed`` (data.seed: the warm start's SFT split, so no
+    eval prompt was an SFT prompt). The runs are deterministic for a seed, so repeating one seed repeats
+    one RL trajectory; other seeds give the accuracy difference's spread over trajectories."""
+    return [f"seed={base_seed + rep}", f"data.seed={base_seed}"]
 
 
 def round_ratios(sync_walls: Sequence[float], mode_walls: Sequence[float]) -> tuple[list[float], float]:
@@ -672,10 +700,11 @@ def report(res: dict) -> str:
         srv = (f"{f['server_idle']:.2f} ({f['server_idle_requests']:.2f})" if "server_idle" in f
                else f"- ({f['server_idle_requests']:.2f})")
         rows.append([m, f"{f['rl_wall_s']:.1f}", f"{f['step_s']:.3f}", ratio, f"{f['trainer_idle']:.2f}", srv,
-                     f"{100 * f['accuracy_after_rl']:.1f}", f"{f['staleness_mean']:.2f}/{f['staleness_max']:.0f}",
+                     f"{100 * f.get('accuracy_mean', f['accuracy_after_rl']):.1f}",
+                     f"{f['staleness_mean']:.2f}/{f['staleness_max']:.0f}",
                      f"{f['samples']:.0f}"])
     out.append(fmt_table(["mode", "RL wall s", "s/step", "sync/mode", "trainer idle", "server idle",
-                          "acc % (after RL)", "stale mean/max", "samples"], rows))
+                          "acc % (after RL; mean of seeds)", "stale mean/max", "samples"], rows))
     if res.get("repeats", 1) > 1:
         out += ["", f"--repeats {res['repeats']}: the modes ran interleaved {res['repeats']} times; every figure of a "
                     "mode is from its median run (RL wall s of each run, in order):"]
@@ -687,6 +716,17 @@ def report(res: dict) -> str:
                 if m != "sync":
                     per, pooled = round_ratios(sync["repeat_walls_s"], figs[m]["repeat_walls_s"])
                     out.append(f"  {m}: per round " + " ".join(f"{r:.2f}" for r in per) + f"; pooled {pooled:.2f}")
+        seeds = res.get("seeds") or list(range(res["repeats"]))
+        out += [f"  greedy accuracy % after RL, round by round (RL seeds {', '.join(map(str, seeds))}; one prompt split, "
+                "data.seed " + str(seeds[0]) + ")" + ("; mode - sync in brackets:" if sync else ":")]
+        for m in modes:
+            accs = figs[m].get("repeat_accuracies")
+            if not accs:
+                continue
+            diff = ([f" ({100 * (a - b):+.1f})" for a, b in zip(accs, sync["repeat_accuracies"])]
+                    if sync and m != "sync" else [""] * len(accs))
+            out.append(f"  {m}: " + " ".join(f"{100 * a:.1f}{d}" for a, d in zip(accs, diff))
+                       + f"; mean {100 * figs[m]['accuracy_mean']:.1f}")
     out += ["", "per-step phase means (s); CPU: core0 use = trainer process CPU / RL wall, producer = its busiest "
                 "non-main thread (CPU s/step), core1 use = servers + router CPU / RL wall, foreign = the core's "
                 "busy time not ours / RL wall (other jobs: noise):"]
@@ -756,8 +796,9 @@ def main(argv=None) -> int:
     p.add_argument("--warm-start", default=None, help="existing HF warm-start dir (skips the SFT run)")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--repeats", type=int, default=1,
-                   help="run the modes this many times, interleaved; each mode's figures are from its median run "
-                        "(this machine's speed drifts by up to 25%% between minutes: 3 gives steadier ratios)")
+                   help="run the modes this many times, interleaved, round k with RL seed seed+k-1; each mode's "
+                        "timings are from its median run, its accuracy the mean over the seeds (this machine's "
+                        "speed drifts by up to 25%% between minutes: 3 gives steadier ratios)")
     p.add_argument("--out", default="runs/bench_async", help="run dirs, logs and results.json")
     p.add_argument("--keep", action="store_true", help="keep the run dirs (default: logs and figures only)")
     p.add_argument("--num-servers", type=int, default=DEFAULT_NUM_SERVERS, choices=[1, 2],
@@ -780,6 +821,7 @@ def main(argv=None) -> int:
     if not {0, 1} <= usable:
         p.error(f"needs cores 0 and 1 (usable: {sorted(usable)})")
     t_bench = time.time()
+    base_seed = base_seed_of(args.extra)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     data = [f"eval.num_prompts={args.eval_prompts}", f"data.num_eval={args.eval_prompts}"]
@@ -791,14 +833,15 @@ def main(argv=None) -> int:
         warm = Path(args.warm_start).resolve()
         if not (warm / "config.json").exists():
             p.error(f"--warm-start {warm}: no config.json (expected an HF dir such as <run>/hf_warm_start)")
-        print(f"warm start: {warm} (it should come from an SFT run with data.num_eval={args.eval_prompts}: "
-              f"otherwise some eval prompts may have been SFT training prompts)", flush=True)
+        print(f"warm start: {warm} (it should come from an SFT run with data.num_eval={args.eval_prompts} and "
+              f"seed (or data.seed) {base_seed}: otherwise some eval prompts may have been SFT training prompts)",
+              flush=True)
     else:
         run = out / "warm_start"
         print("warm start: SFT run of the recipe (both cores, until sft.target_accuracy) ...", flush=True)
         secs, _ = run_train(["train.num_steps=1", "eval.every_steps=0", "eval.num_prompts=100",
-                             f"data.num_eval={args.eval_prompts}", *DEFAULT_SETTINGS, *args.extra], run, 2,
-                            args.mode_timeout)
+                             f"data.num_eval={args.eval_prompts}", *DEFAULT_SETTINGS, *args.extra,
+                             *round_seed_overrides(base_seed, 0)], run, 2, args.mode_timeout)
         warm = out / "hf_warm_start"
         if warm.exists():
             shutil.rmtree(warm)
@@ -817,8 +860,8 @@ def main(argv=None) -> int:
     for rep in range(args.repeats):  # interleaved: a slow spell of the machine hits every mode alike
         for m in args.modes:
             run = out / (m if args.repeats == 1 else f"{m}_r{rep + 1}")
-            secs, sampler = run_train(common + MODES[m], run, args.num_servers, args.mode_timeout,
-                                      sampler_interval=0.25)
+            secs, sampler = run_train(common + MODES[m] + round_seed_overrides(base_seed, rep), run,
+                                      args.num_servers, args.mode_timeout, sampler_interval=0.25)
             steps = read_steps(run / "tensorboard")
             summary = json.loads((run / "summary.json").read_text())
             f = dict(mode_figures(steps, summary, sampler, args.steps), process_s=secs)
@@ -827,12 +870,12 @@ def main(argv=None) -> int:
                 shutil.rmtree(run)
             print(f"{m}{'' if args.repeats == 1 else f' (run {rep + 1}/{args.repeats})'}: RL wall "
                   f"{f['rl_wall_s']:.1f}s ({f['step_s']:.3f} s/step; whole run {secs:.0f}s), accuracy after RL "
-                  f"{100 * f['accuracy_after_rl']:.1f}%", flush=True)
+                  f"{100 * f['accuracy_after_rl']:.1f}% (seed {base_seed + rep})", flush=True)
     figs = {m: median_run(rs) for m, rs in runs.items()}
 
     samples_per_step = max(f["samples"] for f in figs.values()) / args.steps  # trained samples (measured)
     res = {"command": " ".join([sys.executable, *sys.argv]), "steps": args.steps, "modes": args.modes,
-           "repeats": args.repeats,
+           "repeats": args.repeats, "seeds": [base_seed + r for r in range(args.repeats)],
            "samples_per_step": samples_per_step, "eval_prompts": args.eval_prompts, "warm_start": str(warm),
            "num_servers": args.num_servers, "pinning": PIN, "pin_line": PIN_LINE,
            "servers_note": (SERVERS_NOTE.format(n=args.num_servers) if args.num_servers == DEFAULT_NUM_SERVERS
@@ -852,8 +895,8 @@ def main(argv=None) -> int:
                           "rows": [cluster_row(R, T, W, n, f, wr) for n in args.devices for f in (0.25, 0.5, 0.75)]}
         if "async_s1" in figs:
             a = figs["async_s1"]
-            res["targets"] = verdicts(figs["sync"]["rl_wall_s"], a["rl_wall_s"], figs["sync"]["accuracy_after_rl"],
-                                      a["accuracy_after_rl"], model["ratios"]["async_s1"])
+            res["targets"] = verdicts(figs["sync"]["rl_wall_s"], a["rl_wall_s"], figs["sync"]["accuracy_mean"],
+                                      a["accuracy_mean"], model["ratios"]["async_s1"])
     res["bench_seconds"] = time.time() - t_bench
     text = report(res)
     res["report"] = text

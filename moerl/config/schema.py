@@ -267,6 +267,10 @@ class DataConfig(_Section):
     num_eval: int = Field(300, ge=1)  # arithmetic and reasoning_gym
     digits: int = Field(3, ge=1, le=9)  # arithmetic only
     reasoning_gym: Optional[ReasoningGymConfig] = None  # reasoning_gym only
+    # seeds the generated prompt sets (arithmetic; reasoning_gym unless data.reasoning_gym.seed); None = the
+    # recipe seed. Fix it and vary `seed` to repeat RL (sampling, batch order) on one train/eval split, e.g.
+    # from a warm start whose SFT trained on this split's train prompts
+    seed: Optional[int] = Field(None, ge=0)
     system_prompt: Optional[str] = None  # prepended as a system message (the tokenizer's chat template)
     # None = the tokenizer saved in model.init_from if it has one, else moerl's byte-level tokenizer
     tokenizer_path: Optional[str] = None

@@ -270,7 +270,7 @@ def prepare_task_data(
     "seed": int or None (optional; None/absent = the run ``seed``)}``; ``num_eval`` gives the eval size.
     Rows go through :func:`generate_reasoning_gym`.
 
-    Typical call: ``prepare_task_data(cfg.data.task, run_dir / "data", cfg.seed, **cfg.data.model_dump(
+    Typical call (seed: data.seed, else the recipe seed): ``prepare_task_data(cfg.data.task, run_dir / "data", seed, **cfg.data.model_dump(
     include={"train_path", "eval_path", "num_train", "num_eval", "digits"}))``.
 
     Raises:
