@@ -177,6 +177,9 @@ def test_resume_on_epoch_boundary_and_incomplete_checkpoint_skipped(tmp_path, re
 
 
 @pytest.mark.slow
+# slow_extra (not in CI: 33 s): the refusal of changed data is in CI (test_bad_input
+# test_finished_run_is_never_damaged_by_a_failed_start), the fingerprints' messages in test_data
+@pytest.mark.slow_extra
 def test_resume_with_changed_data_or_tokenizer_is_refused_before_any_work(tmp_path):
     """The checkpoint records fingerprints of the data (content) and the tokenizer: a resume whose
     training file has the same number of rows but other content, or whose tokenizer differs (here: its
@@ -431,6 +434,10 @@ def test_save_every_minutes_saves_when_the_time_is_up(monkeypatch):
 
 
 @pytest.mark.slow
+# slow_extra (not in CI: 75 s): the critic's main job runs in CI (test_main_job
+# test_estimators_and_losses_run_end_to_end[gae-ppo-critic]) and kill -9 + resume=auto bit-identical for the policy
+# (test_kill9_then_resume_auto_is_bit_identical[0])
+@pytest.mark.slow_extra
 def test_ppo_critic_is_checkpointed_and_resumed_bit_identically(tmp_path):
     """algorithm.advantage_estimator=gae: a run killed after RL step 3 and resumed ends with the same policy
     AND the same critic (hf_critic) as an uninterrupted run, bit for bit (the critic's weights and Adam
