@@ -247,12 +247,13 @@ def test_median_run_takes_one_whole_run():
     assert ba.median_run(runs[:2])["x"] == "b"  # even count: the lower middle
     assert ba.median_run(runs[:1])["repeat_walls_s"] == [9.0]
     assert "accuracy_mean" not in m  # no accuracies: none made up
-    runs = [dict(r, accuracy_after_rl=a) for r, a in zip(runs, (0.5, 0.4, 0.45))]
-    m = ba.median_run(runs)  # the accuracy: every seed's, and their mean (0.45), not the median run's alone
-    assert m["accuracy_after_rl"] == 0.45 and m["repeat_accuracies"] == [0.5, 0.4, 0.45]
-    assert m["accuracy_mean"] == pytest.approx(0.45)
-    assert ba.median_run(runs[:2])["accuracy_mean"] == pytest.approx(0.45)
+    runs = [dict(r, accuracy_after_rl=a) for r, a in zip(runs, (0.9, 0.4, 0.45))]
+    m = ba.median_run(runs)  # the accuracy: every seed's and their mean (1.75 / 3), not the median run's (c: 0.45)
+    assert m["accuracy_after_rl"] == 0.45 and m["repeat_accuracies"] == [0.9, 0.4, 0.45]
+    assert m["accuracy_mean"] == pytest.approx(1.75 / 3)
+    assert ba.median_run(runs[:2])["accuracy_mean"] == pytest.approx(0.65)  # median run b: 0.4
     assert ba.median_run(runs[:2])["accuracy_after_rl"] == 0.4
+    assert "accuracy_mean" not in ba.median_run([runs[0], dict(runs[1], accuracy_after_rl=None)])  # one missing
     with pytest.raises(ValueError):
         ba.median_run([])
 
@@ -264,6 +265,9 @@ def test_round_seeds_vary_the_rl_seed_on_one_split():
 
     assert ba.base_seed_of([]) == yaml.safe_load((ba.REPO / ba.RECIPE).read_text())["seed"]
     assert ba.base_seed_of(["seed=3", "x.y=1", "seed=9"]) == 9
+    assert ba.base_seed_of(["seed=9"], "data.seed") == 9  # the recipe leaves data.seed null: the run seed
+    assert ba.base_seed_of(["seed=9", "data.seed=4"], "data.seed") == 4
+    assert ba.round_seed_overrides(9, 1, 4) == ["seed=10", "data.seed=4"]
     from moerl.config import load_config  # the overrides are recipe keys; the last one wins
     cfg = load_config(str(ba.REPO / ba.RECIPE), ["seed=5", *ba.round_seed_overrides(7, 1)])
     assert cfg.seed == 8 and cfg.data.seed == 7
@@ -277,3 +281,25 @@ def test_round_ratios_by_hand():
         ba.round_ratios([1.0], [1.0, 2.0])
     with pytest.raises(ValueError):
         ba.round_ratios([], [])
+
+
+def test_report_prints_each_seed_and_the_mean_difference():
+    """--repeats 3: the table's accuracy is the mean over the rounds' seeds, and each round's accuracy and its
+    difference to sync's are printed (worked by hand)."""
+    def fig(walls, accs):
+        runs = [{"rl_wall_s": w, "step_s": w / 40, "trainer_idle": 0.1, "server_idle_requests": 0.2,
+                 "staleness_mean": 0.0, "staleness_max": 0, "samples": 5120, "accuracy_after_rl": a,
+                 "phases": {k: 0.1 for k in "RLUWO"}, "resumed_segments": 0, "dropped_stale_groups": 0}
+                for w, a in zip(walls, accs)]
+        return ba.median_run(runs)
+
+    res = {"modes": ["sync", "async_s1"], "repeats": 3, "seeds": [7, 8, 9], "data_seed": 7, "steps": 40,
+           "samples_per_step": 128, "eval_prompts": 1000, "warm_start": "w", "servers_note": "",
+           "figures": {"sync": fig([20.0, 18.0, 22.0], [0.455, 0.509, 0.492]),
+                       "async_s1": fig([14.0, 13.0, 12.0], [0.500, 0.484, 0.453])}}
+    text = ba.report(res)
+    assert "RL seeds 7, 8, 9; one prompt split, data.seed 7" in text
+    assert "  sync: 45.5 50.9 49.2; mean 48.5" in text
+    assert "  async_s1: 50.0 (+4.5) 48.4 (-2.5) 45.3 (-3.9); mean 47.9" in text
+    row = next(line for line in text.splitlines() if line.startswith("| async_s1"))
+    assert " 47.9 |" in row and " 1.54 |" in row  # mean accuracy; 20.0 / 13.0 (the median runs' walls)

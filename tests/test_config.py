@@ -301,6 +301,8 @@ def test_bad_override_syntax(override, fragment):
         (["data.reasoning_gym.name=chain_sum"], "data.reasoning_gym is set but data.task is 'arithmetic'"),
         (["data.task=reasoning_gym"], "data.task=reasoning_gym needs data.reasoning_gym"),
         (["data.train_path=mine.jsonl"], "data.train_path given but data.task is 'arithmetic'"),
+        (["data.task=jsonl", "data.train_path=a.jsonl", "data.eval_path=b.jsonl", "data.seed=3"],
+         "data.seed=3 seeds generated prompts, but data.task is 'jsonl'"),
         (["algorithm.overlong_buffer_len=8"], "algorithm.overlong_buffer_len (8) must be < rollout.max_new_tokens (8)"),
         (["algorithm.entropy_coef=0.01", "parallel.tp_size=2", "parallel.pp_size=2", "train.pack=false",
           "train.pipeline_schedule=dualpipev", "model.hf_config.num_hidden_layers=4"],

@@ -281,9 +281,6 @@ def _wait_for(log_path: Path, pattern: str, proc, timeout: float = 300) -> None:
 
 
 @pytest.mark.slow
-# slow_extra (not in CI: 57 s): failover is in CI for the cluster (test_failover: kill -9 mid-rollout, every sample
-# once, restart with the current weights) and for the main job in async mode (test_async_failover)
-@pytest.mark.slow_extra
 def test_killed_server_is_restarted_and_the_run_finishes(tmp_path):
     """rollout.failover=true (the default): kill -9 of a server mid-run; the run goes on, the server is
     restarted with the current weights and rejoins, and the job ends normally."""

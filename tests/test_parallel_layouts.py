@@ -252,10 +252,11 @@ def _old_log_probs(init, samples) -> dict[int, list[float]]:
 
 
 @pytest.mark.slow
-# ep2 / pp2 / dualpipev in BF16 are slow_extra (not in CI): each layout is in CI in FP32 (test_layout_matches_one_process)
-# and BF16 against one BF16 process with TP 2 here
-@pytest.mark.parametrize("case", ["tp2_bf16", *(pytest.param(c, marks=pytest.mark.slow_extra)
-                                               for c in ("ep2_bf16", "pp2_bf16", "dualpipev_bf16"))])
+# pp2 / dualpipev in BF16 are slow_extra (not in CI): BF16 against one BF16 process is in CI with TP 2 and with EP 2
+# (the distributed optimizer across ranks); PP 2 in FP32 in test_layout_matches_one_process, DualPipeV in FP32 against
+# one process in test_pipeline_ep / test_pipeline_megatron. What leaves CI: BF16 through pipeline stages.
+@pytest.mark.parametrize("case", ["tp2_bf16", "ep2_bf16", *(pytest.param(c, marks=pytest.mark.slow_extra)
+                                                           for c in ("pp2_bf16", "dualpipev_bf16"))])
 def test_bf16_layout_matches_one_bf16_process(refs, bf16_ref, case):
     """model.params_dtype=bfloat16 at TP=2 (sequence parallel), EP=2 (distributed optimizer), PP=2 (1F1B)
     and PP=2 under DualPipeV against one BF16 process, with tolerances derived from BF16's unit roundoff

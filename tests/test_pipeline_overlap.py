@@ -25,8 +25,7 @@ import torch
 
 
 @pytest.mark.slow
-# dualpipe is slow_extra (not in CI): the plan executor's overlap paths are the dualpipev case's
-@pytest.mark.parametrize("name", ["dualpipev", pytest.param("dualpipe", marks=pytest.mark.slow_extra)])
+@pytest.mark.parametrize("name", ["dualpipev", "dualpipe"])
 def test_megatron_plan_executor_matches_plain_interpreter(name, tmp_path):
     """tools/check_pipeline_overlap.py --device cpu: 4 gloo processes, pp 2 x ep 2, 8 micro-batches."""
     tool = Path(__file__).resolve().parents[1] / "tools" / "check_pipeline_overlap.py"

@@ -212,8 +212,9 @@ def _pushed_weights(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 # slow_extra (not in CI: 100 s): DualPipeV against one process is in CI at the stage level (test_pipeline_ep
-# test_pp2_tp2_matches_single_process[dualpipev], test_pipeline_megatron test_megatron_pp4_dualpipev) and through
-# the actor's checkpoint and resume (test_actor_checkpoint_resumes_exactly[dualpipev])
+# test_pp2_tp2_matches_single_process[dualpipev], test_pipeline_megatron test_megatron_pp4_dualpipev) and in the
+# actor against 1F1B and through its checkpoint and resume (test_actor_checkpoint_resumes_exactly[dualpipev]). What
+# leaves CI: `moerl train` with train.pipeline_schedule=dualpipe(v) end to end (SFT, RL, saves, HF export).
 @pytest.mark.slow_extra
 def test_moerl_train_dualpipev_matches_1f1b(tmp_path):
     import torch

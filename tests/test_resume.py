@@ -177,8 +177,9 @@ def test_resume_on_epoch_boundary_and_incomplete_checkpoint_skipped(tmp_path, re
 
 
 @pytest.mark.slow
-# slow_extra (not in CI: 33 s): the refusal of changed data is in CI (test_bad_input
-# test_finished_run_is_never_damaged_by_a_failed_start), the fingerprints' messages in test_data
+# slow_extra (not in CI: 33 s): a resume refused for changed data (another row count) is in CI (test_bad_input
+# test_finished_run_is_never_damaged_by_a_failed_start), the fingerprints' messages in test_data. What leaves CI:
+# the refusal end to end for same-count other content and for another tokenizer.
 @pytest.mark.slow_extra
 def test_resume_with_changed_data_or_tokenizer_is_refused_before_any_work(tmp_path):
     """The checkpoint records fingerprints of the data (content) and the tokenizer: a resume whose
@@ -435,8 +436,9 @@ def test_save_every_minutes_saves_when_the_time_is_up(monkeypatch):
 
 @pytest.mark.slow
 # slow_extra (not in CI: 75 s): the critic's main job runs in CI (test_main_job
-# test_estimators_and_losses_run_end_to_end[gae-ppo-critic]) and kill -9 + resume=auto bit-identical for the policy
-# (test_kill9_then_resume_auto_is_bit_identical[0])
+# test_estimators_and_losses_run_end_to_end[gae-ppo-critic]), its save / load of values and Adam state in the fast
+# suite (test_critic test_save_load_restores_values_and_optimizer), kill -9 + resume=auto bit-identical for the
+# policy (test_kill9_then_resume_auto_is_bit_identical[0]). What leaves CI: the critic through a main-job resume.
 @pytest.mark.slow_extra
 def test_ppo_critic_is_checkpointed_and_resumed_bit_identically(tmp_path):
     """algorithm.advantage_estimator=gae: a run killed after RL step 3 and resumed ends with the same policy

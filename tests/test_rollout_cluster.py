@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import os
 import random
+import select
 import signal
 import socket
 import subprocess
@@ -217,20 +218,28 @@ def test_ctrl_c_shuts_the_cluster_down_then_raises_keyboardinterrupt(ckpt, tmp_p
             print("KeyboardInterrupt", [ch.proc.returncode for ch in c._children()], flush=True)
     """)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=dict(os.environ, PYTHONPATH=root))
+    err_path = tmp_path / "owner_stderr.txt"  # a file: a pipe nobody reads could fill up
+    with open(err_path, "w") as err_f:
+        owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=err_f, text=True,
+                                 env=dict(os.environ, PYTHONPATH=root))
+
+    def hung(what: str) -> None:  # seen once in a loaded fast suite: say where every thread of the owner was
+        owner.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        owner.kill()
+        pytest.fail(f"the owner {what}; its stderr and threads:\n{err_path.read_text()[-6000:]}")
+
     try:
-        pids = [int(x) for x in owner.stdout.readline().split()]
-        assert len(pids) == 2
+        if not select.select([owner.stdout], [], [], 120)[0]:
+            hung("did not start the cluster within 120 s")
+        line = owner.stdout.readline()
+        pids = [int(x) for x in line.split()]
+        assert len(pids) == 2, f"owner printed {line!r}; stderr:\n{err_path.read_text()[-3000:]}"
         owner.send_signal(signal.SIGINT)
         try:
             out, _ = owner.communicate(timeout=90)  # liveness bound only (slow when the 2 cores are busy)
-        except subprocess.TimeoutExpired:  # seen once in a loaded fast suite: say where every thread was
-            owner.send_signal(signal.SIGUSR1)
-            time.sleep(2)
-            owner.kill()
-            out, err = owner.communicate()
-            pytest.fail(f"the owner did not exit within 90 s of SIGINT; stdout {out!r}; its threads:\n{err[-6000:]}")
+        except subprocess.TimeoutExpired:
+            hung("did not exit within 90 s of SIGINT")
         assert out.startswith("KeyboardInterrupt"), out
         codes = ast.literal_eval(out.split(" ", 1)[1])  # e.g. [0, 0]
         assert all(rc is not None for rc in codes)  # reaped before the interrupt reached the loop

@@ -75,7 +75,9 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize(
     "fault, resumed_from",
     # rank0_dies_in_sft is slow_extra (not in CI: 47 s): a kill in SFT and its resume are in CI in test_resume
-    # (test_kill9_of_trainer_alone_leaves_no_child_and_time_based_checkpoints_resume), a restarted torchrun worker here
+    # (test_kill9_of_trainer_alone_leaves_no_child_and_time_based_checkpoints_resume, one process), a restarted
+    # torchrun worker here (rank 1, in RL). What leaves CI: the death of rank 0 (the rollout cluster's owner)
+    # under torchrun and a resume from a multi-rank SFT checkpoint.
     [("1:rl:2", "step_1"), pytest.param("0:sft:2", "sft_step_1", marks=pytest.mark.slow_extra)],
     ids=["rank1_dies_in_rl", "rank0_dies_in_sft"],
 )

@@ -97,7 +97,8 @@ Usage: python tools/bench_async.py [--steps 40] [--warm-start DIR] [--modes sync
 Defaults took about 8.5 minutes on the shared 2-core machine (measured: 502 s, of which the SFT warm
 start 234 s; with --warm-start 184-221 s at commit 800c5f2: each mode 40-90 s, of which 12-24 s RL, the
 rest start-up and greedy evals of 1000 prompts); since the recipe's SFT change (commit 7e26bd1) the warm
-start takes 88 s (200 steps) on an AMD EPYC 2-core VM, the whole --repeats 3 run of sync and async_s1 391 s.
+start takes 88-102 s (200 steps) on an AMD EPYC 2-core VM, the whole --repeats 3 run of sync and async_s1
+391-421 s.
 """
 
 from __future__ import annotations
@@ -653,22 +654,27 @@ def median_run(runs: list[dict]) -> dict:
     return out
 
 
-def base_seed_of(overrides: Sequence[str]) -> int:
-    """The run seed: the last ``seed=N`` of ``overrides`` (--set), else the recipe's ``seed``."""
+def base_seed_of(overrides: Sequence[str], key: str = "seed") -> int:
+    """The last ``<key>=N`` of ``overrides`` (--set); else for ``seed`` the recipe's, for ``data.seed`` the
+    recipe's data.seed if set, else :func:`base_seed_of` (overrides, "seed")."""
     for o in reversed(overrides):
-        if o.startswith("seed="):
+        if o.startswith(key + "="):
             return int(o.split("=", 1)[1])
     import yaml
 
-    return int(yaml.safe_load((REPO / RECIPE).read_text())["seed"])
+    recipe = yaml.safe_load((REPO / RECIPE).read_text())
+    if key == "data.seed":
+        given = (recipe.get("data") or {}).get("seed")
+        return int(given) if given is not None else base_seed_of(overrides, "seed")
+    return int(recipe["seed"])
 
 
-def round_seed_overrides(base_seed: int, rep: int) -> list[str]:
+def round_seed_overrides(base_seed: int, rep: int, data_seed: Optional[int] = None) -> list[str]:
     """Recipe overrides of round ``rep`` (0-based) of every mode: RL seed ``base_seed + rep`` (rollout
-    sampling, batch order), the prompt split of ``base_seed`` (data.seed: the warm start's SFT split, so no
-    eval prompt was an SFT prompt). The runs are deterministic for a seed, so repeating one seed repeats
-    one RL trajectory; other seeds give the accuracy difference's spread over trajectories."""
-    return [f"seed={base_seed + rep}", f"data.seed={base_seed}"]
+    sampling, batch order), the prompt split of ``data_seed`` (default ``base_seed``: the warm start's SFT
+    split, so no eval prompt was an SFT prompt). The runs are deterministic for a seed, so repeating one
+    seed repeats one RL trajectory; other seeds give the accuracy difference's spread over trajectories."""
+    return [f"seed={base_seed + rep}", f"data.seed={base_seed if data_seed is None else data_seed}"]
 
 
 def round_ratios(sync_walls: Sequence[float], mode_walls: Sequence[float]) -> tuple[list[float], float]:
@@ -706,8 +712,9 @@ def report(res: dict) -> str:
     out.append(fmt_table(["mode", "RL wall s", "s/step", "sync/mode", "trainer idle", "server idle",
                           "acc % (after RL; mean of seeds)", "stale mean/max", "samples"], rows))
     if res.get("repeats", 1) > 1:
-        out += ["", f"--repeats {res['repeats']}: the modes ran interleaved {res['repeats']} times; every figure of a "
-                    "mode is from its median run (RL wall s of each run, in order):"]
+        out += ["", f"--repeats {res['repeats']}: the modes ran interleaved {res['repeats']} times; every timing of a "
+                    "mode is from its median run, its accuracy the mean over the rounds' RL seeds (RL wall s of each "
+                    "run, in order):"]
         out += [f"  {m}: " + " ".join(f"{w:.1f}" for w in figs[m]["repeat_walls_s"]) for m in modes]
         if sync:
             out += ["  the same as ratios sync / mode, per round (a round's runs are adjacent in time) and pooled "
@@ -716,9 +723,8 @@ def report(res: dict) -> str:
                 if m != "sync":
                     per, pooled = round_ratios(sync["repeat_walls_s"], figs[m]["repeat_walls_s"])
                     out.append(f"  {m}: per round " + " ".join(f"{r:.2f}" for r in per) + f"; pooled {pooled:.2f}")
-        seeds = res.get("seeds") or list(range(res["repeats"]))
-        out += [f"  greedy accuracy % after RL, round by round (RL seeds {', '.join(map(str, seeds))}; one prompt split, "
-                "data.seed " + str(seeds[0]) + ")" + ("; mode - sync in brackets:" if sync else ":")]
+        out += [f"  greedy accuracy % after RL, round by round (RL seeds {', '.join(map(str, res['seeds']))}; one "
+                f"prompt split, data.seed {res['data_seed']})" + ("; mode - sync in brackets:" if sync else ":")]
         for m in modes:
             accs = figs[m].get("repeat_accuracies")
             if not accs:
@@ -821,7 +827,7 @@ def main(argv=None) -> int:
     if not {0, 1} <= usable:
         p.error(f"needs cores 0 and 1 (usable: {sorted(usable)})")
     t_bench = time.time()
-    base_seed = base_seed_of(args.extra)
+    base_seed, data_seed = base_seed_of(args.extra), base_seed_of(args.extra, "data.seed")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     data = [f"eval.num_prompts={args.eval_prompts}", f"data.num_eval={args.eval_prompts}"]
@@ -834,14 +840,14 @@ def main(argv=None) -> int:
         if not (warm / "config.json").exists():
             p.error(f"--warm-start {warm}: no config.json (expected an HF dir such as <run>/hf_warm_start)")
         print(f"warm start: {warm} (it should come from an SFT run with data.num_eval={args.eval_prompts} and "
-              f"seed (or data.seed) {base_seed}: otherwise some eval prompts may have been SFT training prompts)",
+              f"data.seed (else seed) {data_seed}: otherwise some eval prompts may have been SFT training prompts)",
               flush=True)
     else:
         run = out / "warm_start"
         print("warm start: SFT run of the recipe (both cores, until sft.target_accuracy) ...", flush=True)
         secs, _ = run_train(["train.num_steps=1", "eval.every_steps=0", "eval.num_prompts=100",
                              f"data.num_eval={args.eval_prompts}", *DEFAULT_SETTINGS, *args.extra,
-                             *round_seed_overrides(base_seed, 0)], run, 2, args.mode_timeout)
+                             *round_seed_overrides(base_seed, 0, data_seed)], run, 2, args.mode_timeout)
         warm = out / "hf_warm_start"
         if warm.exists():
             shutil.rmtree(warm)
@@ -860,7 +866,7 @@ def main(argv=None) -> int:
     for rep in range(args.repeats):  # interleaved: a slow spell of the machine hits every mode alike
         for m in args.modes:
             run = out / (m if args.repeats == 1 else f"{m}_r{rep + 1}")
-            secs, sampler = run_train(common + MODES[m] + round_seed_overrides(base_seed, rep), run,
+            secs, sampler = run_train(common + MODES[m] + round_seed_overrides(base_seed, rep, data_seed), run,
                                       args.num_servers, args.mode_timeout, sampler_interval=0.25)
             steps = read_steps(run / "tensorboard")
             summary = json.loads((run / "summary.json").read_text())
@@ -875,7 +881,7 @@ def main(argv=None) -> int:
 
     samples_per_step = max(f["samples"] for f in figs.values()) / args.steps  # trained samples (measured)
     res = {"command": " ".join([sys.executable, *sys.argv]), "steps": args.steps, "modes": args.modes,
-           "repeats": args.repeats, "seeds": [base_seed + r for r in range(args.repeats)],
+           "repeats": args.repeats, "seeds": [base_seed + r for r in range(args.repeats)], "data_seed": data_seed,
            "samples_per_step": samples_per_step, "eval_prompts": args.eval_prompts, "warm_start": str(warm),
            "num_servers": args.num_servers, "pinning": PIN, "pin_line": PIN_LINE,
            "servers_note": (SERVERS_NOTE.format(n=args.num_servers) if args.num_servers == DEFAULT_NUM_SERVERS

@@ -305,6 +305,9 @@ class DataConfig(_Section):
                     f"data.num_train + data.num_eval ({self.num_train + self.num_eval}) exceeds the "
                     f"{space} distinct {self.digits}-digit addition problems; lower them or raise data.digits"
                 )
+        if self.task == "jsonl" and self.seed is not None:
+            raise ValueError(f"data.seed={self.seed} seeds generated prompts, but data.task is 'jsonl' (your files): "
+                             "remove data.seed")
         if self.task != "jsonl":
             given = [k for k in ("train_path", "eval_path") if getattr(self, k) is not None]
             if given:

@@ -224,7 +224,8 @@ def generate_reasoning_gym(
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{key} must be a positive int, got {v!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"data.reasoning_gym.seed (or the run seed) must be a non-negative int, got {seed!r}")
+        raise ValueError(f"data.reasoning_gym.seed (or data.seed, or the run seed) must be a non-negative int, "
+                         f"got {seed!r}")
     if not isinstance(name, str):
         raise ValueError(f"data.reasoning_gym.name must be a string, got {name!r}")
     config = dict(config or {})
@@ -267,11 +268,12 @@ def prepare_task_data(
     ``out_dir``, or return the user's prompt files (jsonl/json/parquet) after checking they exist.
 
     ``reasoning_gym`` (task "reasoning_gym"): ``{"name": str, "config": dict (optional), "size": int,
-    "seed": int or None (optional; None/absent = the run ``seed``)}``; ``num_eval`` gives the eval size.
+    "seed": int or None (optional; None/absent = the ``seed`` argument: data.seed, else the run seed)}``;
+    ``num_eval`` gives the eval size.
     Rows go through :func:`generate_reasoning_gym`.
 
-    Typical call (seed: data.seed, else the recipe seed): ``prepare_task_data(cfg.data.task, run_dir / "data", seed, **cfg.data.model_dump(
-    include={"train_path", "eval_path", "num_train", "num_eval", "digits"}))``.
+    Typical call (seed: data.seed, else the recipe seed): ``prepare_task_data(cfg.data.task, run_dir / "data",
+    seed, **cfg.data.model_dump(include={"train_path", "eval_path", "num_train", "num_eval", "digits"}))``.
 
     Raises:
         ValueError: unknown task, or a jsonl path that is None or not a file (names data.train_path /

@@ -195,9 +195,20 @@ def resolve_master_address(master_address: Optional[str], host: str, server_urls
     return addr
 
 
-#: ports free_port_block has handed out in this process (never handed out again: two calls before anything
-#: binds, e.g. a rollout block and a torchrun master port, must not overlap)
+#: ports free_port_block / launcher.free_port_below_ephemeral have handed out in this process (never handed out
+#: again: two calls before anything binds, e.g. a rollout block and a torchrun master port, must not overlap)
 _HANDED_OUT_PORTS: set = set()
+_HANDED_OUT_LOCK = __import__("threading").Lock()
+
+
+def claim_ports(ports: range, is_free) -> bool:
+    """Hand out ``ports`` (all or none): True when none was handed out before in this process and
+    ``is_free(port)`` holds for each; they are then recorded as handed out. Thread-safe."""
+    with _HANDED_OUT_LOCK:
+        if not _HANDED_OUT_PORTS.isdisjoint(ports) or not all(is_free(p) for p in ports):
+            return False
+        _HANDED_OUT_PORTS.update(ports)
+        return True
 
 
 def free_port_block(n: int = 3) -> int:
@@ -214,18 +225,17 @@ def free_port_block(n: int = 3) -> int:
     import socket
     import time
 
+    def is_free(p: int) -> bool:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p))
+            except OSError:
+                return False
+            return True
+
     rng = random.Random(os.getpid() * 7919 + time.time_ns())
     for _ in range(500):
         base = rng.randrange(20000, 32000 - n)
-        ok = _HANDED_OUT_PORTS.isdisjoint(range(base, base + n))
-        for p in range(base, base + n) if ok else ():
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            _HANDED_OUT_PORTS.update(range(base, base + n))
+        if claim_ports(range(base, base + n), is_free):
             return base
     raise RuntimeError("no free port block")

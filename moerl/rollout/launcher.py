@@ -56,7 +56,7 @@ from typing import Callable, Optional, Sequence
 import httpx
 
 from moerl.rollout.client import RolloutClient
-from moerl.rollout.common import DEFAULT_PAUSE_MODE, check_pause_mode, per_server, version_dirname
+from moerl.rollout.common import DEFAULT_PAUSE_MODE, check_pause_mode, claim_ports, per_server, version_dirname
 from moerl.rollout.errors import (HealthTimeoutError, PortInUseError, RolloutError, RolloutRequestError,
                                   RolloutServerDiedError, RolloutStartupError, ServerExitedError, WeightSyncError)
 from moerl.runtime.procs import child_env, current_cpu_affinity, pdeathsig_preexec
@@ -112,8 +112,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 def free_port_below_ephemeral(host: str = "127.0.0.1", exclude: Sequence[int] = (), low: int = 20000,
                               high: int = 32767) -> int:
     """A port in ``low..high`` (default 20000..32767, below Linux's ephemeral range 32768-60999) that
-    is free right now, chosen at random and not in ``exclude``. Below the ephemeral range, the
-    client sockets of other processes cannot take it between this check and the listener's bind.
+    is free right now, chosen at random and not in ``exclude`` nor handed out before in this process
+    (:func:`moerl.rollout.common.claim_ports`, shared with ``free_port_block``). Below the ephemeral range,
+    the client sockets of other processes cannot take it between this check and the listener's bind.
 
     Raises:
         ValueError: ``low``/``high`` outside 1..65535 or low > high.
@@ -125,7 +126,7 @@ def free_port_below_ephemeral(host: str = "127.0.0.1", exclude: Sequence[int] = 
     skip = set(exclude)
     for _ in range(500):
         port = rng.randint(low, high)
-        if port not in skip and port_is_free(host, port):
+        if port not in skip and claim_ports(range(port, port + 1), lambda p: port_is_free(host, p)):
             return port
     raise RuntimeError(f"no free port in {low}..{high} on {host} (500 random tries)")
 
