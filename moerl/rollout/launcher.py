@@ -118,7 +118,7 @@ def free_port_below_ephemeral(host: str = "127.0.0.1", exclude: Sequence[int] = 
 
     Raises:
         ValueError: ``low``/``high`` outside 1..65535 or low > high.
-        RuntimeError: no free port found after 500 random tries.
+        RuntimeError: no free port, not handed out before in this process, found in 500 random tries.
     """
     if not (0 < low <= high < 65536):
         raise ValueError(f"need 0 < low <= high < 65536, got low={low}, high={high}")
@@ -128,7 +128,8 @@ def free_port_below_ephemeral(host: str = "127.0.0.1", exclude: Sequence[int] = 
         port = rng.randint(low, high)
         if port not in skip and claim_ports(range(port, port + 1), lambda p: port_is_free(host, p)):
             return port
-    raise RuntimeError(f"no free port in {low}..{high} on {host} (500 random tries)")
+    raise RuntimeError(f"no free port in {low}..{high} on {host} not handed out before in this process "
+                       "(500 random tries)")
 
 
 def wait_healthy(url: str, proc: Optional[subprocess.Popen] = None, timeout_s: float = 120.0,
