@@ -263,10 +263,11 @@ def test_round_seeds_vary_the_rl_seed_on_one_split():
     assert ba.round_seed_overrides(1234, 2) == ["seed=1236", "data.seed=1234"]
     import yaml
 
-    assert ba.base_seed_of([]) == yaml.safe_load((ba.REPO / ba.RECIPE).read_text())["seed"]
-    assert ba.base_seed_of(["seed=3", "x.y=1", "seed=9"]) == 9
-    assert ba.base_seed_of(["seed=9"], "data.seed") == 9  # the recipe leaves data.seed null: the run seed
-    assert ba.base_seed_of(["seed=9", "data.seed=4"], "data.seed") == 4
+    recipe_seed = yaml.safe_load((ba.REPO / ba.RECIPE).read_text())["seed"]
+    assert ba.seeds_of([]) == (recipe_seed, recipe_seed)
+    assert ba.seeds_of(["seed=3", "train.num_steps=3", "seed=9"])[0] == 9
+    assert ba.seeds_of(["seed=9"])[1] == 9  # the recipe leaves data.seed null: the run seed
+    assert ba.seeds_of(["seed=9", "data.seed=4"]) == (9, 4)
     assert ba.round_seed_overrides(9, 1, 4) == ["seed=10", "data.seed=4"]
     from moerl.config import load_config  # the overrides are recipe keys; the last one wins
     cfg = load_config(str(ba.REPO / ba.RECIPE), ["seed=5", *ba.round_seed_overrides(7, 1)])

@@ -654,19 +654,16 @@ def median_run(runs: list[dict]) -> dict:
     return out
 
 
-def base_seed_of(overrides: Sequence[str], key: str = "seed") -> int:
-    """The last ``<key>=N`` of ``overrides`` (--set); else for ``seed`` the recipe's, for ``data.seed`` the
-    recipe's data.seed if set, else :func:`base_seed_of` (overrides, "seed")."""
-    for o in reversed(overrides):
-        if o.startswith(key + "="):
-            return int(o.split("=", 1)[1])
-    import yaml
+def seeds_of(overrides: Sequence[str]) -> tuple[int, int]:
+    """(run seed, prompt-split seed) of the recipe with ``overrides`` (--set), as moerl's loader resolves them:
+    the split seed is data.seed, else the run seed.
 
-    recipe = yaml.safe_load((REPO / RECIPE).read_text())
-    if key == "data.seed":
-        given = (recipe.get("data") or {}).get("seed")
-        return int(given) if given is not None else base_seed_of(overrides, "seed")
-    return int(recipe["seed"])
+    Raises:
+        moerl.config errors: an override the recipe refuses (the runs would refuse it too)."""
+    from moerl.config import load_config
+
+    cfg = load_config(str(REPO / RECIPE), list(overrides))
+    return cfg.seed, cfg.seed if cfg.data.seed is None else cfg.data.seed
 
 
 def round_seed_overrides(base_seed: int, rep: int, data_seed: Optional[int] = None) -> list[str]:
@@ -827,7 +824,7 @@ def main(argv=None) -> int:
     if not {0, 1} <= usable:
         p.error(f"needs cores 0 and 1 (usable: {sorted(usable)})")
     t_bench = time.time()
-    base_seed, data_seed = base_seed_of(args.extra), base_seed_of(args.extra, "data.seed")
+    base_seed, data_seed = seeds_of(args.extra)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     data = [f"eval.num_prompts={args.eval_prompts}", f"data.num_eval={args.eval_prompts}"]

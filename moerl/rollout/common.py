@@ -19,6 +19,7 @@ Contents:
 from __future__ import annotations
 
 import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional, Sequence, TypeVar
 
@@ -198,7 +199,7 @@ def resolve_master_address(master_address: Optional[str], host: str, server_urls
 #: ports free_port_block / launcher.free_port_below_ephemeral have handed out in this process (never handed out
 #: again: two calls before anything binds, e.g. a rollout block and a torchrun master port, must not overlap)
 _HANDED_OUT_PORTS: set = set()
-_HANDED_OUT_LOCK = __import__("threading").Lock()
+_HANDED_OUT_LOCK = threading.Lock()
 
 
 def claim_ports(ports: range, is_free) -> bool:
