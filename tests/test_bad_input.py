@@ -532,6 +532,9 @@ def finished_run(tmp_path_factory):
 
 
 @pytest.mark.slow
+# slow_extra (CI's 30-min budget): the refusals themselves are fast tests (test_bad_input, test_main_job);
+# what leaves CI is the check that a refused restart of a finished run changes none of its files
+@pytest.mark.slow_extra
 def test_finished_run_is_never_damaged_by_a_failed_start(finished_run, fx, tmp_path):
     """resume=auto into a copy of a finished run with another moe_intermediate_size; resume=<its checkpoint>
     from a new output_dir; other data; a bad row; a bad init_from: each exits 2 naming the cause, and the

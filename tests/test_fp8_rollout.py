@@ -225,6 +225,9 @@ def test_step0_logprob_tolerance_of_fp8_and_bf16_rollout_weights():
 
 
 @pytest.mark.slow
+# slow_extra (CI's 30-min budget): FP8 block quantisation, its round trip into the server and the step-0 check's FP8
+# tolerance are fast tests in this file; what leaves CI is `moerl train` with rollout.weight_dtype=fp8 end to end
+@pytest.mark.slow_extra
 def test_moerl_train_with_fp8_rollout_end_to_end(tmp_path):
     """`moerl train ... rollout.weight_dtype=fp8 rollout.weight_sync=tensor`: the servers start from an FP8
     checkpoint, every sync sends FP8 (shared-memory tensor transport), the step-0 check passes with the FP8

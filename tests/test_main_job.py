@@ -159,10 +159,11 @@ def test_user_reward_with_a_wrong_path_or_signature_is_refused_before_any_work(t
 
 
 @pytest.mark.slow
-# the per-sample function is slow_extra (not in CI): a function loaded from a file outside the package by the
-# reward workers is also the group case, and per-sample scoring in the workers is every other end-to-end run's
+# both are slow_extra (not in CI; CI's 30-min budget): loading reward.function from a file and refusing a wrong
+# path or signature are fast tests (test_rewards, test_main_job ..._refused_before_any_work), per-sample scoring in
+# the reward workers is every end-to-end run's. What leaves CI: a user's file scoring a whole run, group functions.
 @pytest.mark.parametrize("fn, group", [pytest.param("leading_int_match", False, marks=pytest.mark.slow_extra),
-                                       ("group_leading_int_match", True)])
+                                       pytest.param("group_leading_int_match", True, marks=pytest.mark.slow_extra)])
 def test_user_reward_from_a_file_outside_the_package_scores_the_run(tmp_path, fn, group):
     """reward.function=/path/file.py:fn: the run's reward workers load it and every rollout and eval
     response goes through it; its extra metric is logged (reward/response_chars). A group function
@@ -309,6 +310,10 @@ def test_killed_server_is_restarted_and_the_run_finishes(tmp_path):
 
 
 @pytest.mark.slow
+# slow_extra (CI's 30-min budget): a killed server with failover is in CI
+# (test_killed_server_is_restarted_and_the_run_finishes, test_failover); what leaves CI is the error text of a run
+# without failover whose server dies
+@pytest.mark.slow_extra
 def test_killed_server_is_named(tmp_path):
     """rollout.failover=false: a dead server ends the run with exit code 1 and is named."""
     # no SFT warm start: the kill lands in RL, and nothing here reads the warm start
@@ -333,6 +338,11 @@ def test_killed_server_is_named(tmp_path):
 
 
 @pytest.mark.slow
+# slow_extra (CI's 30-min budget): the rollout cluster's own Ctrl-C shutdown (servers, router, reward workers;
+# KeyboardInterrupt) is the fast suite's test_rollout_cluster
+# test_ctrl_c_shuts_the_cluster_down_then_raises_keyboardinterrupt. What leaves CI: Ctrl-C of the whole `moerl train`
+# process tree.
+@pytest.mark.slow_extra
 def test_ctrl_c_leaves_no_process(tmp_path):
     # no SFT warm start: the Ctrl-C lands in RL, and nothing here reads the warm start
     proc, log = _start(tmp_path, *FAST[:-2], "sft.enabled=false", "train.num_steps=400", "eval.every_steps=0")
@@ -418,6 +428,9 @@ def warm_from(fast_main_job) -> list[str]:
 
 
 @pytest.mark.slow
+# slow_extra (CI's 30-min budget): the step-0 check's arithmetic is a fast test (test_fp8_rollout step0_check);
+# what leaves CI is its reading of the first of several optimizer updates in one step, end to end
+@pytest.mark.slow_extra
 def test_step0_check_reads_the_first_of_several_updates(tmp_path, fast_main_job):
     """16 samples per step with train.global_batch_size=8: two optimizer updates per step. The step-0
     check must read the first update's ratio (exactly 1), not the second's (after an optimizer step):
@@ -433,12 +446,16 @@ def test_step0_check_reads_the_first_of_several_updates(tmp_path, fast_main_job)
 
 
 @pytest.mark.slow
+# rloo-* and reinforcepp-baseline-* are slow_extra too (CI's 30-min budget): every estimator and loss is checked
+# against hand-worked values in the fast suite (test_estimators, test_algorithms); gae-ppo-critic stays in CI (the
+# critic's training, and PPO's clip, end to end). What leaves CI: those combinations run through `moerl train`.
 @pytest.mark.parametrize("algo", [
-    ["algorithm.advantage_estimator=rloo", "algorithm.policy_loss=ppo", "algorithm.eps_clip_low=0.2",
-     "algorithm.eps_clip_high=0.28", "algorithm.dual_clip_c=3.0", "algorithm.whiten_advantages=true",
-     "algorithm.overlong_buffer_len=4"],
-    ["algorithm.advantage_estimator=reinforce_plus_plus_baseline", "algorithm.policy_loss=gspo_token",
-     "algorithm.kl_in_reward=true", "algorithm.kl_coef=0.01", "algorithm.reference_reset_every=2"],
+    pytest.param(["algorithm.advantage_estimator=rloo", "algorithm.policy_loss=ppo", "algorithm.eps_clip_low=0.2",
+                  "algorithm.eps_clip_high=0.28", "algorithm.dual_clip_c=3.0", "algorithm.whiten_advantages=true",
+                  "algorithm.overlong_buffer_len=4"], marks=pytest.mark.slow_extra),
+    pytest.param(["algorithm.advantage_estimator=reinforce_plus_plus_baseline", "algorithm.policy_loss=gspo_token",
+                  "algorithm.kl_in_reward=true", "algorithm.kl_coef=0.01", "algorithm.reference_reset_every=2"],
+                 marks=pytest.mark.slow_extra),
     # slow_extra (not in CI): CISPO's loss and the entropy bonus against hand-worked values in the fast suite
     pytest.param(["algorithm.advantage_estimator=reinforce_plus_plus", "algorithm.policy_loss=cispo",
                   "algorithm.entropy_coef=0.01"], marks=pytest.mark.slow_extra),
@@ -485,6 +502,9 @@ CHAIN_SUM = str(REPO / "configs" / "tiny_chain_sum.yaml")
 
 
 @pytest.mark.slow
+# slow_extra (CI's 30-min budget): the reasoning-gym task (rows and scores against the library) is a fast test
+# (tests/test_data.py); what leaves CI is its recipe's short end-to-end run
+@pytest.mark.slow_extra
 def test_reasoning_gym_recipe_short_run(tmp_path):
     """configs/tiny_chain_sum.yaml, shortened: reasoning-gym prompts and labels are generated offline,
     scored by the dataset's own verifier in the reward workers, and the run ends with both evals."""

@@ -160,6 +160,11 @@ def test_kill9_then_resume_auto_in_async_mode_loses_and_repeats_no_sample(tmp_pa
 
 
 @pytest.mark.slow
+# slow_extra (CI's 30-min budget): kill -9 + resume=auto bit-identical stays in CI
+# (test_kill9_then_resume_auto_is_bit_identical[0], test_kill9_of_trainer_alone_...), and the checkpoint manager's
+# skip of an incomplete checkpoint is in the fast suite (tests/test_run_state.py). What leaves CI: a resume exactly on
+# an epoch boundary of the prompt sampler, end to end
+@pytest.mark.slow_extra
 def test_resume_on_epoch_boundary_and_incomplete_checkpoint_skipped(tmp_path, reference):
     run_dir = tmp_path / "run"
     _run(run_dir, "train.num_steps=4")  # 4 steps x 4 prompts = exactly one epoch of the 16 prompts
@@ -177,9 +182,10 @@ def test_resume_on_epoch_boundary_and_incomplete_checkpoint_skipped(tmp_path, re
 
 
 @pytest.mark.slow
-# slow_extra (not in CI: 33 s): a resume refused for changed data (another row count) is in CI (test_bad_input
-# test_finished_run_is_never_damaged_by_a_failed_start), the fingerprints' messages in test_data. What leaves CI:
-# the refusal end to end for same-count other content and for another tokenizer.
+# slow_extra (not in CI: 33 s): the data and tokenizer fingerprints and their messages are fast tests (test_data); a
+# resume refused for changed data (another row count) is test_bad_input
+# test_finished_run_is_never_damaged_by_a_failed_start (slow_extra too, CI's 30-min budget). What leaves CI: the
+# refusal end to end.
 @pytest.mark.slow_extra
 def test_resume_with_changed_data_or_tokenizer_is_refused_before_any_work(tmp_path):
     """The checkpoint records fingerprints of the data (content) and the tokenizer: a resume whose
@@ -277,6 +283,9 @@ def _launch(case: str, out_dir: Path) -> float:
 
 
 @pytest.mark.slow
+# slow_extra (CI's 30-min budget): what leaves CI is resharding a TP2/EP2 checkpoint onto TP1 and PP2; same-layout
+# resumes stay in CI (test_resume, test_pipeline_train test_actor_checkpoint_resumes_exactly[dualpipev])
+@pytest.mark.slow_extra
 def test_tp2ep2_checkpoint_resumes_at_tp1_and_pp2_with_same_next_loss(tmp_path):
     ref = _launch("save_tp2ep2", tmp_path)
     for case in ("load_tp1", "load_pp2"):

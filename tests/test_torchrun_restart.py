@@ -74,11 +74,13 @@ def reference(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "fault, resumed_from",
-    # rank0_dies_in_sft is slow_extra (not in CI: 47 s): a kill in SFT and its resume are in CI in test_resume
-    # (test_kill9_of_trainer_alone_leaves_no_child_and_time_based_checkpoints_resume, one process), a restarted
-    # torchrun worker here (rank 1, in RL). What leaves CI: the death of rank 0 (the rollout cluster's owner)
-    # under torchrun and a resume from a multi-rank SFT checkpoint.
-    [("1:rl:2", "step_1"), pytest.param("0:sft:2", "sft_step_1", marks=pytest.mark.slow_extra)],
+    # both are slow_extra (not in CI: 47 s and 66 s; CI's 30-min budget). In CI: kill -9 and resume of one
+    # process (test_resume: in RL bit-identical, in SFT test_kill9_of_trainer_alone_...), torchrun with a
+    # checkpoint and resume across two nodes (test_two_node), the fault switch (fast). What leaves CI: torchrun's
+    # restart of the whole gang after a worker dies (rank 1 in RL; rank 0, the rollout cluster's owner, in SFT)
+    # and a bit-identical resume from a multi-rank checkpoint.
+    [pytest.param("1:rl:2", "step_1", marks=pytest.mark.slow_extra),
+     pytest.param("0:sft:2", "sft_step_1", marks=pytest.mark.slow_extra)],
     ids=["rank1_dies_in_rl", "rank0_dies_in_sft"],
 )
 def test_restarted_worker_resumes_bit_identical(tmp_path, reference, fault, resumed_from):

@@ -1,0 +1,56 @@
+"""moerl.checkpoint.run_state: which checkpoint directories count as complete and which one resume=auto takes.
+
+The end-to-end version (a run killed mid-save, then resumed) is tests/test_resume.py
+test_resume_on_epoch_boundary_and_incomplete_checkpoint_skipped (slow_extra); this one is the rule itself,
+on directories laid out by hand.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from moerl.checkpoint.run_state import COMPLETE_MARKER, list_complete_checkpoints, resolve_resume
+
+
+def _ckpt(root, name, complete=True):
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "weights.bin").write_bytes(b"x")
+    if complete:
+        (d / COMPLETE_MARKER).write_text("{}")
+    return d
+
+
+def test_incomplete_and_foreign_directories_are_skipped_and_order_is_sft_then_rl_by_step(tmp_path, capsys):
+    root = tmp_path / "checkpoints"
+    _ckpt(root, "step_1")
+    _ckpt(root, "step_2", complete=False)      # killed before its marker
+    _ckpt(root, "step_3.tmp")                  # a save cut short (even with a marker inside)
+    _ckpt(root, "step_4.old")                  # the previous copy of a directory being replaced
+    _ckpt(root, "step_10")                     # numeric order, not text order (step_10 > step_9)
+    _ckpt(root, "step_9")
+    _ckpt(root, "sft_step_5")
+    _ckpt(root, "notes")                       # not a checkpoint name
+    (root / "step_11").write_text("a file")    # not a directory
+    # worked by hand: SFT checkpoints first, then RL by step; 2 (no marker), 3.tmp, 4.old, notes, the file out
+    assert [d.name for d in list_complete_checkpoints(root)] == ["sft_step_5", "step_1", "step_9", "step_10"]
+    err = capsys.readouterr()
+    text = err.out + err.err
+    assert "step_2" in text and COMPLETE_MARKER in text and "step_3.tmp" in text and "step_4.old" in text
+    assert list_complete_checkpoints(tmp_path / "missing") == []
+
+
+def test_resume_auto_takes_the_newest_complete_and_a_path_without_marker_is_refused(tmp_path):
+    run = tmp_path / "run"
+    assert resolve_resume(SimpleNamespace(resume="auto"), run) is None  # nothing saved yet: a fresh start
+    _ckpt(run / "checkpoints", "sft_step_30")
+    _ckpt(run / "checkpoints", "step_2")
+    _ckpt(run / "checkpoints", "step_3", complete=False)
+    assert resolve_resume(SimpleNamespace(resume="auto"), run) == run / "checkpoints" / "step_2"
+    assert resolve_resume(SimpleNamespace(resume="none"), run) is None
+    explicit = run / "checkpoints" / "sft_step_30"
+    assert resolve_resume(SimpleNamespace(resume=str(explicit)), run) == explicit
+    with pytest.raises(FileNotFoundError, match="step_3 is not a complete moerl checkpoint"):
+        resolve_resume(SimpleNamespace(resume=str(run / "checkpoints" / "step_3")), run)
