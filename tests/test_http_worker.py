@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import time
 
 import pytest
@@ -19,6 +18,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 from moerl.rollout.client import RolloutClient  # noqa: E402
 from moerl.rollout.errors import RolloutRequestError  # noqa: E402
 from moerl.rollout.http_worker import HttpWorker  # noqa: E402
+from moerl.rollout.testing import refusing_port  # noqa: E402
 from moerl.rollout.inprocess import serve_in_thread  # noqa: E402
 from moerl.rollout.server import ReferenceEngine  # noqa: E402
 
@@ -70,20 +70,18 @@ def test_worker_answers_equal_the_in_process_client_and_errors_match(served):
 
 
 def test_connection_errors_are_retried_then_raised_naming_the_attempts():
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    with refusing_port() as port:  # nothing answers there for the whole test
 
-    async def run():
-        c = RolloutClient(f"http://127.0.0.1:{port}", timeout_s=5, max_retries=1, backoff_s=0.01)
-        c.worker = HttpWorker(timeout_s=5)
-        try:
-            with pytest.raises(RolloutRequestError, match=r"failed after 2 attempts; last error: ClientConnector"):
-                await c.post("/generate", _body(0))
-        finally:
-            c.worker.close()
+        async def run():
+            c = RolloutClient(f"http://127.0.0.1:{port}", timeout_s=5, max_retries=1, backoff_s=0.01)
+            c.worker = HttpWorker(timeout_s=5)
+            try:
+                with pytest.raises(RolloutRequestError, match=r"failed after 2 attempts; last error: ClientConnector"):
+                    await c.post("/generate", _body(0))
+            finally:
+                c.worker.close()
 
-    asyncio.run(run())
+        asyncio.run(run())
 
 
 def test_a_killed_worker_fails_its_request_and_the_retry_restarts_it(served, capfd):

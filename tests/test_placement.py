@@ -18,7 +18,7 @@ from moerl.rollout.client import RolloutClient, group_requests  # noqa: E402
 from moerl.rollout.launcher import RolloutCluster  # noqa: E402
 from moerl.rollout.placement import RolloutPlacement  # noqa: E402
 from moerl.rollout.server import load_safetensors_dir  # noqa: E402
-from moerl.rollout.testing import make_tiny_moe_checkpoint  # noqa: E402
+from moerl.rollout.testing import make_tiny_moe_checkpoint, refusing_port  # noqa: E402
 from moerl.rollout.weight_sync import sync_weights_from_tensor  # noqa: E402
 
 from _mp_helpers import free_port_block  # noqa: E402
@@ -145,27 +145,28 @@ def test_colocated_releases_other_nodes_servers_but_not_external_urls(cluster, t
     from moerl.rollout import sglang_launcher as sl
 
     peer = cluster.server_urls[0]
-    external = f"http://127.0.0.1:{free_port_block(1)}"  # nothing listens there
-    # launch_sglang_rollout on global rank 0 of a 2-node job whose node 0 starts no server itself
-    monkeypatch.setattr(sl, "gather_server_urls", lambda local: list(local) + [peer])
-    node0 = sl.launch_sglang_rollout(cluster.ckpt, rollout_gpu_ids=[], router_port=free_port_block(1),
-                                     external_urls=[external + "/"])
-    assert node0.extra_worker_urls == [peer, external] and node0.peer_worker_urls == [peer]
-    assert node0.colocated_server_urls() == [peer]  # not started: no live server of its own
+    with refusing_port() as port:  # nothing listens there
+        external = f"http://127.0.0.1:{port}"
+        # launch_sglang_rollout on global rank 0 of a 2-node job whose node 0 starts no server itself
+        monkeypatch.setattr(sl, "gather_server_urls", lambda local: list(local) + [peer])
+        node0 = sl.launch_sglang_rollout(cluster.ckpt, rollout_gpu_ids=[], router_port=free_port_block(1),
+                                         external_urls=[external + "/"])
+        assert node0.extra_worker_urls == [peer, external] and node0.peer_worker_urls == [peer]
+        assert node0.colocated_server_urls() == [peer]  # not started: no live server of its own
 
-    ro = RolloutConfig(placement="colocated")
-    ctx = SimpleNamespace(cfg=SimpleNamespace(rollout=ro), run_dir=tmp_path, hf_config=None)
-    ws = loop.WeightSync(ctx, node0)
-    assert ws.placement.server_urls() == [peer]
-    start = len(_log(cluster))
-    ws.placement.before_train()
-    ws.placement.before_rollout()
-    assert _calls(_log(cluster)[start:]) == ["release:all", "resume:weights", "resume:kv_cache,cuda_graph"]
-    assert len(_rollout(cluster, 9)) == 2  # the server serves again (1 prompt x 2 samples)
+        ro = RolloutConfig(placement="colocated")
+        ctx = SimpleNamespace(cfg=SimpleNamespace(rollout=ro), run_dir=tmp_path, hf_config=None)
+        ws = loop.WeightSync(ctx, node0)
+        assert ws.placement.server_urls() == [peer]
+        start = len(_log(cluster))
+        ws.placement.before_train()
+        ws.placement.before_rollout()
+        assert _calls(_log(cluster)[start:]) == ["release:all", "resume:weights", "resume:kv_cache,cuda_graph"]
+        assert len(_rollout(cluster, 9)) == 2  # the server serves again (1 prompt x 2 samples)
 
-    with pytest.raises(ValueError, match="peer_worker_urls"):  # a peer must be behind the router
-        RolloutCluster("", num_servers=0, server_command=lambda i, p: [], extra_worker_urls=[external],
-                       peer_worker_urls=[peer])
+        with pytest.raises(ValueError, match="peer_worker_urls"):  # a peer must be behind the router
+            RolloutCluster("", num_servers=0, server_command=lambda i, p: [], extra_worker_urls=[external],
+                           peer_worker_urls=[peer])
 
 
 def test_colocated_trainer_hooks_wait_for_every_rank(tmp_path, monkeypatch):
@@ -204,10 +205,11 @@ def test_freeze_gc_on_the_servers_moerl_started(cluster, monkeypatch):
         assert r.status_code == 200 and r.text == "Garbage collection frozen.\n"
         assert cluster.freeze_gc() == {url: None}
         assert c.post(url + "/generate", json=body).json()["output_ids"] == before
-    closed = f"http://127.0.0.1:{free_port_block(1)}"  # another node's moerl server that is down
-    monkeypatch.setattr(cluster, "peer_worker_urls", [closed])
-    out = cluster.freeze_gc()
-    assert out[url] is None and "ConnectError" in out[closed]
+    with refusing_port() as port:  # another node's moerl server that is down
+        closed = f"http://127.0.0.1:{port}"
+        monkeypatch.setattr(cluster, "peer_worker_urls", [closed])
+        out = cluster.freeze_gc()
+        assert out[url] is None and "ConnectError" in out[closed]
 
 
 @pytest.mark.parametrize("enabled", [True, False])

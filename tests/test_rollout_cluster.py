@@ -25,7 +25,7 @@ from moerl.rollout.errors import (PortInUseError, RolloutRequestError, RolloutSe
                                   RolloutStartupError)  # noqa: E402
 from moerl.rollout.launcher import RolloutCluster, port_is_free  # noqa: E402
 from moerl.rollout.server import ReferenceEngine  # noqa: E402
-from moerl.rollout.testing import make_tiny_moe_checkpoint  # noqa: E402
+from moerl.rollout.testing import make_tiny_moe_checkpoint, refusing_port  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -264,15 +264,15 @@ class _DeadCluster:
 
 
 def test_client_retries_then_names_the_dead_server():
-    port = _free_ports(0)[0]  # nothing listens there
-    client = RolloutClient(f"http://127.0.0.1:{port}", timeout_s=5, max_retries=2, backoff_s=0.01)
-    with pytest.raises(RolloutRequestError, match="after 3 attempts.*Connect"):
-        client.generate_many([{"input_ids": [4, 5]}])
-    dead = _DeadCluster()
-    client = RolloutClient(f"http://127.0.0.1:{port}", timeout_s=5, max_retries=2, backoff_s=0.01, cluster=dead)
-    with pytest.raises(RolloutServerDiedError, match="server 0") as ei:
-        client.generate_many([{"input_ids": [4, 5]}])
-    assert ei.value.index == 0 and dead.calls == 2  # checked before the attempt and after its failure
+    with refusing_port() as port:  # nothing listens there
+        client = RolloutClient(f"http://127.0.0.1:{port}", timeout_s=5, max_retries=2, backoff_s=0.01)
+        with pytest.raises(RolloutRequestError, match="after 3 attempts.*Connect"):
+            client.generate_many([{"input_ids": [4, 5]}])
+        dead = _DeadCluster()
+        client = RolloutClient(f"http://127.0.0.1:{port}", timeout_s=5, max_retries=2, backoff_s=0.01, cluster=dead)
+        with pytest.raises(RolloutServerDiedError, match="server 0") as ei:
+            client.generate_many([{"input_ids": [4, 5]}])
+        assert ei.value.index == 0 and dead.calls == 2  # checked before the attempt and after its failure
 
 
 def test_an_ignored_signal_stays_ignored(tmp_path):
@@ -346,67 +346,71 @@ def test_wait_healthy_names_the_url_exit_code_and_log_tail_of_a_dead_process(tmp
     from moerl.rollout.errors import ServerExitedError
     from moerl.rollout.launcher import wait_healthy
 
-    url = f"http://127.0.0.1:{_free_ports(0)[0]}"  # nothing listens there
-    code = "import sys; print('loading weights'); print('boom: no config.json', file=sys.stderr); sys.exit(3)"
-    log = tmp_path / "s.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-c", code], stdout=f, stderr=subprocess.STDOUT)
-    with pytest.raises(RuntimeError) as ei:
-        wait_healthy(url, proc, timeout_s=60, what="server 3", log_path=str(log))
-    msg = str(ei.value)
-    assert isinstance(ei.value, ServerExitedError) and ei.value.returncode == 3 and ei.value.url == url
-    assert f"server 3 ({url}, pid {proc.pid}) exited with exit code 3" in msg
-    assert "loading weights" in msg and "boom: no config.json" in msg and str(log) in msg
-    # no log file: the tail of the process's stderr pipe; killed by a signal: named
-    proc = subprocess.Popen([sys.executable, "-c", "import os, sys, signal; print('dying', file=sys.stderr, "
-                             "flush=True); os.kill(os.getpid(), signal.SIGKILL)"], stderr=subprocess.PIPE)
-    with pytest.raises(ServerExitedError, match=r"(?s)exited with signal SIGKILL.*dying"):
-        wait_healthy(url, proc, timeout_s=60)
+    with refusing_port() as port:  # nothing listens there
+        url = f"http://127.0.0.1:{port}"
+        code = "import sys; print('loading weights'); print('boom: no config.json', file=sys.stderr); sys.exit(3)"
+        log = tmp_path / "s.log"
+        with open(log, "wb") as f:
+            proc = subprocess.Popen([sys.executable, "-c", code], stdout=f, stderr=subprocess.STDOUT)
+        with pytest.raises(RuntimeError) as ei:
+            wait_healthy(url, proc, timeout_s=60, what="server 3", log_path=str(log))
+        msg = str(ei.value)
+        assert isinstance(ei.value, ServerExitedError) and ei.value.returncode == 3 and ei.value.url == url
+        assert f"server 3 ({url}, pid {proc.pid}) exited with exit code 3" in msg
+        assert "loading weights" in msg and "boom: no config.json" in msg and str(log) in msg
+        # no log file: the tail of the process's stderr pipe; killed by a signal: named
+        proc = subprocess.Popen([sys.executable, "-c", "import os, sys, signal; print('dying', file=sys.stderr, "
+                                 "flush=True); os.kill(os.getpid(), signal.SIGKILL)"], stderr=subprocess.PIPE)
+        with pytest.raises(ServerExitedError, match=r"(?s)exited with signal SIGKILL.*dying"):
+            wait_healthy(url, proc, timeout_s=60)
 
 
 def test_wait_healthy_times_out_on_a_silent_external_url_with_progress_lines(capsys):
     from moerl.rollout.errors import RolloutStartupError
     from moerl.rollout.launcher import wait_healthy
 
-    url = f"http://127.0.0.1:{_free_ports(0)[0]}"
-    t0 = time.monotonic()
-    with pytest.raises(TimeoutError) as ei:
-        wait_healthy(url, None, timeout_s=1.0, what="external rollout server", interval_s=0.05,
-                     progress_every_s=0.3)
-    took = time.monotonic() - t0
-    assert 1.0 <= took < 10.0
-    assert isinstance(ei.value, RolloutStartupError) and ei.value.url == url and ei.value.timeout_s == 1.0
-    assert f"({url}) did not answer /health with HTTP 200 within 1 s (last: Connect" in str(ei.value)
-    lines = [ln for ln in capsys.readouterr().err.splitlines() if f"waiting for external rollout server {url}" in ln]
-    assert 1 <= len(lines) <= 4, lines  # every 0.3 s (at ~0.3, 0.6, 0.9 s; fewer on a loaded machine)
-    assert all("s of timeout 1 s" in ln for ln in lines)
-    # a child process has its own log: no progress lines for it; a 503 is reported as the last answer
-    srv = _Health([503] * 10_000)
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    try:
-        with pytest.raises(TimeoutError, match=r"within 0.5 s \(last: HTTP 503\)"):
-            wait_healthy(srv.url, proc, timeout_s=0.5, interval_s=0.05, progress_every_s=0.1)
-    finally:
-        proc.kill()
-        proc.wait()
-        srv.close()
-    assert "waiting for" not in capsys.readouterr().err
+    with refusing_port() as port:
+        url = f"http://127.0.0.1:{port}"
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError) as ei:
+            wait_healthy(url, None, timeout_s=1.0, what="external rollout server", interval_s=0.05,
+                         progress_every_s=0.3)
+        took = time.monotonic() - t0
+        assert 1.0 <= took < 10.0
+        assert isinstance(ei.value, RolloutStartupError) and ei.value.url == url and ei.value.timeout_s == 1.0
+        assert f"({url}) did not answer /health with HTTP 200 within 1 s (last: Connect" in str(ei.value)
+        lines = [ln for ln in capsys.readouterr().err.splitlines()
+                 if f"waiting for external rollout server {url}" in ln]
+        assert 1 <= len(lines) <= 4, lines  # every 0.3 s (at ~0.3, 0.6, 0.9 s; fewer on a loaded machine)
+        assert all("s of timeout 1 s" in ln for ln in lines)
+        # a child process has its own log: no progress lines for it; a 503 is reported as the last answer
+        srv = _Health([503] * 10_000)
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        try:
+            with pytest.raises(TimeoutError, match=r"within 0.5 s \(last: HTTP 503\)"):
+                wait_healthy(srv.url, proc, timeout_s=0.5, interval_s=0.05, progress_every_s=0.1)
+        finally:
+            proc.kill()
+            proc.wait()
+            srv.close()
+        assert "waiting for" not in capsys.readouterr().err
 
 
 def test_wait_healthy_check_ends_the_wait():
     from moerl.rollout.launcher import wait_healthy
 
-    url = f"http://127.0.0.1:{_free_ports(0)[0]}"
-    calls = []
+    with refusing_port() as port:
+        url = f"http://127.0.0.1:{port}"
+        calls = []
 
-    def check():
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyError("stop")
+        def check():
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyError("stop")
 
-    with pytest.raises(KeyError, match="stop"):
-        wait_healthy(url, None, timeout_s=60, interval_s=0.01, check=check)
-    assert len(calls) == 3
+        with pytest.raises(KeyError, match="stop"):
+            wait_healthy(url, None, timeout_s=60, interval_s=0.01, check=check)
+        assert len(calls) == 3
 
 
 def test_startup_names_the_server_that_dies_while_another_is_still_starting(tmp_path):
@@ -431,13 +435,14 @@ def test_startup_names_the_server_that_dies_while_another_is_still_starting(tmp_
 
 def test_startup_names_an_external_url_that_never_answers(tmp_path):
     base, router = _free_ports(1)
-    dead = f"http://127.0.0.1:{_free_ports(0)[0]}"
-    cluster = RolloutCluster(str(tmp_path), num_servers=0, base_port=base, router_port=router, startup_timeout_s=1,
-                             log_dir=str(tmp_path / "logs"), extra_worker_urls=[dead + "/"])
-    with pytest.raises(RolloutStartupError, match=rf"external rollout server \({dead}\) did not answer /health "
-                                                  r".*rollout.external_urls"):
-        cluster.start()
-    assert cluster._router is None  # the router is started only once every server answers
+    with refusing_port() as port:
+        dead = f"http://127.0.0.1:{port}"
+        cluster = RolloutCluster(str(tmp_path), num_servers=0, base_port=base, router_port=router, startup_timeout_s=1,
+                                 log_dir=str(tmp_path / "logs"), extra_worker_urls=[dead + "/"])
+        with pytest.raises(RolloutStartupError, match=rf"external rollout server \({dead}\) did not answer /health "
+                                                      r".*rollout.external_urls"):
+            cluster.start()
+        assert cluster._router is None  # the router is started only once every server answers
 
 
 def test_router_prometheus_port_is_free_and_below_the_ephemeral_range(tmp_path):

@@ -1,11 +1,29 @@
-"""Tiny Qwen3-MoE checkpoints for tests and smoke runs of the rollout side (not used in training)."""
+"""Tiny Qwen3-MoE checkpoints for tests and smoke runs of the rollout side (not used in training), and a port
+that refuses connections (tests of dead servers)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 from typing import Optional
 
 import torch
+
+
+@contextlib.contextmanager
+def refusing_port(host: str = "127.0.0.1"):
+    """Yield a TCP port (int) on ``host`` that nothing answers on while the context is open: a socket bound
+    to it that does not listen, so every connection is refused and no other process can take the port
+    meanwhile. A port that was merely free when picked is not enough on a busy machine: under pytest-xdist
+    another worker's rollout server once answered /health on one."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind((host, 0))
+        yield s.getsockname()[1]
+    finally:
+        s.close()
+
 
 TINY_SYMBOLS = list("0123456789+-=*abcdefghijklmnopqrstuvwxyz")
 TINY_SPECIALS = ["<pad>", "<eos>", "<unk>"]
