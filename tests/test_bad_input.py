@@ -8,7 +8,7 @@ console script calls), so the table is fast; ``test_console_exit_codes`` runs a 
 subprocesses to show the exit status the shell sees. Every train row starts into an existing run
 directory (recipe.yaml, data/, tokenizer/, weights/init) whose bytes and mtimes are compared before and
 after. Rows that need a finished run (resume into a changed model shape) are in ``test_finished_run_*``
-(slow: one real tiny run).
+(slow_extra, not in CI: one real tiny run).
 
 Reference for "nothing was written": a snapshot (path -> size, sha256, mtime_ns) of the run directory.
 Reference for "no process left": the children of this process (/proc/<pid>/task/*/children).
@@ -532,8 +532,10 @@ def finished_run(tmp_path_factory):
 
 
 @pytest.mark.slow
-# slow_extra (CI's 30-min budget): the refusals themselves are fast tests (test_bad_input, test_main_job);
-# what leaves CI is the check that a refused restart of a finished run changes none of its files
+# slow_extra (CI's 30-min budget): the bad-row / init_from / resume-path refusals are fast (CASES above), the
+# data-change message is test_data's describe_change test. What leaves CI: the refusals that need a finished run
+# (resume into a changed model shape, changed training data, convert_checkpoint --ckpt against another config) and
+# the check that a refused start changes none of the run's files.
 @pytest.mark.slow_extra
 def test_finished_run_is_never_damaged_by_a_failed_start(finished_run, fx, tmp_path):
     """resume=auto into a copy of a finished run with another moe_intermediate_size; resume=<its checkpoint>

@@ -20,7 +20,7 @@ TOOL = Path(__file__).resolve().parents[1] / "tools" / "convert_checkpoint.py"
 
 
 @pytest.mark.slow  # two subprocesses importing megatron-core (~30 s)
-# slow_extra (CI's 30-min budget): the conversion both ways (tools/convert's functions: exact round trip, logits
+# slow_extra (CI's 30-min budget): the conversion both ways (moerl.checkpoint.hf_convert's functions: exact round trip, logits
 # against transformers, sharded and TE names) is the fast suite's test_hf_convert / test_hf_convert_te. What leaves
 # CI: the command line.
 @pytest.mark.slow_extra

@@ -18,9 +18,9 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 from moerl.rollout.client import RolloutClient  # noqa: E402
 from moerl.rollout.errors import RolloutRequestError  # noqa: E402
 from moerl.rollout.http_worker import HttpWorker  # noqa: E402
-from moerl.rollout.testing import refusing_port  # noqa: E402
 from moerl.rollout.inprocess import serve_in_thread  # noqa: E402
 from moerl.rollout.server import ReferenceEngine  # noqa: E402
+from moerl.rollout.testing import refusing_port  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -338,10 +338,10 @@ def test_killed_server_is_named(tmp_path):
 
 
 @pytest.mark.slow
-# slow_extra (CI's 30-min budget): the rollout cluster's own Ctrl-C shutdown (servers, router, reward workers;
+# slow_extra (CI's 30-min budget): the rollout cluster's own Ctrl-C shutdown (one server and the router;
 # KeyboardInterrupt) is the fast suite's test_rollout_cluster
 # test_ctrl_c_shuts_the_cluster_down_then_raises_keyboardinterrupt. What leaves CI: Ctrl-C of the whole `moerl train`
-# process tree.
+# process tree (reward workers included, exit code 130, 'interrupted').
 @pytest.mark.slow_extra
 def test_ctrl_c_leaves_no_process(tmp_path):
     # no SFT warm start: the Ctrl-C lands in RL, and nothing here reads the warm start
@@ -428,7 +428,8 @@ def warm_from(fast_main_job) -> list[str]:
 
 
 @pytest.mark.slow
-# slow_extra (CI's 30-min budget): the step-0 check's arithmetic is a fast test (test_fp8_rollout step0_check);
+# slow_extra (CI's 30-min budget): the step-0 check's arithmetic is a fast test (test_fp8_rollout
+# test_step0_logprob_tolerance_of_fp8_and_bf16_rollout_weights);
 # what leaves CI is its reading of the first of several optimizer updates in one step, end to end
 @pytest.mark.slow_extra
 def test_step0_check_reads_the_first_of_several_updates(tmp_path, fast_main_job):
@@ -448,7 +449,8 @@ def test_step0_check_reads_the_first_of_several_updates(tmp_path, fast_main_job)
 @pytest.mark.slow
 # rloo-* and reinforcepp-baseline-* are slow_extra too (CI's 30-min budget): every estimator and loss is checked
 # against hand-worked values in the fast suite (test_estimators, test_algorithms); gae-ppo-critic stays in CI (the
-# critic's training, and PPO's clip, end to end). What leaves CI: those combinations run through `moerl train`.
+# critic's training, PPO's clip, and the reference policy's reset, algorithm.reference_reset_every, end to end).
+# What leaves CI: those combinations run through `moerl train`.
 @pytest.mark.parametrize("algo", [
     pytest.param(["algorithm.advantage_estimator=rloo", "algorithm.policy_loss=ppo", "algorithm.eps_clip_low=0.2",
                   "algorithm.eps_clip_high=0.28", "algorithm.dual_clip_c=3.0", "algorithm.whiten_advantages=true",
@@ -461,7 +463,8 @@ def test_step0_check_reads_the_first_of_several_updates(tmp_path, fast_main_job)
                   "algorithm.entropy_coef=0.01"], marks=pytest.mark.slow_extra),
     ["algorithm.advantage_estimator=gae", "algorithm.policy_loss=ppo", "algorithm.eps_clip_low=0.2",
      "algorithm.eps_clip_high=0.2", "algorithm.lam=0.95", "critic.warmup_steps=1",
-     "algorithm.overlong_buffer_len=4"],  # the 30-step SFT model scores ~0: a length penalty gives returns != 0
+     "algorithm.overlong_buffer_len=4",  # the 30-step SFT model scores ~0: a length penalty gives returns != 0
+     "algorithm.reference_reset_every=2"],  # the reset in CI (the reinforcepp-baseline case is slow_extra)
 ], ids=["rloo-ppo-dualclip-whiten-overlong", "reinforcepp-baseline-gspo_token-kl_in_reward-reset",
         "reinforcepp-cispo-entropy", "gae-ppo-critic"])
 def test_estimators_and_losses_run_end_to_end(tmp_path, algo, fast_main_job):

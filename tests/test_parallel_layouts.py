@@ -187,10 +187,7 @@ def refs(tmp_path_factory):
 
 
 @pytest.mark.slow
-# pp2dp2 is slow_extra (CI's 30-min budget): PP 2 and DP 2 each stay in CI, and so does a 4-rank layout (tp2ep2).
-# What leaves CI: pipeline stages with data parallelism across them.
-@pytest.mark.parametrize("case", ["tp2", "pp2", "ep2", "dp2", "tp2ep2",
-                                  pytest.param("pp2dp2", marks=pytest.mark.slow_extra)])
+@pytest.mark.parametrize("case", ["tp2", "pp2", "ep2", "dp2", "tp2ep2", "pp2dp2"])
 def test_layout_matches_one_process(refs, case):
     from moerl.parallel.memory_plan import rank_param_counts
 

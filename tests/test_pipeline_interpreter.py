@@ -212,8 +212,8 @@ def test_pp2_torch_split_backward(name, tmp_path):
 
 @pytest.mark.slow
 # dualpipe-12 is slow_extra (CI's 30-min budget): in CI stay DualPipe's torch split on Megatron stages at PP 2
-# (test_pipeline_megatron [dualpipe-torch]), the torch split at PP 4 (zb1p-8 here) and DualPipe at PP 4 unsplit
-# (test_pp4_matches_unpipelined[dualpipe-16]). What leaves CI: DualPipe at PP 4 with the torch split.
+# (test_pipeline_megatron [dualpipe-torch]), the torch split at PP 4 (zb1p-8 here) and DualPipe at PP 4 with the retrace
+# split (test_pp4_matches_unpipelined[dualpipe-16]). What leaves CI: DualPipe at PP 4 with the torch split.
 @pytest.mark.parametrize("name,M", [("zb1p", 8), pytest.param("dualpipe", 12, marks=pytest.mark.slow_extra)])
 def test_pp4_torch_split_backward(name, M, tmp_path):
     run_case(name, 4, M, tmp_path, split="torch")

@@ -141,11 +141,13 @@ def test_megatron_pp2_dualpipev_matches_single_process(dist, tmp_path):
 
 
 @pytest.mark.slow
-# 1f1b-retrace is slow_extra (not in CI): the retrace split on Megatron stages is in CI with DualPipe, and the actor's
-# 1F1B runs Megatron's own schedule (test_parallel_layouts pp2); what leaves CI is the interpreter's 1F1B order on
-# Megatron stages (on toy stages it is in the fast suite, test_pipeline_interpreter) dualpipev-torch is slow_extra
-# (CI's 30-min budget): DualPipeV on Megatron stages stays in CI at PP 4 (test_megatron_pp4_dualpipev) and with tied
-# embeddings (test_megatron_pp2_dualpipev_tied_embeddings). What leaves CI: it at PP 2 untied.
+# 1f1b-retrace is slow_extra (not in CI): the retrace split on Megatron stages is in CI with DualPipe, and the
+# actor's 1F1B runs Megatron's own schedule (test_parallel_layouts pp2); what leaves CI is the interpreter's 1F1B
+# order on Megatron stages (on toy stages it is in the fast suite, test_pipeline_interpreter).
+# dualpipev-torch is slow_extra (CI's 30-min budget): DualPipeV on Megatron stages stays (store split at PP 2 in the
+# fast suite, test_megatron_pp2_dualpipev_matches_single_process; PP 4; tied embeddings), and the torch split on
+# Megatron stages stays with DualPipe (dualpipe-torch). What leaves CI: DualPipeV with the torch split on Megatron
+# stages.
 @pytest.mark.parametrize("name,split", [pytest.param("1f1b", "retrace", marks=pytest.mark.slow_extra),
                                         ("dualpipe", "retrace"), ("dualpipe", "torch"),
                                         pytest.param("dualpipev", "torch", marks=pytest.mark.slow_extra)])

@@ -416,10 +416,12 @@ def test_wait_healthy_check_ends_the_wait():
 def test_startup_names_the_server_that_dies_while_another_is_still_starting(tmp_path):
     """Server 0 never answers, server 1 exits: the cluster names server 1 at once (not a timeout of 0)."""
     base, router = _free_ports(2)
-    argv = {0: [sys.executable, "-c", "import time; time.sleep(60)"],
-            1: [sys.executable, "-c", "import sys; print('server one failed'); sys.exit(5)"]}
+    # server 0 holds its port without listening: nobody else (another xdist worker's server) can answer there
+    argv = {0: lambda port: [sys.executable, "-c", "import socket, time; s = socket.socket(); "
+                             f"s.bind(('127.0.0.1', {port})); time.sleep(60)"],
+            1: lambda port: [sys.executable, "-c", "import sys; print('server one failed'); sys.exit(5)"]}
     cluster = RolloutCluster(str(tmp_path), num_servers=2, base_port=base, router_port=router, startup_timeout_s=60,
-                             log_dir=str(tmp_path / "logs"), server_command=lambda i, port: argv[i])
+                             log_dir=str(tmp_path / "logs"), server_command=lambda i, port: argv[i](port))
     t0 = time.monotonic()
     with pytest.raises(RolloutStartupError) as ei:
         cluster.start()
@@ -428,7 +430,7 @@ def test_startup_names_the_server_that_dies_while_another_is_still_starting(tmp_
     assert "server 1" in msg and "exited during startup with exit code 5" in msg and "server one failed" in msg
     # a server that never answers: named with the recipe key to raise
     cluster = RolloutCluster(str(tmp_path), num_servers=1, base_port=base, router_port=router, startup_timeout_s=1,
-                             log_dir=str(tmp_path / "logs2"), server_command=lambda i, port: argv[0])
+                             log_dir=str(tmp_path / "logs2"), server_command=lambda i, port: argv[0](port))
     with pytest.raises(RolloutStartupError, match=r"server 0 .*did not answer /health within 1 s \(startup_timeout_s\)"):
         cluster.start()
 

@@ -1,6 +1,7 @@
 """moerl.checkpoint.run_state: which checkpoint directories count as complete and which one resume=auto takes.
 
-The end-to-end version (a run killed mid-save, then resumed) is tests/test_resume.py
+The end-to-end version (a finished run plus a hand-made step_5 without marker and a step_5.tmp, then resume=auto)
+is tests/test_resume.py
 test_resume_on_epoch_boundary_and_incomplete_checkpoint_skipped (slow_extra); this one is the rule itself,
 on directories laid out by hand.
 """

@@ -73,8 +73,8 @@ def run_train(run_dir: Path, *overrides: str, nproc: int = 1, timeout: float = 6
 
 @pytest.mark.slow
 # slow_extra (not in CI: 90 s): the EP 2 and DP 2 layouts against one process are in CI at the actor level
-# (test_parallel_layouts, test_critic, test_routing_replay), and the main job under torchrun with DP 2 in
-# test_torchrun_restart and test_two_node. What leaves CI: the main job at ep_size 2, and per-rank profiling /
+# (test_parallel_layouts, test_critic), and the main job under torchrun with DP 2 in test_two_node and
+# test_torchrun_signals [sigkill]. What leaves CI: the main job at ep_size 2, and per-rank profiling /
 # straggler / memory values from a real multi-rank run (their arithmetic is in test_profile).
 @pytest.mark.slow_extra
 def test_torchrun_ep2_and_dp2_match_single_process(tmp_path):
