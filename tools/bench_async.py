@@ -663,7 +663,7 @@ def seeds_of(overrides: Sequence[str]) -> tuple[int, int]:
     from moerl.config import load_config
 
     cfg = load_config(str(REPO / RECIPE), list(overrides))
-    return cfg.seed, cfg.seed if cfg.data.seed is None else cfg.data.seed
+    return cfg.seed, cfg.data_seed
 
 
 def round_seed_overrides(base_seed: int, rep: int, data_seed: Optional[int] = None) -> list[str]:

@@ -1249,6 +1249,11 @@ class RecipeConfig(_Section):
             )
         return world_size // mp
 
+    @property
+    def data_seed(self) -> int:
+        """Seed of the generated train/eval prompt split: ``data.seed``, or the run ``seed`` when it is null."""
+        return self.seed if self.data.seed is None else self.data.seed
+
     # ------------------------------------------------------------------ dump
     def to_dict(self) -> dict[str, Any]:
         """Plain-python nested dict (JSON/YAML-safe) of every resolved value."""

@@ -234,7 +234,7 @@ def _resolve(cfg, dist, run_dir: Path, check: bool) -> RunContext:
     if check and cfg.model.init_from:
         check_hf_model_dir(cfg.model.init_from, "model.init_from")  # a directory of a Qwen3-MoE model
     train_path, eval_path = prepare_task_data(
-        d.task, run_dir / "data", cfg.seed if d.seed is None else d.seed,
+        d.task, run_dir / "data", cfg.data_seed,
         train_path=d.train_path, eval_path=d.eval_path,
         num_train=d.num_train, num_eval=d.num_eval, digits=d.digits,
         reasoning_gym=d.reasoning_gym.model_dump() if d.reasoning_gym is not None else None,
