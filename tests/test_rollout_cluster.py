@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ast
 import os
-import random
 import selectors
 import signal
 import socket
@@ -21,6 +20,7 @@ import pytest
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 from moerl.rollout.client import RolloutClient, group_requests, parse_generate_item  # noqa: E402
+from moerl.rollout.common import free_port_block  # noqa: E402
 from moerl.rollout.errors import (PortInUseError, RolloutRequestError, RolloutServerDiedError,
                                   RolloutStartupError)  # noqa: E402
 from moerl.rollout.launcher import RolloutCluster, port_is_free  # noqa: E402
@@ -36,13 +36,10 @@ def ckpt(tmp_path_factory):
 
 
 def _free_ports(n_servers: int) -> tuple[int, int]:
-    """(base_port, router_port) with base..base+n-1 and router free right now."""
-    for _ in range(200):
-        base = random.randint(20000, 32000 - n_servers - 1)  # below the ephemeral range (32768+)
-        ports = list(range(base, base + n_servers + 1))
-        if all(port_is_free("127.0.0.1", p) for p in ports):
-            return base, ports[-1]
-    raise RuntimeError("no free port range found")
+    """(base_port, router_port): base..base+n-1 for the servers and the next one for the router, a block that
+    no other caller in this process was handed (moerl.rollout.common.free_port_block)."""
+    base = free_port_block(n_servers + 1)
+    return base, base + n_servers
 
 
 def _live_children() -> list[psutil.Process]:
