@@ -80,16 +80,16 @@ Targets (PASS / FAIL printed; the exit code stays 0): sync wall / async(s=1) wal
 greedy accuracy (mean over the rounds' seeds) within 3 points of sync's; the model's predicted sync / async(s=1) ratio within 20% of the
 measured one.
 
-Measured (40 steps, the defaults, --repeats 3; the README's Async section has the tables): two benchmarks of
-commit 1f86af3 one after the other gave async s=1 1.67x and 1.44x (median runs; per round 1.53-1.78x and
-1.32-1.52x), one_step_off 1.46x, s=2 1.41x; async s=1 accuracy -1.8 / +2.7 points against sync, time model
-within 5% / 11%. The demo is balanced (sync R 0.15 s, T 0.20 s, W 0.02 s): perfect overlap would give 1.8x.
-What varies is the overlapped update: 0.97-1.02x sync's in three benchmarks (the first above, and two of an
-experiment that moved only the producer and push threads), 1.13-1.19x in the second above (the same work
-slower while the other vCPU is busy). Before 1f86af3 the trainer's producer / push / reward threads
-ran on core 1, where a server preempted them while they held the trainer's interpreter lock: update
-1.09-1.34x sync's, async s=1 1.26-1.57x. Earlier: commit 800c5f2 1.39-1.40x (single runs), commit 6d493aa
-(with the reference forward, training-bound) 1.23-1.70x.
+Measured (--repeats 3; the README's Async section has the tables). Latest, commit 7badf35, an AMD EPYC 2-core
+VM on a fast day (sync 0.24 s/step): async s=1 1.56x at 40 steps (per round 1.56 / 1.56 / 1.58) and 1.56x at
+100 steps (1.58 / 1.54 / 1.59), accuracy -1.9 / 0.0 points against sync, time model 7% / 9% off: below the
+1.6x target. The demo is trainer-bound on these machines (R 0.092 s against T 0.136 s per step): with no
+overhead the ratio would be 1.70; the rest went to the update running 5% slower beside the busy core 1 and
+6 ms per step of waiting for the batch. Earlier benchmarks of the same design on VMs of the same kind gave
+1.43-2.00x. Before commit 1f86af3 the trainer's producer / push / reward threads ran on core 1, where a
+server preempted them while they held the trainer's interpreter lock: update 1.09-1.34x sync's, async s=1
+1.26-1.57x. Earlier: commit 800c5f2 1.39-1.40x (single runs), commit 6d493aa (with the reference forward,
+training-bound) 1.23-1.70x.
 
 Usage: python tools/bench_async.py [--steps 40] [--warm-start DIR] [--modes sync one_step_off async_s1
        async_s2] [--out DIR] [--keep] [--num-servers 1] [--eval-prompts 1000]
@@ -97,8 +97,8 @@ Usage: python tools/bench_async.py [--steps 40] [--warm-start DIR] [--modes sync
 Defaults took about 8.5 minutes on the shared 2-core machine (measured: 502 s, of which the SFT warm
 start 234 s; with --warm-start 184-221 s at commit 800c5f2: each mode 40-90 s, of which 12-24 s RL, the
 rest start-up and greedy evals of 1000 prompts); since the recipe's SFT change (commit 7e26bd1) the warm
-start takes 88-102 s (200 steps) on an AMD EPYC 2-core VM, the whole --repeats 3 run of sync and async_s1
-391-421 s.
+start takes 61-102 s (200 steps) on an AMD EPYC 2-core VM, the whole --repeats 3 run of sync and async_s1
+209-421 s.
 """
 
 from __future__ import annotations
