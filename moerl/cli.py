@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -27,6 +28,10 @@ def _train(argv: list[str]) -> int:
         prog="moerl train",
         description="Run the RL main job from a YAML recipe; dotted key=value pairs override recipe keys "
         "(e.g. rollout.n_samples_per_prompt=8).",
+        epilog="Every key, with its default and meaning, is in configs/tiny_arith.yaml (typed and checked by "
+        "moerl/config/schema.py). Asynchronous RL: train.mode=sync|one_step_off|async with train.max_staleness, "
+        "train.staleness_policy and algorithm.off_policy_correction (README, 'Asynchronous RL'). "
+        "Continue a stopped run: the same command with resume=auto.",
     )
     parser.add_argument("recipe", help="path to a recipe YAML (see configs/)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, key=value")
@@ -73,10 +78,23 @@ def _train(argv: list[str]) -> int:
             hint="choose another output_dir"))
     from moerl.train.loop import train
 
-    return _run_train(lambda: train(cfg))
+    return _run_train(lambda: train(cfg), run_dir=cfg.output_dir)
 
 
-def _run_train(run) -> int:
+def _resume_hint(run_dir) -> str:
+    """What an interrupted run left to continue from (its newest complete checkpoint), as one clause."""
+    from pathlib import Path
+
+    from moerl.checkpoint.run_state import list_complete_checkpoints
+
+    found = list_complete_checkpoints(Path(run_dir) / "checkpoints")
+    if not found:
+        return ("; no checkpoint was saved, so a rerun starts over (train.save_every / train.save_every_minutes "
+                "save during the run)")
+    return f"; the newest complete checkpoint is {found[-1]}: the same command with resume=auto continues from it"
+
+
+def _run_train(run, run_dir=None) -> int:
     """Run the job and turn what can end it into one line and an exit code: 0 done, 2 bad input
     (found before or early in the run), 1 rollout failure (e.g. a server died; named), 130 Ctrl-C
     (the rollout launcher has stopped every server and the router by then)."""
@@ -95,7 +113,11 @@ def _run_train(run) -> int:
         return 0
     except BaseException as e:  # noqa: BLE001 - an interrupt can surface as any error mid-shutdown
         if interrupted or isinstance(e, KeyboardInterrupt):
-            print("moerl train: interrupted; rollout servers and router stopped", file=sys.stderr)
+            hint = ""
+            if run_dir is not None:
+                with contextlib.suppress(Exception):  # the hint must not turn Ctrl-C into a traceback
+                    hint = _resume_hint(run_dir)
+            print(f"moerl train: interrupted; rollout servers and router stopped{hint}", file=sys.stderr)
             return 130
         if input_kind(e) is not None:
             return report_input_error("moerl train", e)

@@ -218,6 +218,15 @@ CASES = [
     # recipe
     ("unknown-key", T, ["rollout.n_samples_per_promt=8"], ["rollout.n_samples_per_promt", "n_samples_per_prompt"]),
     ("wrong-type", T, ["rollout.temperature=hot"], ["rollout.temperature"]),
+    # a key of another section: the suggestion names it there (not the nearest spelling in this section)
+    ("key-in-wrong-section", T, ["rollout.max_staleness=2"], ["unknown key 'rollout.max_staleness'",
+                                                               "did you mean 'train.max_staleness'?"]),
+    ("section-missing", T, ["mode=async"], ["unknown key 'mode'", "did you mean 'train.mode'?"]),
+    ("top-level-key-in-section", T, ["train.seed=3"], ["unknown key 'train.seed'", "did you mean 'seed'?"]),
+    ("async-drop-at-staleness-0", T, ["train.mode=async", "train.max_staleness=0", "train.staleness_policy=drop"],
+     ["train.staleness_policy=drop", "train.max_staleness=0", "half of the generation", "staleness_policy=wait"]),
+    ("is-cap-below-1", T, ["algorithm.off_policy_correction=decoupled", "algorithm.is_cap=0.5"],
+     ["algorithm.is_cap=0.5 < 1", "off_policy_correction=decoupled", "masks it", "is_cap >= 1"]),
     ("batch-not-divisible", T, ["train.micro_batch_size=48"], ["train.global_batch_size", "micro_batch_size"]),
     ("layout-vs-world", T, ["parallel.tp_size=2"], ["parallel.tp_size", "launch with torchrun --nproc-per-node 2"]),
     ("pp-without-torchrun", T, ["parallel.pp_size=2", "model.hf_config.num_hidden_layers=4"],

@@ -451,3 +451,28 @@ def test_a_critic_warm_up_step_keeps_the_old_log_prob_pass():
     cfg = load_config(TINY, ["algorithm.advantage_estimator=gae", "algorithm.policy_loss=ppo", "critic.warmup_steps=2"])
     assert [recompute_old_log_probs(cfg, 1, step) for step in (1, 2, 3)] == [True, True, False]
     assert recompute_old_log_probs(cfg, 2, 3) and recompute_old_log_probs(load_config(TINY), 1, 1) is False
+
+
+def test_async_keys_without_effect_are_named_and_defaults_say_nothing():
+    """Asynchronous-RL keys that the chosen train.mode ignores (a note each), none for the shipped recipe."""
+    from moerl.config.loader import load_config
+    from moerl.config.schema import async_keys_without_effect
+
+    recipe = "configs/tiny_arith.yaml"
+    assert async_keys_without_effect(load_config(recipe, [])) == []
+    assert async_keys_without_effect(load_config(recipe, ["train.mode=async", "train.staleness_policy=drop",
+                                                          "train.partial_rollout_mask_old=true",
+                                                          "rollout.pause_mode=abort",
+                                                          "rollout.producer_cpu_affinity=[1]"])) == []
+    notes = async_keys_without_effect(load_config(recipe, ["train.staleness_policy=drop",
+                                                           "train.partial_rollout_mask_old=true",
+                                                           "rollout.pause_mode=abort",
+                                                           "rollout.producer_cpu_affinity=[1]"]))
+    assert [n.split(" has no effect")[0] for n in notes] == [
+        "train.staleness_policy=drop", "train.partial_rollout_mask_old=true", "rollout.pause_mode=abort",
+        "rollout.producer_cpu_affinity"]
+    assert all("train.mode=sync" in n for n in notes)
+    one_step = async_keys_without_effect(load_config(recipe, ["train.mode=one_step_off", "train.staleness_policy=drop",
+                                                              "rollout.producer_cpu_affinity=[1]"]))
+    assert one_step == ["train.staleness_policy=drop has no effect: train.mode=one_step_off (the policy acts in "
+                        "async only)"]  # one_step_off runs the producer as a process: its cores apply

@@ -43,9 +43,11 @@ def test_incomplete_and_foreign_directories_are_skipped_and_order_is_sft_then_rl
     assert list_complete_checkpoints(tmp_path / "missing") == []
 
 
-def test_resume_auto_takes_the_newest_complete_and_a_path_without_marker_is_refused(tmp_path):
+def test_resume_auto_takes_the_newest_complete_and_a_path_without_marker_is_refused(tmp_path, capsys):
     run = tmp_path / "run"
     assert resolve_resume(SimpleNamespace(resume="auto"), run) is None  # nothing saved yet: a fresh start
+    assert f"resume=auto: no complete checkpoint in {run / 'checkpoints'}: starting from the beginning" in \
+        capsys.readouterr().out  # said, not silent
     _ckpt(run / "checkpoints", "sft_step_30")
     _ckpt(run / "checkpoints", "step_2")
     _ckpt(run / "checkpoints", "step_3", complete=False)
@@ -55,3 +57,21 @@ def test_resume_auto_takes_the_newest_complete_and_a_path_without_marker_is_refu
     assert resolve_resume(SimpleNamespace(resume=str(explicit)), run) == explicit
     with pytest.raises(FileNotFoundError, match="step_3 is not a complete moerl checkpoint"):
         resolve_resume(SimpleNamespace(resume=str(run / "checkpoints" / "step_3")), run)
+
+
+def test_ctrl_c_names_what_resume_auto_would_continue_from(tmp_path, capsys):
+    """moerl train's Ctrl-C line (exit code 130) says whether a checkpoint is there to continue from."""
+    from moerl.cli import _run_train
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    run = tmp_path / "run"
+    assert _run_train(interrupted, run_dir=run) == 130
+    err = capsys.readouterr().err
+    assert "interrupted; rollout servers and router stopped" in err and "no checkpoint was saved" in err
+    _ckpt(run / "checkpoints", "step_10")
+    _ckpt(run / "checkpoints", "step_15", complete=False)  # cut by the interrupt: not a resume point
+    assert _run_train(interrupted, run_dir=run) == 130
+    err = capsys.readouterr().err
+    assert f"the newest complete checkpoint is {run / 'checkpoints' / 'step_10'}" in err and "resume=auto" in err

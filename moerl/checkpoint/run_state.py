@@ -124,8 +124,9 @@ def list_complete_checkpoints(ckpt_root: Path, warn: bool = True) -> list[Path]:
     return [d for _, d in sorted(found)]
 
 
-def resolve_resume(cfg, run_dir: Path) -> Optional[Path]:
-    """The checkpoint to resume from for ``cfg.resume`` ("none" | "auto" | a path), or None.
+def resolve_resume(cfg, run_dir: Path, announce: bool = True) -> Optional[Path]:
+    """The checkpoint to resume from for ``cfg.resume`` ("none" | "auto" | a path), or None. With ``announce``,
+    resume=auto that finds no complete checkpoint says so (a fresh start).
 
     Raises:
         FileNotFoundError: ``resume`` is a path without a complete checkpoint.
@@ -134,6 +135,8 @@ def resolve_resume(cfg, run_dir: Path) -> Optional[Path]:
         return None
     if cfg.resume == "auto":
         found = list_complete_checkpoints(run_dir / "checkpoints")
+        if not found and announce:
+            log(f"resume=auto: no complete checkpoint in {run_dir / 'checkpoints'}: starting from the beginning")
         return found[-1] if found else None
     path = Path(cfg.resume)
     if not (path / COMPLETE_MARKER).is_file():

@@ -106,6 +106,20 @@ def _section_model(loc: tuple) -> Optional[type[BaseModel]]:
     return model
 
 
+def _sections_with_key(name: str) -> list[str]:
+    """The top-level recipe sections that have a key ``name`` (e.g. "max_staleness" -> ["train"]), or
+    ``[""]`` when it is a top-level key itself."""
+    if name in RecipeConfig.model_fields and not _is_section(RecipeConfig.model_fields[name]):
+        return [""]
+    return [sec for sec, f in RecipeConfig.model_fields.items()
+            if _is_section(f) and name in f.annotation.model_fields]
+
+
+def _is_section(field) -> bool:
+    ann = getattr(field, "annotation", None)
+    return isinstance(ann, type) and issubclass(ann, BaseModel)
+
+
 def _format_error(err: dict[str, Any]) -> str:
     loc = tuple(err.get("loc", ()))
     key = ".".join(str(p) for p in loc)
@@ -113,6 +127,9 @@ def _format_error(err: dict[str, Any]) -> str:
     if etype == "extra_forbidden":
         model = _section_model(loc)
         msg = f"unknown key '{key}'"
+        elsewhere = _sections_with_key(str(loc[-1])) if len(loc) <= 2 else []
+        if elsewhere and tuple(loc[:-1]) not in [(s,) if s else () for s in elsewhere]:  # a key of another section
+            return msg + f"; did you mean {' or '.join(repr(f'{s}.{loc[-1]}' if s else str(loc[-1])) for s in elsewhere)}?"
         if model is not None:
             names = list(model.model_fields)
             close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.6)

@@ -707,6 +707,11 @@ class TrainConfig(_Section):
         if self.mode == "one_step_off" and self.max_staleness < 1:
             raise ValueError("train.mode=one_step_off trains on data one version old: train.max_staleness must "
                              f"be >= 1 (got {self.max_staleness}); use train.mode=sync for on-policy")
+        if self.mode == "async" and self.max_staleness == 0 and self.staleness_policy == "drop":
+            raise ValueError("train.staleness_policy=drop lets the producer run one batch ahead, and at "
+                             "train.max_staleness=0 every group made ahead is one version old when taken: half of the "
+                             "generation would be dropped. Use train.staleness_policy=wait (async at 0 is sync) or "
+                             "train.max_staleness >= 1")
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(
                 f"train.global_batch_size ({self.global_batch_size}) must be divisible by "
@@ -864,6 +869,26 @@ class PrecisionConfig(_Section):
         return self
 
 
+def async_keys_without_effect(cfg) -> list[str]:
+    """One note per asynchronous-RL key set to a non-default value that ``cfg``'s train.mode ignores (the main
+    job logs them at the start of RL, as it does for eval.stop_at_gain without evals)."""
+    tr, ro = cfg.train, cfg.rollout
+    notes = []
+    if tr.mode != "async" and tr.staleness_policy == "drop":
+        notes.append(f"train.staleness_policy=drop has no effect: train.mode={tr.mode} (the policy acts in async only)")
+    if tr.mode != "async" and tr.partial_rollout_mask_old:
+        notes.append(f"train.partial_rollout_mask_old=true has no effect: train.mode={tr.mode} cuts no response "
+                     "(partial rollouts happen in async only)")
+    if tr.mode != "async" and ro.pause_mode == "abort":
+        notes.append(f"rollout.pause_mode=abort has no effect: train.mode={tr.mode} pauses no generation for a "
+                     "weight update (async only)")
+    process = ro.producer_process if ro.producer_process is not None else tr.mode != "sync"
+    if ro.producer_cpu_affinity and not process:
+        notes.append(f"rollout.producer_cpu_affinity has no effect: the producer is a thread of the trainer (train.mode="
+                     f"{tr.mode}, rollout.producer_process={ro.producer_process}), on its cores")
+    return notes
+
+
 def old_log_probs_pass_reason(cfg, n_updates: Optional[int] = None) -> Optional[str]:
     """Why a step needs its own old (proximal) log-prob pass before the update (see
     ``algorithm.recompute_old_log_probs``), or None when the update's own forward gives them.
@@ -958,6 +983,11 @@ class RecipeConfig(_Section):
         if overlap:
             raise ValueError(f"train.cpu_affinity {tr.cpu_affinity} and rollout.cpu_affinity {ro.cpu_affinity} share "
                              f"cores {overlap}: give the trainer and the rollout servers separate cores")
+        if algo.off_policy_correction in ("tis", "decoupled", "mis") and algo.is_cap < 1:
+            what = "scales every token's loss down by it" if algo.off_policy_correction == "tis" else "masks it"
+            raise ValueError(f"algorithm.is_cap={algo.is_cap} < 1 with algorithm.off_policy_correction="
+                             f"{algo.off_policy_correction}: an on-policy token has importance weight 1, which this cap "
+                             f"{what}; set algorithm.is_cap >= 1 (AReaL and TIS use 2 to 5)")
         if algo.off_policy_correction == "mis" and algo.is_lower > algo.is_cap:
             raise ValueError(f"algorithm.is_lower ({algo.is_lower}) must be <= algorithm.is_cap ({algo.is_cap}) for "
                              "algorithm.off_policy_correction=mis (the kept band is [is_lower, is_cap])")

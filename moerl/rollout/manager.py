@@ -261,8 +261,9 @@ class RolloutManager(_PushWaiter):
             raise ValueError(f"train.mode={tr.mode} overlaps rollout and training, which needs separate devices: "
                              "set rollout.placement=disaggregated or train.mode=sync")
         algo = getattr(cfg, "algorithm", None)
-        if tr.mode != "sync" and getattr(algo, "off_policy_correction", "none") == "none":
-            log(f"WARNING: train.mode={tr.mode} trains on tokens up to {tr.max_staleness} versions old without an "
+        if tr.mode != "sync" and tr.max_staleness > 0 and getattr(algo, "off_policy_correction", "none") == "none":
+            versions = "version" if tr.max_staleness == 1 else "versions"
+            log(f"WARNING: train.mode={tr.mode} trains on tokens up to {tr.max_staleness} {versions} old without an "
                 "importance correction (algorithm.off_policy_correction=none); on the demo that cost 5-7 points of "
                 "greedy accuracy at staleness 1 (tools/bench_async.py); consider algorithm.off_policy_correction="
                 "icepop, tis or decoupled")

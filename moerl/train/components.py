@@ -117,7 +117,11 @@ def rollout_manager(ctx, cluster, sampler, sync, state):
     from moerl.rollout.client import RolloutClient
     from moerl.rollout.manager import RolloutManager
 
+    from moerl.config.schema import async_keys_without_effect
+
     cfg, ro = ctx.cfg, ctx.cfg.rollout
+    for note in async_keys_without_effect(cfg):
+        log(note)
     routing_shape = ((ctx.hf_config.num_hidden_layers, ctx.hf_config.num_experts_per_tok)
                      if cfg.moe.routing_replay == "r3" else None)
     common = dict(eos_id=ctx.eos_id, num_steps=cfg.train.num_steps, version=sync.version, steps_done=state.rl_step,

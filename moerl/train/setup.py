@@ -320,7 +320,7 @@ def _resume_checkpoint(cfg, run_dir: Path) -> Optional[Path]:
     from moerl.errors import CheckpointError
 
     try:
-        return resolve_resume(cfg, run_dir)
+        return resolve_resume(cfg, run_dir, announce=False)  # the main job announces it once (train.loop)
     except FileNotFoundError as e:
         raise CheckpointError(str(e), key="resume", file=str(cfg.resume),
                               hint="resume=auto (latest complete checkpoint of output_dir), resume=none, or a "
