@@ -75,3 +75,25 @@ def test_ctrl_c_names_what_resume_auto_would_continue_from(tmp_path, capsys):
     assert _run_train(interrupted, run_dir=run) == 130
     err = capsys.readouterr().err
     assert f"the newest complete checkpoint is {run / 'checkpoints' / 'step_10'}" in err and "resume=auto" in err
+
+
+def test_a_resume_names_every_recipe_key_that_changed(tmp_path, capsys):
+    """moerl.train.setup: a resumed run whose recipe differs from the run's recipe.yaml logs each changed key
+    (worked by hand below) and keeps the earlier file; the same recipe says nothing."""
+    from moerl.config.loader import load_config
+    from moerl.train.setup import _note_recipe_changes, recipe_changes
+
+    assert recipe_changes({"a": 1, "b": {"c": 2, "d": 3}, "gone": 0}, {"a": 1, "b": {"c": 5, "d": 3}, "new": [1]}) == \
+        ["b.c: 2 -> 5", "new: '<unset>' -> [1]", "gone: 0 -> '<unset>'"]
+    before = load_config("configs/tiny_arith.yaml", [f"output_dir={tmp_path}", "train.mode=async"])
+    before.save(str(tmp_path / "recipe.yaml"))
+    same = load_config("configs/tiny_arith.yaml", [f"output_dir={tmp_path}", "train.mode=async", "resume=auto"])
+    _note_recipe_changes(same, tmp_path)  # resume is not a change of the run
+    assert capsys.readouterr().out == "" and not (tmp_path / "recipe.previous.yaml").exists()
+    after = load_config("configs/tiny_arith.yaml", [f"output_dir={tmp_path}", "train.mode=sync", "resume=auto",
+                                                    "rollout.rollout_batch_size=32"])
+    _note_recipe_changes(after, tmp_path)
+    out = capsys.readouterr().out
+    assert "differs from the run's recipe.yaml in 2 key(s)" in out
+    assert "rollout.rollout_batch_size: 16 -> 32" in out and "train.mode: 'async' -> 'sync'" in out
+    assert (tmp_path / "recipe.previous.yaml").read_text() == before.to_yaml()

@@ -165,8 +165,46 @@ def _prepare_main(cfg, dist) -> RunContext:
     if cfg.overwrite_output_dir and cfg.resume == "none":
         clear_run_outputs(run_dir)  # start over: no stale weights / checkpoints / logs mix with the new run
     run_dir.mkdir(parents=True, exist_ok=True)  # every check passed: the first write into output_dir
+    _note_recipe_changes(cfg, run_dir)
     cfg.save(str(run_dir / "recipe.yaml"))
     return _resolve(cfg, dist, run_dir, False)
+
+
+def recipe_changes(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """``"key: old -> new"`` for every dotted key whose value differs between two recipe dicts (a key only
+    one side has shows ``<unset>`` on the other), in the order of ``new`` then ``old``."""
+    out = []
+    for k in list(new) + [k for k in old if k not in new]:
+        key, a, b = f"{prefix}{k}", old.get(k, "<unset>"), new.get(k, "<unset>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += recipe_changes(a, b, key + ".")
+        elif a != b:
+            out.append(f"{key}: {a!r} -> {b!r}")
+    return out
+
+
+def _note_recipe_changes(cfg, run_dir: Path) -> None:
+    """A resumed run whose recipe differs from the one in ``run_dir/recipe.yaml`` (the run it continues): log
+    each changed key and keep the earlier file as recipe.previous.yaml before it is overwritten."""
+    import shutil
+
+    import yaml
+
+    from moerl.runtime.world import log
+
+    path = run_dir / "recipe.yaml"
+    if cfg.resume == "none" or not path.is_file():
+        return
+    try:
+        old = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError):
+        return
+    skip = {"resume", "overwrite_output_dir"}
+    changes = [c for c in recipe_changes(old, cfg.to_dict()) if c.split(":")[0] not in skip]
+    if changes:
+        shutil.copyfile(path, run_dir / "recipe.previous.yaml")
+        log(f"resume: the recipe differs from the run's recipe.yaml in {len(changes)} key(s) (the earlier one is "
+            f"kept as recipe.previous.yaml): " + "; ".join(changes))
 
 
 # what marks a directory as holding a moerl run, and what a run writes there besides data/ and tokenizer/
