@@ -209,8 +209,8 @@ def _note_recipe_changes(cfg, run_dir: Path) -> None:
 
 # what marks a directory as holding a moerl run, and what a run writes there besides data/ and tokenizer/
 RUN_MARKERS = ("recipe.yaml", "checkpoints", "weights")
-RUN_OUTPUTS = ("recipe.yaml", "checkpoints", "weights", "logs", "tensorboard", "hf_export", "hf_critic",
-               "hf_warm_start", "reference_resets", "moe_telemetry.jsonl", "samples.jsonl", "summary.json")
+RUN_OUTPUTS = ("recipe.yaml", "recipe.previous.yaml", "checkpoints", "weights", "logs", "tensorboard", "hf_export",
+               "hf_critic", "hf_warm_start", "reference_resets", "moe_telemetry.jsonl", "samples.jsonl", "summary.json")
 
 
 def check_existing_run(cfg, run_dir: Path) -> None:
