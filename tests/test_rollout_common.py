@@ -20,6 +20,14 @@ def test_per_server_runs_the_calls_at_once_and_keeps_the_order():
     assert per_server(urls, one) == [None, None, "2", None]
 
 
+def test_per_server_calls_one_url_in_the_calling_thread():
+    seen = []
+    assert per_server(["a"], lambda u: seen.append(threading.get_ident()) or u * 2) == ["aa"]
+    assert seen == [threading.get_ident()]
+    with pytest.raises(ZeroDivisionError):
+        per_server(["a"], lambda u: 1 / 0)
+
+
 def test_per_server_calls_a_repeated_url_twice():
     calls = []
     assert per_server(["a", "a"], lambda u: calls.append(u) or f"{u}!") == ["a!", "a!"]

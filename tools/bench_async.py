@@ -36,7 +36,8 @@ Figures per mode (from the run's TensorBoard events, summary.json and /proc samp
 * CPU: trainer-core use (trainer process CPU / RL wall), the CPU per step of the trainer's busiest
   non-main thread (in sync the rollout producer: HTTP client, reward scoring; it shares core 0 with
   training; in one_step_off / async the producer is a process of its own and counts as rollout-side CPU)
-  and of its other threads, and the foreign load on cores 0 / 1 (busy ticks of the core minus our
+  and of its other threads (the process's CPU minus the main thread's and the busiest one's: threads that
+  have exited count, e.g. each weight push's thread), and the foreign load on cores 0 / 1 (busy ticks of the core minus our
   processes' ticks on it: a trainer thread pinned to core 1 alone, if any, counts as core-1 time (moerl
   keeps the producer, weight push and reward dispatcher threads on the trainer's core); what is left is
   other jobs and this tool; the report warns above 10%).
@@ -432,6 +433,7 @@ class ProcSampler:
         self._on_core1: set[int] = set()
         self.cores: dict[int, list[tuple[float, float]]] = {}
         self._threads: dict[int, int] = {}
+        self._process = 0  # utime + stime of the whole process (exited threads included), ticks
         self.thread_series: dict[int, list[tuple[float, float]]] = {}  # non-main threads, by tid
         self._procs: dict[int, int] = {}
         self._stop = threading.Event()
@@ -491,8 +493,13 @@ class ProcSampler:
         for tid, ticks in self._threads.items():
             if tid != self.pid:
                 self.thread_series.setdefault(tid, []).append((now, ticks / self.hz))
+        # every thread the process ever ran: /proc/<pid>/stat's utime + stime include the threads that have
+        # exited, which the per-thread snapshots miss when they start and end between two samples (each weight
+        # push's thread, the pool threads of its pause / continue calls)
+        whole = parse_task_stat(self._read(f"/proc/{self.pid}/stat") or "(x) 0 0" + " 0" * 12)[1]
+        self._process = max(self._process, whole, sum(self._threads.values()))
         self.series["main"].append((now, main / self.hz))
-        self.series["threads"].append((now, (sum(self._threads.values()) - main) / self.hz))
+        self.series["threads"].append((now, (self._process - main) / self.hz))
         self.series["rollout"].append((now, sum(self._procs.values()) / self.hz))
         self.series["threads_core1"].append((now, sum(self._threads.get(t, 0) for t in self._on_core1) / self.hz))
         for core, ticks in parse_proc_stat(self._read("/proc/stat") or "").items():

@@ -30,9 +30,12 @@ def per_server(urls: Sequence[str], one: Callable[[str], _T]) -> list[_T]:
     """``[one(url) for url in urls]`` with the calls run in parallel, one thread each (blocking HTTP to
     several servers: pause / continue, weight-update posts, GC freeze); a URL given twice is called twice.
     ``one`` should return its failure rather than raise; an exception it raises propagates (after every
-    call has ended). No URLs: []."""
+    call has ended). No URLs: []; one URL: called in this thread (a pool thread per call was CPU on the
+    trainer's core at every pause / continue of an async weight push)."""
     if not urls:
         return []
+    if len(urls) == 1:
+        return [one(urls[0])]
     with ThreadPoolExecutor(max_workers=len(urls)) as pool:
         return list(pool.map(one, urls))
 
