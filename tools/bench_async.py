@@ -84,7 +84,8 @@ measured one.
 Measured (--repeats 3; the README's Async section has the tables). Latest, commit 7badf35, an AMD EPYC 2-core
 VM on a fast day (sync 0.24 s/step): async s=1 1.56x at 40 steps (per round 1.56 / 1.56 / 1.58) and 1.56x at
 100 steps (1.58 / 1.54 / 1.59), accuracy -1.9 / 0.0 points against sync, time model 7% / 9% off: below the
-1.6x target. The demo is trainer-bound on these machines (R 0.092 s against T 0.136 s per step): with no
+1.6x target; two more at a9c228a 35 minutes later gave 1.64 and 1.63 (time model 2% off), with the same async
+step (0.159 s) and a slower sync (0.26 s/step): the machine's drift. The demo is trainer-bound on these machines (R 0.092 s against T 0.136 s per step): with no
 overhead the ratio would be 1.70; the rest went to the update running 5% slower beside the busy core 1 and
 6 ms per step of waiting for the batch. Earlier benchmarks of the same design on VMs of the same kind gave
 1.43-2.00x. Before commit 1f86af3 the trainer's producer / push / reward threads ran on core 1, where a
