@@ -86,8 +86,9 @@ VM on a fast day (sync 0.24 s/step): async s=1 1.56x at 40 steps (per round 1.56
 100 steps (1.58 / 1.54 / 1.59), accuracy -1.9 / 0.0 points against sync, time model 7% / 9% off: below the
 1.6x target; two more at a9c228a 35 minutes later gave 1.64 and 1.63 (time model 2% off), with the same async
 step (0.159 s) and a slower sync (0.26 s/step): the machine's drift. The demo is trainer-bound on these machines (R 0.092 s against T 0.136 s per step): with no
-overhead the ratio would be 1.70; the rest went to the update running 5% slower beside the busy core 1 and
-6 ms per step of waiting for the batch. Earlier benchmarks of the same design on VMs of the same kind gave
+overhead the ratio would be 1.70; the rest went to the trainer's own other threads (11-12 ms of core-0 CPU per
+async step, mostly the weight push's thread, which slows the update by as much) and 6 ms per step of waiting
+for the batch. Earlier benchmarks of the same design on VMs of the same kind gave
 1.43-2.00x. Before commit 1f86af3 the trainer's producer / push / reward threads ran on core 1, where a
 server preempted them while they held the trainer's interpreter lock: update 1.09-1.34x sync's, async s=1
 1.26-1.57x. Earlier: commit 800c5f2 1.39-1.40x (single runs), commit 6d493aa (with the reference forward,
@@ -497,8 +498,8 @@ class ProcSampler:
         # every thread the process ever ran: /proc/<pid>/stat's utime + stime include the threads that have
         # exited, which the per-thread snapshots miss when they start and end between two samples (each weight
         # push's thread, the pool threads of its pause / continue calls)
-        whole = parse_task_stat(self._read(f"/proc/{self.pid}/stat") or "(x) 0 0" + " 0" * 12)[1]
-        self._process = max(self._process, whole, sum(self._threads.values()))
+        txt = self._read(f"/proc/{self.pid}/stat")
+        self._process = max(self._process, sum(self._threads.values()), parse_task_stat(txt)[1] if txt else 0)
         self.series["main"].append((now, main / self.hz))
         self.series["threads"].append((now, (self._process - main) / self.hz))
         self.series["rollout"].append((now, sum(self._procs.values()) / self.hz))

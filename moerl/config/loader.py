@@ -99,10 +99,9 @@ def _section_model(loc: tuple) -> Optional[type[BaseModel]]:
     model: type[BaseModel] = RecipeConfig
     for part in loc[:-1]:
         field = model.model_fields.get(part) if isinstance(part, str) else None
-        ann = getattr(field, "annotation", None)
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+        if not _is_section(field):
             return None
-        model = ann
+        model = field.annotation
     return model
 
 

@@ -869,6 +869,13 @@ class PrecisionConfig(_Section):
         return self
 
 
+def producer_in_process(cfg) -> bool:
+    """Whether the rollout producer runs as a child process (moerl.rollout.producer_process) rather than a
+    thread of the trainer: rollout.producer_process, null = in one_step_off and async."""
+    use = cfg.rollout.producer_process
+    return cfg.train.mode != "sync" if use is None else bool(use)
+
+
 def async_keys_without_effect(cfg) -> list[str]:
     """One note per asynchronous-RL key set to a non-default value that ``cfg``'s train.mode ignores (the main
     job logs them at the start of RL, as it does for eval.stop_at_gain without evals)."""
@@ -882,8 +889,7 @@ def async_keys_without_effect(cfg) -> list[str]:
     if tr.mode != "async" and ro.pause_mode == "abort":
         notes.append(f"rollout.pause_mode=abort has no effect: train.mode={tr.mode} pauses no generation for a "
                      "weight update (async only)")
-    process = ro.producer_process if ro.producer_process is not None else tr.mode != "sync"
-    if ro.producer_cpu_affinity and not process:
+    if ro.producer_cpu_affinity and not producer_in_process(cfg):
         notes.append(f"rollout.producer_cpu_affinity has no effect: the producer is a thread of the trainer (train.mode="
                      f"{tr.mode}, rollout.producer_process={ro.producer_process}), on its cores")
     return notes

@@ -114,10 +114,9 @@ def rollout_manager(ctx, cluster, sampler, sync, state):
     .RolloutManagerProcess: the same manager in a child process (rollout.producer_cpu_affinity; null: the trainer's cores)."""
     if cluster is None:
         return None
+    from moerl.config.schema import async_keys_without_effect, producer_in_process
     from moerl.rollout.client import RolloutClient
     from moerl.rollout.manager import RolloutManager
-
-    from moerl.config.schema import async_keys_without_effect
 
     cfg, ro = ctx.cfg, ctx.cfg.rollout
     for note in async_keys_without_effect(cfg):
@@ -126,10 +125,7 @@ def rollout_manager(ctx, cluster, sampler, sync, state):
                      if cfg.moe.routing_replay == "r3" else None)
     common = dict(eos_id=ctx.eos_id, num_steps=cfg.train.num_steps, version=sync.version, steps_done=state.rl_step,
                   state=state.rollout or None, routing_shape=routing_shape)
-    use = ro.producer_process
-    if use is None:
-        use = cfg.train.mode != "sync"
-    if use:  # rollout.producer_process: the whole producer in a child process
+    if producer_in_process(cfg):  # rollout.producer_process: the whole producer in a child process
         from moerl.rollout.producer_process import RolloutManagerProcess
 
         spec = dict(common, router_url=cluster.router_url, timeout_s=ro.request_timeout_s, max_retries=ro.max_retries,
