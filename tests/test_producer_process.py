@@ -45,16 +45,32 @@ class HttpFakeServers(FakeServers):
         from aiohttp import web
 
         self.dead = None
+        self.pause_via: list[str] = []  # "http" (SGLang's endpoint: the producer child) or "cluster" (the trainer)
+        self.refuse: set[str] = set()  # control paths answered HTTP 503
         ready = threading.Event()
 
         async def generate(request):
             return web.json_response(await self.post("/generate", await request.json()))
+
+        def control(path, call):
+            async def handle(request):
+                if path in self.refuse:
+                    return web.Response(status=503, text="refused by the test")
+                body = await request.json()
+                # FakeServers.pause_generation blocks until the aborted requests are answered: off this loop
+                await asyncio.get_running_loop().run_in_executor(None, lambda: call(body, via="http"))
+                return web.json_response({"message": "ok", "status": "ok"})
+            return handle
 
         def serve():
             loop = asyncio.new_event_loop()
             self.loop = loop
             app = web.Application()
             app.router.add_post("/generate", generate)
+            app.router.add_post("/pause_generation", control(
+                "/pause_generation", lambda b, via: self.pause_generation(b.get("mode", "abort"), via=via)))
+            app.router.add_post("/continue_generation", control(
+                "/continue_generation", lambda b, via: self.continue_generation()))
             runner = web.AppRunner(app)
             loop.run_until_complete(runner.setup())
             site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -68,6 +84,10 @@ class HttpFakeServers(FakeServers):
 
     def live_server_urls(self):
         return list(self.server_urls)
+
+    def pause_generation(self, mode: str = "abort", via: str = "cluster"):
+        self.pause_via.append(via)
+        return super().pause_generation(mode)
 
     def check_alive(self):
         if self.dead:
@@ -167,11 +187,28 @@ def test_child_process_keeps_the_staleness_bound_through_cut_requests(tok, rewar
             uids.append(uid)
     assert max(ages) <= 1 and max(ages) == 1
     assert len(uids) == len(set(uids)) == 8 * 4 * 2
-    assert servers.pauses == 8  # every push paused the servers from the trainer
+    # every push paused the servers, from the child (SGLang's endpoint, off the trainer's core)
+    assert servers.pauses == 8 and servers.pause_via == ["http"] * 8 and not servers.paused
+
+
+@pytest.mark.parametrize("refused", ["/pause_generation", "/continue_generation"])
+def test_a_server_that_refuses_the_childs_pause_or_continue_is_handed_to_the_trainers_cluster(tok, reward_path,
+                                                                                          refused):
+    """The child pauses and continues the servers itself; one that refuses (HTTP 503 here) goes back to the
+    trainer's cluster, whose rules decide (failover skips a dead server, else it is named): the servers are
+    paused for every push all the same, continued after it, and the staleness bound holds."""
+    servers = HttpFakeServers(token_s=0.004)
+    servers.refuse = {refused}
+    batches, _ = _run(_process(servers, _cfg(reward_path, max_staleness=1), tok, 4), servers, 4)
+    want = ["cluster"] * 4 if refused == "/pause_generation" else ["http"] * 4
+    assert servers.pause_via == want and not servers.paused
+    assert [b[-1] for b in batches] == [0, 1, 2, 3]
+    assert max(b[-1] - v for b in batches for *_, versions, _r, _m in b[:-1] for v in versions) <= 1
 
 
 def test_a_dead_child_and_a_failed_push_are_reported(tok, reward_path):
-    servers = HttpFakeServers()
+    # slow tokens: batch 2 (8 tokens, 0.4 s) cannot be ready before the failed push (milliseconds) has ended
+    servers = HttpFakeServers(token_s=0.05)
     cfg = _cfg(reward_path, max_staleness=1)
     mgr = _process(servers, cfg, tok, 6).start()
     try:
@@ -297,7 +334,7 @@ def test_a_failed_hold_still_ends_the_push(tok, reward_path, monkeypatch):
     try:
         mgr.get_batch(1)
         monkeypatch.setattr(mgr, "_call", lambda conn, msg, what, **kw: call(
-            conn, ("hold-refused",) if msg == ("hold",) else msg, what, **kw))
+            conn, ("hold-refused",) if msg[0] == "hold" else msg, what, **kw))
         mgr.update_weights(servers.push, 1)
         with pytest.raises(ValueError, match="unknown push message 'hold-refused'"):
             _within(20, mgr.wait_weights)  # the push's own error

@@ -217,7 +217,7 @@ def test_failover_restore_after_the_next_export_sends_the_published_version(ckpt
                 cluster.version, cluster.restore = version, restore
 
             cluster = SimpleNamespace(server_urls=[url], extra_worker_urls=[], colocated_server_urls=lambda: [],
-                                      update_weights=update_weights)
+                                      update_weights=update_weights, http_client=lambda: None)
             ro = RolloutConfig(weight_sync="tensor", failover=True, weight_sync_bucket_mb=0.03)  # ~31 KB: many buckets
             ctx = SimpleNamespace(cfg=SimpleNamespace(rollout=ro), run_dir=tmp_path, hf_config=None)
             ws = loop.WeightSync(ctx, cluster, version=0)

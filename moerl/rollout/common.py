@@ -13,7 +13,10 @@ Contents:
   * hosts: :func:`resolve_host` ("auto" -> this node's address), :func:`is_loopback_or_wildcard`,
     :func:`url_host`, :func:`remote_server_urls`, :func:`resolve_master_address`;
   * JSON value checks: :func:`is_int`, :func:`is_num` (bool is not a number in SGLang's fields);
-  * :func:`per_server`: one call per server URL, in parallel threads.
+  * :func:`per_server`: one call per server URL, in parallel threads;
+  * control calls: :func:`control_urls` (the servers a pause / continue / weight update reaches),
+    :func:`post_control` (SGLang's /pause_generation and /continue_generation on a kept-alive
+    :func:`plain_http_client`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,53 @@ def per_server(urls: Sequence[str], one: Callable[[str], _T]) -> list[_T]:
         return [one(urls[0])]
     with ThreadPoolExecutor(max_workers=len(urls)) as pool:
         return list(pool.map(one, urls))
+
+def plain_http_client(urls: Sequence[str], timeout_s: float):
+    """An ``httpx.Client`` (keep-alive connections) for control calls to ``urls``; when all are plain
+    http:// it skips loading the CA bundle, which costs ~15-30 ms of CPU per client. ``timeout_s``: the
+    default per-request timeout in seconds (a request may pass its own)."""
+    import httpx
+
+    return httpx.Client(timeout=timeout_s, trust_env=False,
+                        verify=not all(u.startswith("http://") for u in urls))
+
+
+def control_urls(cluster) -> list[str]:
+    """The servers a pause, continue or weight update of ``cluster`` reaches, in order: its live servers
+    (``live_server_urls()`` with failover, all ``server_urls`` without: a dead one is then named by the
+    call that fails on it), then every ``extra_worker_urls`` not among them (other nodes' servers,
+    external URLs behind the router). ``cluster``: a moerl.rollout.launcher.RolloutCluster or an object
+    with the same four attributes (the producer process's view of it)."""
+    managed = cluster.live_server_urls() if cluster.failover else list(cluster.server_urls)
+    return managed + [u for u in cluster.extra_worker_urls if u not in managed]
+
+
+def post_control(urls: Sequence[str], path: str, mode: Optional[str], timeout_s: float,
+                 http) -> dict[str, Optional[str]]:
+    """SGLang's POST ``path`` (``"/pause_generation"`` with body ``{"mode": mode}``, or
+    ``"/continue_generation"`` with ``{}`` when ``mode`` is None) to every URL, in parallel
+    (:func:`per_server`), on ``http`` (an ``httpx.Client``, e.g. :func:`plain_http_client`: its kept-alive
+    connections cost about half the CPU of a new client per call, which matters on the trainer's core
+    at every async weight update). One attempt each, ``timeout_s`` seconds.
+
+    Returns: {url: None when the server answered 2xx, else the error text naming the URL and the HTTP
+    status and body, or the connection error}. Raises nothing for a failed server (the caller decides:
+    RolloutCluster names it or lets failover skip it)."""
+    import httpx
+
+    body = {} if mode is None else {"mode": mode}
+
+    def one(url: str) -> Optional[str]:
+        try:
+            r = http.post(url.rstrip("/") + path, json=body, timeout=timeout_s)
+        except httpx.HTTPError as e:
+            return f"POST {url}{path}: {type(e).__name__}: {e}"
+        if r.status_code >= 400:
+            return f"POST {url}{path}: HTTP {r.status_code}: {r.text[:1000]}"
+        return None
+
+    return dict(zip(urls, per_server(list(urls), one)))
+
 
 #: weight_version a server reports before its first update (SGLang ``ServerArgs.weight_version`` default).
 DEFAULT_WEIGHT_VERSION = "default"

@@ -12,8 +12,10 @@ PR_SET_PDEATHSIG), as verl's and slime's rollout workers are processes of their 
 The child has its own RolloutClient (aiohttp in its own event loop: no separate HTTP worker) and its own
 :class:`moerl.rewards.RewardPool` (reward.* keys; the trainer's pool still scores evaluations).
 
-What stays in the trainer: the weight push itself (its export and the servers' pause / continue, through
-the trainer's RolloutCluster) and the cluster (failover restarts). The child sees the cluster through
+What stays in the trainer: the weight push itself (its export and send, through the trainer's
+RolloutCluster) and the cluster (failover restarts). The servers' pause and continue around an async push
+are sent by the child, on the rollout core, to the URLs the trainer names; a server that fails them there
+is handed back to the trainer's cluster (:meth:`RolloutManagerProcess._update_now`). The child sees the cluster through
 :class:`_ClusterView`: the live server URLs, the failover flag and the cluster's fatal error, sent by the
 trainer when they change (polled every ``CLUSTER_POLL_S``) and before every batch.
 
@@ -41,6 +43,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Optional
 
+from moerl.rollout.common import control_urls, plain_http_client, post_control
 from moerl.rollout.manager import _PushWaiter, _version_int, background_push, pause_mode, paused_push
 
 #: seconds between the trainer's checks of its cluster for a changed live-server list or a fatal error
@@ -367,20 +370,27 @@ class RolloutManagerProcess(_PushWaiter):
         self._push_thread.start()
 
     def _update_now(self, push: Callable[[], Any], step: int) -> Any:
-        """Hold the child's requests, push (the servers paused when the child says so), end the push; returns
-        push()'s version. A failed hold or push still ends it (failed: the child's producer stops, its get_batch
-        raises; the trainer raises the push's own error)."""
+        """Hold the child's requests, push, end the push; returns push()'s version. In async mode the CHILD
+        pauses the servers (``hold``: the URLs the trainer's cluster would pause, :func:`control_urls`) and
+        continues them (``end``) on its kept-alive connections, so their HTTP CPU runs on the rollout core,
+        not the trainer's; a server that refused or did not answer the child hands the call back to the
+        trainer's cluster (RolloutCluster.pause_generation / continue_generation: failover skips a dead
+        server, else it is named). A failed hold, pause, push or continue still ends the push (failed: the
+        child's producer stops, its get_batch raises; the trainer raises the error)."""
         t0 = time.monotonic()
         try:
-            paused = self._call(self._push, ("hold",), "update_weights")
-            version, seconds = paused_push(self.cluster if paused else None, self.pause_mode, push, t0)
+            urls = control_urls(self.cluster) if self.cluster is not None else []
+            hold = self._call(self._push, ("hold", urls), "update_weights")  # "none" | "paused" | "pause"
+            version, seconds = paused_push(self.cluster if hold == "pause" else None, self.pause_mode, push, t0)
+            if self._call(self._push, ("end", step, version, seconds, False), "update_weights") == "continue":
+                self.cluster.continue_generation()  # the child's continue failed: the cluster's rules decide
+                self._call(self._push, ("end", step, version, seconds, False), "update_weights")
         except BaseException:
             try:  # the child resumes its requests; it stops producing (its get_batch raises, the push error wins)
                 self._call(self._push, ("end", step, None, None, True), "update_weights")
             except Exception:
                 pass
             raise
-        self._call(self._push, ("end", step, version, seconds, False), "update_weights")
         return version
 
 
@@ -433,22 +443,53 @@ def _log(msg: str) -> None:
 
 
 def _serve_push(conn: Connection, manager) -> None:
+    """Answer the trainer's push messages: ``("begin", version)``; ``("hold", urls)``: hold the requests and,
+    in async mode, pause ``urls`` here -> "none" (no pause needed), "paused" (done here) or "pause" (a server
+    failed here: the trainer's cluster pauses them); ``("end", step, version, seconds, failed)``: continue
+    what was paused here, then :meth:`RolloutManager.end_push` -> "done", or "continue" (a server failed the
+    continue here: nothing ended yet, the trainer continues them and sends ``end`` again)."""
+    state = {"paused": [], "http": None}
+
+    def control(path: str, mode: Optional[str], urls: list, timeout_s: float) -> bool:
+        if state["http"] is None:
+            state["http"] = plain_http_client(urls, 600.0)
+        return not any(post_control(urls, path, mode, timeout_s, state["http"]).values())
+
     def handle(msg: tuple) -> Any:
         if msg[0] == "begin":
             return manager.begin_push(msg[1])
         if msg[0] == "hold":
-            return manager.hold_for_push()
+            if not manager.hold_for_push():
+                return "none"
+            urls = list(msg[1])
+            if not control("/pause_generation", manager.pause_mode, urls, 600.0):
+                return "pause"
+            state["paused"] = urls
+            return "paused"
         if msg[0] == "end":
             _, step, version, seconds, failed = msg
-            return manager.end_push(step, version, seconds, failed=failed)
+            urls, state["paused"] = state["paused"], []
+            if urls:
+                t = time.monotonic()
+                ok = control("/continue_generation", None, urls, 60.0)
+                if not ok and not failed:
+                    return "continue"
+                if seconds is not None:
+                    seconds = (*seconds[:2], seconds[2] + time.monotonic() - t)
+            manager.end_push(step, version, seconds, failed=failed)
+            return "done"
         raise ValueError(f"unknown push message {msg[0]!r}")
 
-    while True:
-        try:
-            msg = _recv(conn)
-            _answer(conn, lambda: handle(msg))
-        except (EOFError, OSError):  # the trainer is gone (or closed the wire before the answer)
-            return
+    try:
+        while True:
+            try:
+                msg = _recv(conn)
+                _answer(conn, lambda: handle(msg))
+            except (EOFError, OSError):  # the trainer is gone (or closed the wire before the answer)
+                return
+    finally:
+        if state["http"] is not None:
+            state["http"].close()
 
 
 def _serve_cluster(conn: Connection, view: _ClusterView) -> None:

@@ -41,7 +41,7 @@ import shutil
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable, Iterator, Mapping, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import httpx
 import torch
@@ -49,7 +49,7 @@ import torch
 from moerl.rollout.common import (  # noqa: F401 - re-exported (moerl.train.weight_sync imports them from here)
     is_loopback_or_wildcard, remote_server_urls, resolve_master_address, url_host)
 from moerl.rollout.common import this_machines_addresses as _this_machines_addresses  # noqa: F401
-from moerl.rollout.common import per_server
+from moerl.rollout.common import per_server, plain_http_client
 from moerl.rollout.common import version_dirname as _version_dirname
 from moerl.rollout.errors import WeightSyncError
 
@@ -85,29 +85,25 @@ def _response_error(url: str, r: "httpx.Response") -> Optional[str]:
 
 
 def _plain_http_client(server_urls: Sequence[str], timeout_s: float) -> httpx.Client:
-    """An httpx.Client for ``server_urls``; when all are plain http:// it skips loading the CA bundle, which
-    costs ~15-30 ms of CPU per client (a third of the trainer's disk-sync CPU on the 2-core demo, py-spy)."""
-    return httpx.Client(timeout=timeout_s, trust_env=False,
-                        verify=not all(u.startswith("http://") for u in server_urls))
+    """moerl.rollout.common.plain_http_client: no CA bundle for plain http:// URLs (~15-30 ms of CPU per
+    client, a third of the trainer's disk-sync CPU on the 2-core demo, py-spy)."""
+    return plain_http_client(server_urls, timeout_s)
 
 
-def _post_all(server_urls: Sequence[str], path: str, payload: dict, timeout_s: float,
+def _post_all(server_urls: Sequence[str], path: str, payload: Union[dict, Callable[[str], dict]], timeout_s: float,
               http_client: Optional[httpx.Client]) -> None:
-    """POST payload to every server (in parallel); raise WeightSyncError naming each failure."""
+    """POST ``payload`` (one body for all, or url -> body) to every server, in parallel (one server: from
+    this thread); raise WeightSyncError naming each failure. Without ``http_client`` each call makes its
+    own client."""
 
     def one(url: str) -> Optional[str]:
-        try:
-            client = http_client or _plain_http_client([url], timeout_s)
-            try:
-                r = client.post(url.rstrip("/") + path, json=payload)
-            finally:
-                if http_client is None:
-                    client.close()
-        except httpx.HTTPError as e:
-            return f"{url}: {type(e).__name__}: {e}"
-        return _response_error(url, r)
+        body = payload(url) if callable(payload) else payload
+        if http_client is not None:
+            return _post_one(http_client, url, path, body)
+        with _plain_http_client([url], timeout_s) as client:
+            return _post_one(client, url, path, body)
 
-    errors = [e for e in per_server(server_urls, one) if e]
+    errors = [e for e in per_server(list(server_urls), one) if e]
     if errors:
         raise WeightSyncError(f"{path} failed on {len(errors)} of {len(server_urls)} servers:\n" + "\n".join(errors))
 
@@ -378,11 +374,10 @@ def _sync_all_shared(server_urls: Sequence[str], hf_state_dict: Mapping[str, tor
     named = list(hf_state_dict.items())
     tp_of = dict(zip(server_urls, server_tp_sizes(server_urls, timeout_s=timeout_s, http_client=client)))
     body = {"load_format": None, "flush_cache": True, "weight_version": weight_version}
-    with ThreadPoolExecutor(max_workers=len(server_urls)) as pool:
-        futures = [_post_async(pool, client, u, "/update_weights_from_tensor",
-                               {"serialized_named_tensors": [serialize_shared(named) for _ in range(tp_of[u])],
-                                **body}) for u in server_urls]
-        _raise_refused(futures)
+    payloads = {u: {"serialized_named_tensors": [serialize_shared(named) for _ in range(tp_of[u])], **body}
+                for u in server_urls}
+    # one server is posted from this thread (no pool thread per push on the trainer's core)
+    _post_all(server_urls, "/update_weights_from_tensor", payloads.__getitem__, timeout_s, client)
     verify_weight_version(server_urls, weight_version, http_client=client)
 
 
@@ -623,17 +618,18 @@ def _not_here(host: str, e: OSError) -> str:
             f"rank 0's node that every rollout server can reach")
 
 
+def _post_one(client: httpx.Client, url: str, path: str, payload: dict) -> Optional[str]:
+    """POST ``payload`` to ``url + path``: None when it succeeded, else an error string naming the server."""
+    try:
+        r = client.post(url.rstrip("/") + path, json=payload)
+    except httpx.HTTPError as e:
+        return f"{url}: {type(e).__name__}: {e}"
+    return _response_error(url, r)
+
+
 def _post_async(pool: ThreadPoolExecutor, client: httpx.Client, url: str, path: str, payload: dict):
-    """Submit one POST; the future returns None or an error string naming the server."""
-
-    def one() -> Optional[str]:
-        try:
-            r = client.post(url.rstrip("/") + path, json=payload)
-        except httpx.HTTPError as e:
-            return f"{url}: {type(e).__name__}: {e}"
-        return _response_error(url, r)
-
-    return pool.submit(one)
+    """Submit one :func:`_post_one`; the future returns None or an error string naming the server."""
+    return pool.submit(_post_one, client, url, path, payload)
 
 
 class DistributedWeightUpdater:

@@ -165,7 +165,8 @@ class WeightSync:
                                                             backend=ro.weight_sync_backend)
             try:
                 sync_weights(ro.weight_sync, urls, hf_sd, version, bucket_bytes=bucket_bytes,
-                             hf_config=hf_config, out_root=out_root, updater=self.updater)
+                             hf_config=hf_config, out_root=out_root, updater=self.updater,
+                             http_client=self.cluster.http_client())  # kept alive: CPU on the trainer's core
             except Exception:
                 if self.updater is not None:  # the group may be out of step: rebuild it next time
                     self.updater.close()
