@@ -14,7 +14,7 @@ The child has its own RolloutClient (aiohttp in its own event loop: no separate 
 
 What stays in the trainer: the weight push itself (its export and send, through the trainer's
 RolloutCluster) and the cluster (failover restarts). The servers' pause and continue around an async push
-are sent by the child, on the rollout core, to the URLs the trainer names; a server that fails them there
+are sent by the child (on its cores, rollout.producer_cpu_affinity) to the URLs the trainer names; a server that fails them there
 is handed back to the trainer's cluster (:meth:`RolloutManagerProcess._update_now`). The child sees the cluster through
 :class:`_ClusterView`: the live server URLs, the failover flag and the cluster's fatal error, sent by the
 trainer when they change (polled every ``CLUSTER_POLL_S``) and before every batch.
@@ -372,8 +372,8 @@ class RolloutManagerProcess(_PushWaiter):
     def _update_now(self, push: Callable[[], Any], step: int) -> Any:
         """Hold the child's requests, push, end the push; returns push()'s version. In async mode the CHILD
         pauses the servers (``hold``: the URLs the trainer's cluster would pause, :func:`control_urls`) and
-        continues them (``end``) on its kept-alive connections, so their HTTP CPU runs on the rollout core,
-        not the trainer's; a server that refused or did not answer the child hands the call back to the
+        continues them (``end``) on its kept-alive connections, so their HTTP CPU is the child's (on
+        rollout.producer_cpu_affinity), not the trainer process's; a server that refused or did not answer the child hands the call back to the
         trainer's cluster (RolloutCluster.pause_generation / continue_generation: failover skips a dead
         server, else it is named). A failed hold, pause, push or continue still ends the push (failed: the
         child's producer stops, its get_batch raises; the trainer raises the error)."""
