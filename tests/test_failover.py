@@ -256,8 +256,10 @@ def test_trainer_weight_sync_goes_through_the_cluster_retry(tmp_path, monkeypatc
     sd = {"w": torch.ones(2)}
     pushes, restorers = [], []
 
-    def fake_sync(m, urls, hf_sd, version, *, updater=None, out_root=None, **kw):
+    def fake_sync(m, urls, hf_sd, version, *, updater=None, out_root=None, tp_cache=None, **kw):
         pushes.append((list(urls), version, None if updater is None else list(updater.server_urls)))
+        assert tp_cache == {}  # WeightSync.tp_sizes: empty at first, emptied after the failed push
+        tp_cache.update((u, 1) for u in urls)  # what server_tp_sizes stores
         if m == "disk":  # what sync_weights_from_disk leaves behind: the version directory
             os.makedirs(os.path.join(out_root, f"weights_{version}"), exist_ok=True)
         if len(pushes) == 1:
@@ -287,6 +289,7 @@ def test_trainer_weight_sync_goes_through_the_cluster_retry(tmp_path, monkeypatc
     assert ws(actor) == "3" and c.calls == ["3"]
     group = [[u0, u1], [u0]] if mode == "distributed" else [None, None]
     assert pushes == [([u0, u1], "3", group[0]), ([u0], "3", group[1])]
+    assert ws.tp_sizes == {u0: 1}  # the survivor's, kept for the next push
     if mode == "distributed":
         assert ws.updater.server_urls == [u0]  # the group of the failed push was dropped, a new one made
     assert c.current_weight_version == "3" and not restorers  # the restorer is built when a server restarts

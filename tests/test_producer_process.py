@@ -171,7 +171,7 @@ def test_child_process_gives_the_thread_managers_batches(tok, reward_path):
 
 
 def test_child_process_keeps_the_staleness_bound_through_cut_requests(tok, reward_path):
-    servers = HttpFakeServers(token_s=0.004)
+    servers = HttpFakeServers(token_s=0.01)
     cfg = _cfg(reward_path, max_staleness=1)
     batches, _ = _run(_process(servers, cfg, tok, 8), servers, 8)
     ages, uids = [], []
@@ -187,8 +187,9 @@ def test_child_process_keeps_the_staleness_bound_through_cut_requests(tok, rewar
             uids.append(uid)
     assert max(ages) <= 1 and max(ages) == 1
     assert len(uids) == len(set(uids)) == 8 * 4 * 2
-    # every push paused the servers, from the child (SGLang's endpoint, off the trainer's core)
-    assert servers.pauses == 8 and servers.pause_via == ["http"] * 8 and not servers.paused
+    # the pushes that found the next batch's groups in flight (each push but the last, unless the groups
+    # finished first) paused the servers, from the child (SGLang's endpoint, off the trainer's core)
+    assert 1 <= servers.pauses <= 7 and servers.pause_via == ["http"] * servers.pauses and not servers.paused
 
 
 @pytest.mark.parametrize("refused", ["/pause_generation", "/continue_generation"])
@@ -196,12 +197,14 @@ def test_a_server_that_refuses_the_childs_pause_or_continue_is_handed_to_the_tra
                                                                                           refused):
     """The child pauses and continues the servers itself; one that refuses (HTTP 503 here) goes back to the
     trainer's cluster, whose rules decide (failover skips a dead server, else it is named): the servers are
-    paused for every push all the same, continued after it, and the staleness bound holds."""
-    servers = HttpFakeServers(token_s=0.004)
+    paused all the same (by the pushes that found the next batch's groups in flight: each but the last,
+    the next batch starting as soon as the trainer takes one), continued after it, and the staleness bound
+    holds."""
+    servers = HttpFakeServers(token_s=0.01)
     servers.refuse = {refused}
     batches, _ = _run(_process(servers, _cfg(reward_path, max_staleness=1), tok, 4), servers, 4)
-    want = ["cluster"] * 4 if refused == "/pause_generation" else ["http"] * 4
-    assert servers.pause_via == want and not servers.paused
+    via = "cluster" if refused == "/pause_generation" else "http"
+    assert 1 <= servers.pauses <= 3 and servers.pause_via == [via] * servers.pauses and not servers.paused
     assert [b[-1] for b in batches] == [0, 1, 2, 3]
     assert max(b[-1] - v for b in batches for *_, versions, _r, _m in b[:-1] for v in versions) <= 1
 

@@ -176,7 +176,7 @@ def _check_versions(batch, servers_version_before_push):
 @pytest.mark.parametrize("eta", [1, 2, 4])
 def test_staleness_bound_holds_for_every_trained_token(eta, policy, group):
     servers = FakeServers(token_s=0.003)
-    batches, _ = _run(servers, _cfg(max_staleness=eta, policy=policy, group=group), num_steps=14, train_s=0.01)
+    batches, mgr = _run(servers, _cfg(max_staleness=eta, policy=policy, group=group), num_steps=14, train_s=0.01)
     assert bool(servers.batches) == group
     ages, uids, resumed, dropped = [], [], 0, 0
     for step, b in enumerate(batches, start=1):
@@ -193,7 +193,11 @@ def test_staleness_bound_holds_for_every_trained_token(eta, policy, group):
         assert b.metrics["rollout/drawn_groups"] == 4 + b.metrics["rollout/dropped_stale_groups"]
     assert len(uids) == len(set(uids))  # no sample trained twice
     assert max(ages) >= 1  # the run really was off-policy
-    assert resumed > 0 and servers.pauses == 14  # weight updates landed in flight and cut responses
+    # weight updates landed in flight and cut responses; the servers were paused exactly by the updates
+    # that found a group in flight (rollout/paused_pushes of the batches after them; the last push's is
+    # still in the manager's counters)
+    paused = sum(b.metrics["rollout/paused_pushes"] for b in batches) + mgr._counters["paused_pushes"]
+    assert resumed > 0 and servers.pauses == paused > 0
     if policy == "wait":
         assert dropped == 0  # the gate alone keeps the bound
 
@@ -458,14 +462,57 @@ def test_background_push_returns_at_once_and_the_bound_still_holds(eta):
     assert max(ages) <= eta
     assert sum(b.metrics["rollout/dropped_stale_groups"] for b in batches) == 0  # the gate alone keeps it
     if eta == 0:
-        fg, returned_fg, _ = run(False)
-        assert min(returned_fg) >= 0.09  # the foreground path waits for the pause and the push
+        # at staleness 0 no group is in flight at a push (the next batch needs its weights), so no push
+        # pauses the servers (hold_for_push skips the pause) and the foreground path waits for the push alone
+        fg, returned_fg, fg_servers = run(False)
+        assert servers.pauses == fg_servers.pauses == 0
+        assert min(returned_fg) >= 0.06
         key = [[(s.metadata["uid"], s.response_ids, s.rollout_log_probs, s.token_versions) for s in b.samples]
                for b in fg]
         assert key == [[(s.metadata["uid"], s.response_ids, s.rollout_log_probs, s.token_versions)
                         for s in b.samples] for b in batches]
     else:
         assert max(ages) >= 1  # it did run off-policy
+
+
+def test_a_push_pauses_the_servers_exactly_when_a_group_is_in_flight():
+    """async: hold_for_push asks for a pause (True) only when a group is in flight once the requests are
+    held. Batch 2's requests held back by the server (in flight) -> the push after step 1 pauses the servers
+    and continues them; batch 3's groups finished before the push after step 2 -> no pause
+    (rollout/paused_pushes counts the first only)."""
+    servers = FakeServers(token_s=0.002)
+    release = threading.Event()
+    real_one = servers._one
+
+    async def one(body):
+        while body["rid"].startswith("s2-") and not release.is_set():  # draw 2 = batch 2 stays in flight
+            await asyncio.sleep(0.001)
+        return await real_one(body)
+
+    servers._one = one
+
+    def wait_until(cond):
+        deadline = time.monotonic() + 10
+        while not cond() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert cond()
+
+    with _manager(servers, _cfg(max_staleness=1), num_steps=3) as mgr:
+        b1 = mgr.get_batch(1)
+        wait_until(lambda: mgr._inflight > 0)  # batch 2's groups started (allowed at staleness 1)
+        mgr.update_weights(servers.push, 1)
+        mgr.wait_weights()
+        assert servers.pauses == 1 and not servers.paused
+        release.set()
+        b2 = mgr.get_batch(2)
+        wait_until(lambda: len(mgr._fifo) == 4 and mgr._inflight == 0)  # batch 3 generated and scored
+        mgr.update_weights(servers.push, 2)
+        mgr.wait_weights()
+        assert servers.pauses == 1  # nothing in flight: no pause
+        b3 = mgr.get_batch(3)
+    assert [b.metrics["rollout/paused_pushes"] for b in (b1, b2, b3)] == [0, 1, 0]
+    assert [b.trainer_version for b in (b1, b2, b3)] == [0, 1, 2]
+    assert all(v == 1 for s in b2.samples for v in s.token_versions)  # held until after the push
 
 
 def test_a_failed_background_push_surfaces_in_wait_weights_and_get_batch():

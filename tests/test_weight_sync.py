@@ -399,3 +399,23 @@ def test_an_empty_server_list_pushes_to_nobody(ckpts, trainer_sd, tmp_path):
     sync_weights("disk", [], trainer_sd, "3", hf_config=cfg, out_root=str(tmp_path))
     back = dict(load_safetensors_dir(str(tmp_path / "weights_3")))
     assert set(back) == set(trainer_sd) and all(torch.equal(back[n], trainer_sd[n]) for n in trainer_sd)
+
+
+def test_server_tp_sizes_asks_only_the_servers_missing_from_its_cache(ckpts):
+    """server_tp_sizes(cache=...) (the trainer's WeightSync.tp_sizes): a server already in the cache is not
+    asked again, a new one is asked once and stored; without a cache every call asks."""
+    from moerl.rollout.weight_sync import server_tp_sizes
+
+    engine, client = _fresh(ckpts[0])
+    asked = []
+    real_get = client.get
+    client.get = lambda url, **kw: asked.append(url) or real_get(url, **kw)
+    url = str(client.base_url).rstrip("/")
+    try:
+        cache = {"http://other:1": 4}
+        assert server_tp_sizes([url, "http://other:1"], http_client=client, cache=cache) == [1, 4]
+        assert cache == {"http://other:1": 4, url: 1} and asked == [url + "/get_server_info"]
+        assert server_tp_sizes([url], http_client=client, cache=cache) == [1] and len(asked) == 1
+        assert server_tp_sizes([url], http_client=client) == [1] and len(asked) == 2
+    finally:
+        engine.close()

@@ -10,9 +10,11 @@ arithmetic for offsets and sizes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from types import SimpleNamespace
 
+import httpx
 import pytest
 import torch
 
@@ -207,7 +209,7 @@ def test_failover_restore_after_the_next_export_sends_the_published_version(ckpt
     live, fresh = ReferenceEngine(ckpts[0]), ReferenceEngine(ckpts[0])
     live_calls = _count_updates(live)
     try:
-        with serve_in_thread(live) as url, serve_in_thread(fresh) as fresh_url:
+        with serve_in_thread(live) as url, serve_in_thread(fresh) as fresh_url, contextlib.ExitStack() as stack:
             hooks = {}
 
             def update_weights(version, push, restore=None):  # RolloutCluster.update_weights, one server
@@ -216,8 +218,12 @@ def test_failover_restore_after_the_next_export_sends_the_published_version(ckpt
                 push([url])
                 cluster.version, cluster.restore = version, restore
 
+            # the cluster's kept-alive client (RolloutCluster.http_client), its requests' paths recorded
+            paths: list[str] = []
+            http = httpx.Client(timeout=60, trust_env=False, event_hooks={"request": [lambda r: paths.append(r.url.path)]})
+            stack.callback(http.close)
             cluster = SimpleNamespace(server_urls=[url], extra_worker_urls=[], colocated_server_urls=lambda: [],
-                                      update_weights=update_weights, http_client=lambda: None)
+                                      update_weights=update_weights, http_client=lambda: http)
             ro = RolloutConfig(weight_sync="tensor", failover=True, weight_sync_bucket_mb=0.03)  # ~31 KB: many buckets
             ctx = SimpleNamespace(cfg=SimpleNamespace(rollout=ro), run_dir=tmp_path, hf_config=None)
             ws = loop.WeightSync(ctx, cluster, version=0)
@@ -248,6 +254,9 @@ def test_failover_restore_after_the_next_export_sends_the_published_version(ckpt
             assert _served_equal(fresh, weights[0]) == []
             assert fresh.weight_version == "4" and live.weight_version == "4"
             assert live_calls == ["1", "2", "4"]  # one request per sync
+            # the server's tp_size was asked once (WeightSync.tp_sizes), its weight_version after every push
+            assert paths.count("/get_server_info") == 1 and ws.tp_sizes == {url: 1}
+            assert paths.count("/get_model_info") == 3 and paths.count("/update_weights_from_tensor") == 3
 
             # without failover there is no restorer to protect: one slot, overwritten by every export
             ctx.cfg.rollout = RolloutConfig(weight_sync="tensor", failover=False, weight_sync_bucket_mb=0.03)

@@ -210,25 +210,32 @@ def serialize_bucket(named_tensors: Mapping[str, torch.Tensor]) -> str:
 
 
 def server_tp_sizes(server_urls: Sequence[str], *, timeout_s: float = 30.0,
-                    http_client: Optional[httpx.Client] = None) -> list[int]:
+                    http_client: Optional[httpx.Client] = None, cache: Optional[dict] = None) -> list[int]:
     """tp_size of each server from GET /get_server_info (SGLang ServerArgs.tp_size; 1 when absent).
+
+    ``cache``: {url: tp_size} of earlier answers: a URL found there is not asked again, and each answer is
+    stored there (a server's tp_size is fixed by its launch command; the trainer's weight sync keeps one
+    cache per run and empties it after a failed push). One GET less per push: 1-4 ms of an async weight
+    update's latency on the 2-core demo, with the server's core busy.
 
     Raises:
         WeightSyncError: a server did not answer (names it).
     """
-    out = []
-    client = http_client or _plain_http_client(server_urls, timeout_s)
-    try:
-        for url in server_urls:
-            try:
-                info = client.get(url.rstrip("/") + "/get_server_info").json()
-            except (httpx.HTTPError, ValueError) as e:
-                raise WeightSyncError(f"{url}/get_server_info failed: {type(e).__name__}: {e}") from e
-            out.append(max(1, int(info.get("tp_size") or 1)))
-    finally:
-        if http_client is None:
-            client.close()
-    return out
+    cache = {} if cache is None else cache
+    missing = [u for u in server_urls if u not in cache]
+    if missing:
+        client = http_client or _plain_http_client(missing, timeout_s)
+        try:
+            for url in missing:
+                try:
+                    info = client.get(url.rstrip("/") + "/get_server_info").json()
+                except (httpx.HTTPError, ValueError) as e:
+                    raise WeightSyncError(f"{url}/get_server_info failed: {type(e).__name__}: {e}") from e
+                cache[url] = max(1, int(info.get("tp_size") or 1))
+        finally:
+            if http_client is None:
+                client.close()
+    return [cache[u] for u in server_urls]
 
 
 def make_buckets(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[dict[str, torch.Tensor]]:
@@ -363,7 +370,7 @@ def _bytes_payload(bucket: Mapping[str, torch.Tensor]) -> tuple[str, Optional[st
 
 
 def _sync_all_shared(server_urls: Sequence[str], hf_state_dict: Mapping[str, torch.Tensor], weight_version: str,
-                     timeout_s: float, client: httpx.Client) -> None:
+                     timeout_s: float, client: httpx.Client, tp_cache: Optional[dict]) -> None:
     """The one-request form of :func:`sync_weights_from_tensor` for a state dict whose every tensor is
     already in shared memory, to servers that are all ``shm`` transport: per server ONE
     /update_weights_from_tensor carrying every tensor's handle (one MultiprocessingSerializer payload
@@ -372,7 +379,8 @@ def _sync_all_shared(server_urls: Sequence[str], hf_state_dict: Mapping[str, tor
     from moerl.rollout.tensor_serde import serialize_shared
 
     named = list(hf_state_dict.items())
-    tp_of = dict(zip(server_urls, server_tp_sizes(server_urls, timeout_s=timeout_s, http_client=client)))
+    tp_of = dict(zip(server_urls, server_tp_sizes(server_urls, timeout_s=timeout_s, http_client=client,
+                                                  cache=tp_cache)))
     body = {"load_format": None, "flush_cache": True, "weight_version": weight_version}
     payloads = {u: {"serialized_named_tensors": [serialize_shared(named) for _ in range(tp_of[u])], **body}
                 for u in server_urls}
@@ -393,7 +401,7 @@ def _raise_refused(futures) -> None:
 def sync_weights_from_tensor(server_urls: Sequence[str], hf_state_dict: Mapping[str, torch.Tensor],
                              weight_version: str, bucket_bytes: int = 64 << 20, *, timeout_s: float = 600.0,
                              http_client: Optional[httpx.Client] = None, transport: str = "auto",
-                             buffers: Optional[SharedBucketBuffers] = None) -> int:
+                             buffers: Optional[SharedBucketBuffers] = None, tp_cache: Optional[dict] = None) -> int:
     """Send the weights in buckets via /update_weights_from_tensor in SGLang's wire format
     (UpdateWeightsFromTensorReqInput; load_format null; one MultiprocessingSerializer payload per TP
     rank of each server, tp_size read from /get_server_info once per call).
@@ -411,7 +419,8 @@ def sync_weights_from_tensor(server_urls: Sequence[str], hf_state_dict: Mapping[
     weight_version and flush_cache=True and is sent only after every server answered every other
     bucket, so a server reports the new version only with all of it applied. After a refused bucket
     the buckets already in flight (at most depth - 1) may still be applied, but no version is set.
-    /get_server_info (tp sizes) is asked while bucket 0 is copied.
+    /get_server_info (tp sizes) is asked while bucket 0 is copied, for the servers not in ``tp_cache``
+    (:func:`server_tp_sizes`).
     One request instead of buckets: when EVERY tensor of ``hf_state_dict`` is already in shared memory
     (e.g. exported into a moerl.rollout.shm_arena.SharedExportArena) and every server is ``shm``,
     each server gets one request carrying all the handles, weight_version and flush_cache=True (the
@@ -424,6 +433,7 @@ def sync_weights_from_tensor(server_urls: Sequence[str], hf_state_dict: Mapping[
         hf_state_dict: {HF name: tensor}, any dtype / device (copied, never modified).
         bucket_bytes: bucket size in bytes (a larger tensor goes alone).
         transport: "auto" | "shm" | "bytes" (see :func:`tensor_transports`).
+        tp_cache: {url: tp_size} kept across syncs (see :func:`server_tp_sizes`), or None (ask every time).
     Raises:
         ValueError: empty weight_version or hf_state_dict, bad transport.
         WeightSyncError: a server refused a bucket (e.g. an unknown name, or a shared-memory handle
@@ -445,7 +455,7 @@ def sync_weights_from_tensor(server_urls: Sequence[str], hf_state_dict: Mapping[
     byte_urls = [u for u in server_urls if how[u] == "bytes"]
     if not byte_urls and all(_already_shared(t) for t in hf_state_dict.values()):
         try:  # every tensor by its own handle: one request per server, no staging buffer to bound
-            _sync_all_shared(server_urls, hf_state_dict, weight_version, timeout_s, client)
+            _sync_all_shared(server_urls, hf_state_dict, weight_version, timeout_s, client, tp_cache)
         finally:
             if http_client is None:
                 client.close()
@@ -459,7 +469,8 @@ def sync_weights_from_tensor(server_urls: Sequence[str], hf_state_dict: Mapping[
     try:
         with buffers.lock, ThreadPoolExecutor(max_workers=len(server_urls) * max(2, buffers.depth)) as pool:
             # the tp sizes are asked while bucket 0 is copied (one round trip off the critical path)
-            tp_future = pool.submit(server_tp_sizes, server_urls, timeout_s=timeout_s, http_client=client)
+            tp_future = pool.submit(server_tp_sizes, server_urls, timeout_s=timeout_s, http_client=client,
+                                    cache=tp_cache)
             tp_of: Optional[dict] = None
             sent: list = []  # sent[k]: the futures of bucket k (one per server)
             for k, bucket in enumerate(buckets):
@@ -869,12 +880,12 @@ WEIGHT_SYNC_MODES = ("disk", "tensor", "distributed")
 def sync_weights(mode: str, server_urls: Sequence[str], hf_state_dict: Mapping[str, torch.Tensor],
                  weight_version: str, *, bucket_bytes: int = 64 << 20, hf_config=None, out_root=None,
                  updater: Optional[DistributedWeightUpdater] = None, http_client: Optional[httpx.Client] = None,
-                 timeout_s: float = 600.0, tensor_transport: str = "auto") -> None:
+                 timeout_s: float = 600.0, tensor_transport: str = "auto", tp_cache: Optional[dict] = None) -> None:
     """One weight sync in ``mode`` (``rollout.weight_sync``): disk | tensor | distributed.
 
     disk needs ``hf_config`` and ``out_root``; distributed needs ``updater`` (kept across syncs: the
     group is created once); tensor uses ``tensor_transport`` (auto | shm | bytes,
-    :func:`tensor_transports`). Empty ``server_urls`` (failover: every server restarting; the cluster's
+    :func:`tensor_transports`) and ``tp_cache`` (:func:`server_tp_sizes`). Empty ``server_urls`` (failover: every server restarting; the cluster's
     restorer catches them up) pushes to nobody: disk still writes the version directory the
     restorer loads, tensor sends nothing, distributed does nothing (no updater needed: a group
     needs at least one server). Raises ValueError for a bad mode or missing argument,
@@ -887,7 +898,8 @@ def sync_weights(mode: str, server_urls: Sequence[str], hf_state_dict: Mapping[s
                                bucket_bytes=bucket_bytes, http_client=http_client, timeout_s=timeout_s)
     elif mode == "tensor":
         sync_weights_from_tensor(server_urls, hf_state_dict, weight_version, bucket_bytes,
-                                 http_client=http_client, timeout_s=timeout_s, transport=tensor_transport)
+                                 http_client=http_client, timeout_s=timeout_s, transport=tensor_transport,
+                                 tp_cache=tp_cache)
     elif mode == "distributed":
         if not server_urls:
             return

@@ -68,6 +68,7 @@ class WeightSync:
         self.ctx, self.cluster, self.version = ctx, cluster, version
         ro = ctx.cfg.rollout
         self.updater: Optional[DistributedWeightUpdater] = None  # rollout.weight_sync == "distributed"
+        self.tp_sizes: dict[str, int] = {}  # tensor mode: each server's tp_size, asked once (server_tp_sizes)
         self.master_address: Optional[str] = None
         if cluster is not None and ro.weight_sync == "distributed":
             self.master_address = resolve_master_address(ro.weight_sync_master_address, ro.host,
@@ -166,8 +167,10 @@ class WeightSync:
             try:
                 sync_weights(ro.weight_sync, urls, hf_sd, version, bucket_bytes=bucket_bytes,
                              hf_config=hf_config, out_root=out_root, updater=self.updater,
-                             http_client=self.cluster.http_client())  # kept alive: CPU on the trainer's core
+                             http_client=self.cluster.http_client(),  # kept alive: CPU on the trainer's core
+                             tp_cache=self.tp_sizes)
             except Exception:
+                self.tp_sizes.clear()  # a restarted or replaced server is asked again
                 if self.updater is not None:  # the group may be out of step: rebuild it next time
                     self.updater.close()
                     self.updater = None
