@@ -375,8 +375,9 @@ def test_a_push_without_background_push_sets_the_version_as_the_thread_manager(t
             assert mgr.background_push is False
             mgr.get_batch(1)
             mgr.update_weights(lambda: servers.push() and None, 1)
-            got[kind] = (_within(20, mgr.get_batch, 2).trainer_version, mgr.version, servers.pauses)
-    assert got["process"] == got["thread"] == (1, 1, 1)
+            got[kind] = (_within(20, mgr.get_batch, 2).trainer_version, mgr.version)
+            assert servers.pauses <= 1 and not servers.paused  # paused when batch 2's groups were in flight
+    assert got["process"] == got["thread"] == (1, 1)
 
 
 def test_the_wire_carries_torch_tensors_from_a_popen_child(tmp_path):

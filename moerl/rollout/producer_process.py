@@ -448,11 +448,12 @@ def _serve_push(conn: Connection, manager) -> None:
     failed here: the trainer's cluster pauses them); ``("end", step, version, seconds, failed)``: continue
     what was paused here, then :meth:`RolloutManager.end_push` -> "done", or "continue" (a server failed the
     continue here: nothing ended yet, the trainer continues them and sends ``end`` again)."""
-    state = {"paused": [], "http": None}
+    view = manager.cluster  # the _ClusterView
+    # made now, not at the first pause: importing httpx in this process costs 60-130 ms on a busy rollout core,
+    # which the first async update that found a group in flight used to wait for (a stalled step)
+    state = {"paused": [], "http": plain_http_client(view.server_urls + view.extra_worker_urls, 600.0)}
 
     def control(path: str, mode: Optional[str], urls: list, timeout_s: float) -> bool:
-        if state["http"] is None:
-            state["http"] = plain_http_client(urls, 600.0)
         return not any(post_control(urls, path, mode, timeout_s, state["http"]).values())
 
     def handle(msg: tuple) -> Any:
@@ -488,8 +489,7 @@ def _serve_push(conn: Connection, manager) -> None:
             except (EOFError, OSError):  # the trainer is gone (or closed the wire before the answer)
                 return
     finally:
-        if state["http"] is not None:
-            state["http"].close()
+        state["http"].close()
 
 
 def _serve_cluster(conn: Connection, view: _ClusterView) -> None:
