@@ -81,14 +81,18 @@ Targets (PASS / FAIL printed; the exit code stays 0): sync wall / async(s=1) wal
 greedy accuracy (mean over the rounds' seeds) within 3 points of sync's; the model's predicted sync / async(s=1) ratio within 20% of the
 measured one.
 
-Measured (--repeats 3; the README's Async section has the tables). Latest, commit 7badf35, an AMD EPYC 2-core
-VM on a fast day (sync 0.24 s/step): async s=1 1.56x at 40 steps (per round 1.56 / 1.56 / 1.58) and 1.56x at
-100 steps (1.58 / 1.54 / 1.59), accuracy -1.9 / 0.0 points against sync, time model 7% / 9% off: below the
-1.6x target; two more at a9c228a 35 minutes later gave 1.64 and 1.63 (time model 2% off), with the same async
-step (0.159 s) and a slower sync (0.26 s/step): the machine's drift. The demo is trainer-bound on these machines (R 0.092 s against T 0.136 s per step): with no
-overhead the ratio would be 1.70; the rest went to the trainer's own other threads (11-12 ms of core-0 CPU per
-async step, mostly the weight push's thread, which slows the update by as much) and 6 ms per step of waiting
-for the batch. Earlier benchmarks of the same design on VMs of the same kind gave
+Measured (--repeats 3; the README's Async section has the tables). Latest, commits 13b0b73 to 368303d, an AMD
+EPYC 2-core VM (sync 0.26-0.29 s/step): async s=1 median 1.61, 1.72, 1.62, 1.54, 1.52, 1.54 at 40 steps and 1.62
+at 100 steps, accuracy -1.1 to -1.9 points against sync, time model 2-9% off. The async update now costs what
+sync's does (0.136-0.154 s against 0.137-0.160): the producer process pauses and continues the servers itself,
+the trainer keeps its HTTP connections alive, and an update pauses the servers only when a group is in flight
+(5-8% of them at staleness 1), so the trainer's other threads use 7-8 ms of CPU per step in both modes (11-12
+ms in async before) and the steady-state wait for a batch fell from 10 to 6 ms. The ratio moved with the VM's
+update time (0.136 -> 0.148 s over the evening; the demo is trainer-bound, R 0.10 s against T 0.14-0.15 s);
+the model's steady-state limit is 1.70-1.76. A 40-step run also pays the first batch's generation (3.5 ms per
+step) and, in about two runs of three, a slow first async update (0.33-0.50 s against 0.17-0.20; not yet
+explained). Earlier, commit 7badf35 (sync 0.24 s/step): 1.56x at 40 and 100 steps, 1.64 / 1.63 at a9c228a.
+Earlier benchmarks of the same design on VMs of the same kind gave
 1.43-2.00x. Before commit 1f86af3 the trainer's producer / push / reward threads ran on core 1, where a
 server preempted them while they held the trainer's interpreter lock: update 1.09-1.34x sync's, async s=1
 1.26-1.57x. Earlier: commit 800c5f2 1.39-1.40x (single runs), commit 6d493aa (with the reference forward,
