@@ -90,8 +90,8 @@ the trainer keeps its HTTP connections alive, and an update pauses the servers o
 ms in async before) and the steady-state wait for a batch fell from 10 to 6 ms. The ratio moved with the VM's
 update time (0.136 -> 0.148 s over the evening; the demo is trainer-bound, R 0.10 s against T 0.14-0.15 s);
 the model's steady-state limit is 1.70-1.76. A 40-step run also pays the first batch's generation (3.5 ms per
-step) and, in about two runs of three, a slow first async update (0.33-0.50 s against 0.17-0.20; not yet
-explained). Earlier, commit 7badf35 (sync 0.24 s/step): 1.56x at 40 and 100 steps, 1.64 / 1.63 at a9c228a.
+step) and a slow first update in both modes (0.19-0.50 s against 0.13-0.15 later: ~24,000 first-touch page
+faults of the optimizer state and gradients, the training thread's own CPU; it varies from run to run). Earlier, commit 7badf35 (sync 0.24 s/step): 1.56x at 40 and 100 steps, 1.64 / 1.63 at a9c228a.
 Earlier benchmarks of the same design on VMs of the same kind gave
 1.43-2.00x. Before commit 1f86af3 the trainer's producer / push / reward threads ran on core 1, where a
 server preempted them while they held the trainer's interpreter lock: update 1.09-1.34x sync's, async s=1
