@@ -515,6 +515,64 @@ def test_a_push_pauses_the_servers_exactly_when_a_group_is_in_flight():
     assert all(v == 1 for s in b2.samples for v in s.token_versions)  # held until after the push
 
 
+def test_a_group_started_after_a_hold_without_pause_sends_nothing_until_the_push_ends():
+    """hold_for_push returned False (nothing in flight), so the servers are not paused: a group the producer
+    starts before end_push (here: the gate opened by hand while the push is held) must wait for end_push
+    before it sends a request, since the servers would run it while their weights change."""
+    servers = FakeServers(token_s=0.002)
+    with _manager(servers, _cfg(max_staleness=0), num_steps=3) as mgr:
+        mgr.get_batch(1)  # staleness 0: batch 2 waits for the push after step 1, nothing is in flight
+        time.sleep(0.05)
+        sent = len(servers.requests)
+        assert mgr.hold_for_push() is False and mgr._inflight == 0
+        with mgr._cv:
+            mgr.steps_done = 1  # what end_push would do, without resuming the requests
+        mgr._kick()
+        deadline = time.monotonic() + 5
+        while mgr._inflight == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(0.1)
+        assert mgr._inflight > 0 and len(servers.requests) == sent  # started, and held before sending
+        servers.push()
+        mgr.end_push(1, 1, (0.0, 0.0, 0.0))
+        b2 = mgr.get_batch(2)
+    assert len(servers.requests) > sent and servers.pauses == 0
+    assert all(v == 1 for s in b2.samples for v in s.token_versions)  # generated under the pushed weights
+
+
+def test_a_request_still_running_for_a_failed_group_makes_the_push_pause():
+    """A group that gave up (a response cut too often) leaves _inflight while its other samples' requests may
+    still run on the servers (per-sample requests): hold_for_push counts those requests as in flight."""
+    servers = FakeServers(token_s=0.002)
+    with _manager(servers, _cfg(max_staleness=0), num_steps=3) as mgr:
+        mgr.get_batch(1)
+        time.sleep(0.05)
+        assert mgr._inflight == 0 and mgr._active_requests == 0
+        with mgr._cv:
+            mgr._active_requests += 1  # an orphaned request at the server (see _run_group's gather)
+        assert mgr.hold_for_push() is True
+        with mgr._cv:
+            mgr._active_requests -= 1
+        mgr.end_push(1, 1, (0.0, 0.0, 0.0))
+
+
+@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")  # the check it never ran
+def test_hold_for_push_returns_when_the_producer_loop_stops_without_running_its_check():
+    """The producer loop can stop (its _produce raised) and close without running the hold's callback: the
+    push does not wait for it forever, it sees the loop gone and pushes without a pause."""
+    servers = FakeServers()
+    mgr = _manager(servers, _cfg(max_staleness=1), num_steps=3)
+    loop = asyncio.new_event_loop()  # never run: its callbacks never execute
+    mgr._loop, mgr._unpaused = loop, asyncio.Event()
+    mgr._thread = threading.Thread(target=lambda: (time.sleep(0.8), loop.close()), daemon=True)
+    mgr._thread.start()
+    got, t0 = [], time.monotonic()
+    waiter = threading.Thread(target=lambda: got.append(mgr.hold_for_push()), daemon=True)
+    waiter.start()
+    waiter.join(10)  # a hang fails here instead of blocking the test run
+    assert got == [False] and 0.7 < time.monotonic() - t0 < 5
+
+
 def test_a_failed_background_push_surfaces_in_wait_weights_and_get_batch():
     """The error of a push on the background thread is raised by the next wait_weights (checkpoint, eval,
     next export) or get_batch, never lost; the servers are continued (not left paused)."""

@@ -43,12 +43,14 @@ def per_server(urls: Sequence[str], one: Callable[[str], _T]) -> list[_T]:
         return list(pool.map(one, urls))
 
 def plain_http_client(urls: Sequence[str], timeout_s: float):
-    """An ``httpx.Client`` (keep-alive connections) for control calls to ``urls``; when all are plain
-    http:// it skips loading the CA bundle, which costs ~15-30 ms of CPU per client. ``timeout_s``: the
-    default per-request timeout in seconds (a request may pass its own)."""
+    """An ``httpx.Client`` (keep-alive connections, idle ones closed after 2 s) for control calls to ``urls``;
+    when all are plain http:// it skips loading the CA bundle, which costs ~15-30 ms of CPU per client.
+    ``timeout_s``: the default per-request timeout in seconds (a request may pass its own)."""
     import httpx
 
-    return httpx.Client(timeout=timeout_s, trust_env=False,
+    # idle connections are dropped after 2 s, before a server closes them (uvicorn's keep-alive timeout is 5 s,
+    # SGLang's too): a request on a connection the server is closing would fail without a retry
+    return httpx.Client(timeout=timeout_s, trust_env=False, limits=httpx.Limits(keepalive_expiry=2.0),
                         verify=not all(u.startswith("http://") for u in urls))
 
 

@@ -13,9 +13,10 @@ train.mode      a group for batch b may start when          a weight update afte
 ==============  ==========================================  ===========================================
 sync            the trainer asked for batch b               pushes (nothing is in flight)
 one_step_off    b <= k_done + 1 + max_staleness             waits until no group is in flight, pushes
-async (wait)    b <= k_done + 1 + max_staleness             pauses the servers (rollout.pause_mode), pushes,
-                                                            continues; with abort, cut responses resume
-                                                            from their prefix
+async (wait)    b <= k_done + 1 + max_staleness             holds new requests; with a group in flight
+                                                            pauses the servers (rollout.pause_mode),
+                                                            pushes, continues; with abort, cut responses
+                                                            resume from their prefix
 async (drop)    b <= k_done + 2 + max_staleness             same as async (wait)
 ==============  ==========================================  ===========================================
 
@@ -65,6 +66,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import json
 import os
 import sys
@@ -868,8 +870,9 @@ class RolloutManager(_PushWaiter):
     def update_weights(self, push: Optional[Callable[[], Any]], step: int, version: Optional[int] = None) -> None:
         """Wrap one weight update after ``step`` (push() sends the exported weights and returns the new
         version, int or str; None: the update was skipped, the weights did not change): sync pushes;
-        one_step_off waits until no group is in flight, then pushes; async pauses every server (abort:
-        running requests return what they have, and resume after continue), pushes, continues.
+        one_step_off waits until no group is in flight, then pushes; async holds new requests and, when a
+        group is in flight (:meth:`hold_for_push`), pauses every server (abort: running requests return
+        what they have, and resume after continue), pushes, continues.
 
         With rollout.background_push this runs on a thread of its own and returns at once: the trainer's
         version is ``version`` (the exported one, int; None: the current version + 1) from now on (the
@@ -928,7 +931,8 @@ class RolloutManager(_PushWaiter):
         then ``continue_generation()`` after the push). With no group in flight once requests are held
         (checked in the producer's event loop, after the hold: a group started later waits for
         :meth:`end_push` before it sends anything), nothing of this producer runs on the servers and the
-        pause is skipped (``rollout/paused_pushes`` counts the pushes that paused): at staleness 1 the
+        pause is skipped (``rollout/paused_pushes`` counts the pushes that paused; a request still running
+        for a group that already failed counts as in flight): at staleness 1 the
         batch the trainer takes next is usually complete when it pushes, and a pause and continue were
         4-10 ms of every update's latency on the 2-core demo."""
         if self.mode == "one_step_off":
@@ -940,13 +944,23 @@ class RolloutManager(_PushWaiter):
 
         async def hold() -> bool:  # in the loop: no request starts between the clear and the count
             self._unpaused.clear()
-            with self._cv:
-                return self._inflight > 0
+            with self._cv:  # a group in flight, or a request still running (a failed group's other samples)
+                return self._inflight > 0 or self._active_requests > 0
 
         try:
-            busy = asyncio.run_coroutine_threadsafe(hold(), self._loop).result()
+            fut = asyncio.run_coroutine_threadsafe(hold(), self._loop)
         except RuntimeError:  # the loop closed meanwhile (the producer stopped): nothing runs
             return False
+        while True:
+            try:
+                busy = fut.result(timeout=0.5)
+                break
+            except concurrent.futures.TimeoutError:
+                if not self._producing():  # the loop stopped without running it (its teardown drops it)
+                    fut.cancel()
+                    return False
+            except concurrent.futures.CancelledError:  # cancelled by the loop's teardown: nothing runs
+                return False
         if busy:
             with self._cv:
                 self._counters["paused_pushes"] += 1

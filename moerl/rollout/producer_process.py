@@ -141,11 +141,12 @@ class RolloutManagerProcess(_PushWaiter):
     ``version``) with the manager in a child process (module docstring). Same arguments as
     :func:`moerl.train.components.rollout_manager` builds a RolloutManager from, but picklable: no
     callables. A weight push runs here (on a background thread with rollout.background_push, one at a
-    time); its pause / continue of the servers go through ``cluster``.
+    time); the child pauses and continues the servers around it when a group is in flight, and a server
+    that fails that there is paused / continued through ``cluster`` (:meth:`_update_now`).
 
     Args:
         cluster: the trainer's RolloutCluster (pause_generation, continue_generation, check_alive,
-            live_server_urls).
+            live_server_urls, failover, server_urls, extra_worker_urls).
         spec: what the child builds its RolloutManager from: router_url, timeout_s, max_retries, cfg,
             sampler, tokenizer, system_prompt, eos_id, num_steps, version, steps_done, state,
             routing_shape, reward_cpu_affinity (cores of its reward workers; see :func:`_child_manager`).

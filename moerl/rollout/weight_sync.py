@@ -116,7 +116,7 @@ def verify_weight_version(server_urls: Sequence[str], weight_version: str, *, ti
     try:
         for url in server_urls:
             try:
-                got = client.get(url.rstrip("/") + "/get_model_info").json().get("weight_version")
+                got = client.get(url.rstrip("/") + "/get_model_info", timeout=timeout_s).json().get("weight_version")
             except (httpx.HTTPError, ValueError) as e:
                 got = f"<error {type(e).__name__}: {e}>"
             if got != weight_version:
@@ -228,7 +228,7 @@ def server_tp_sizes(server_urls: Sequence[str], *, timeout_s: float = 30.0,
         try:
             for url in missing:
                 try:
-                    info = client.get(url.rstrip("/") + "/get_server_info").json()
+                    info = client.get(url.rstrip("/") + "/get_server_info", timeout=timeout_s).json()
                 except (httpx.HTTPError, ValueError) as e:
                     raise WeightSyncError(f"{url}/get_server_info failed: {type(e).__name__}: {e}") from e
                 cache[url] = max(1, int(info.get("tp_size") or 1))
