@@ -14,7 +14,8 @@ Contents:
     :func:`url_host`, :func:`remote_server_urls`, :func:`resolve_master_address`;
   * JSON value checks: :func:`is_int`, :func:`is_num` (bool is not a number in SGLang's fields);
   * :func:`per_server`: one call per server URL, in parallel threads;
-  * control calls: :func:`control_urls` (the servers a pause / continue / weight update reaches),
+  * control calls: :func:`managed_server_urls` and :func:`control_urls` (the servers a pause / continue /
+    weight update reaches),
     :func:`post_control` (SGLang's /pause_generation and /continue_generation on a kept-alive
     :func:`plain_http_client`).
 """
@@ -54,13 +55,20 @@ def plain_http_client(urls: Sequence[str], timeout_s: float):
                         verify=not all(u.startswith("http://") for u in urls))
 
 
-def control_urls(cluster) -> list[str]:
-    """The servers a pause, continue or weight update of ``cluster`` reaches, in order: its live servers
-    (``live_server_urls()`` with failover, all ``server_urls`` without: a dead one is then named by the
-    call that fails on it), then every ``extra_worker_urls`` not among them (other nodes' servers,
+def managed_server_urls(cluster) -> list[str]:
+    """The servers ``cluster`` started that a pause, continue or weight update reaches: ``live_server_urls()``
+    with failover (a dead one restarts and is restored later), all ``server_urls`` without (a dead one is
+    then named by the call that fails on it)."""
+    return cluster.live_server_urls() if cluster.failover else list(cluster.server_urls)
+
+
+def control_urls(cluster, managed: Optional[Sequence[str]] = None) -> list[str]:
+    """The servers a pause, continue or weight update of ``cluster`` reaches, in order: ``managed`` (default
+    :func:`managed_server_urls`; a caller that needs that list too passes the one it read, so both come from
+    one read of the live set), then every ``extra_worker_urls`` not among them (other nodes' servers,
     external URLs behind the router). ``cluster``: a moerl.rollout.launcher.RolloutCluster or an object
     with the same four attributes (the producer process's view of it)."""
-    managed = cluster.live_server_urls() if cluster.failover else list(cluster.server_urls)
+    managed = managed_server_urls(cluster) if managed is None else list(managed)
     return managed + [u for u in cluster.extra_worker_urls if u not in managed]
 
 

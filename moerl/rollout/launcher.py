@@ -55,8 +55,8 @@ from typing import Callable, Optional, Sequence
 
 import httpx
 
-from moerl.rollout.common import (DEFAULT_PAUSE_MODE, check_pause_mode, claim_ports, control_urls, per_server,
-                                  plain_http_client, post_control, version_dirname)
+from moerl.rollout.common import (DEFAULT_PAUSE_MODE, check_pause_mode, claim_ports, control_urls,
+                                  managed_server_urls, per_server, plain_http_client, post_control, version_dirname)
 from moerl.rollout.errors import (HealthTimeoutError, PortInUseError, RolloutError,
                                   RolloutServerDiedError, RolloutStartupError, ServerExitedError, WeightSyncError)
 from moerl.runtime.procs import child_env, current_cpu_affinity, pdeathsig_preexec
@@ -743,10 +743,10 @@ class RolloutCluster:
         """
         with self._weights_lock:
             for attempt in range(2):
-                managed = self.live_server_urls() if self.failover else list(self.server_urls)
+                managed = managed_server_urls(self)
                 # servers behind the router that this cluster did not start (other nodes, external URLs)
                 # serve rollouts too: they get every update (no failover for them: a failure raises)
-                urls = control_urls(self)
+                urls = control_urls(self, managed)
                 try:
                     push(urls)
                     break
@@ -810,8 +810,8 @@ class RolloutCluster:
     def _control_servers(self, path: str, mode: Optional[str], timeout_s: float) -> list[str]:
         """POST ``path`` (pause with ``mode``, or continue when None) to every server, in parallel;
         see :meth:`pause_generation` for which servers, the failover rule and the errors."""
-        managed = self.live_server_urls() if self.failover else list(self.server_urls)
-        urls = control_urls(self)
+        managed = managed_server_urls(self)
+        urls = control_urls(self, managed)
         errors = post_control(urls, path, mode, timeout_s, self.http_client())
         failed = [u for u in urls if errors[u]]
         if failed:

@@ -84,12 +84,6 @@ def _response_error(url: str, r: "httpx.Response") -> Optional[str]:
     return None
 
 
-def _plain_http_client(server_urls: Sequence[str], timeout_s: float) -> httpx.Client:
-    """moerl.rollout.common.plain_http_client: no CA bundle for plain http:// URLs (~15-30 ms of CPU per
-    client, a third of the trainer's disk-sync CPU on the 2-core demo, py-spy)."""
-    return plain_http_client(server_urls, timeout_s)
-
-
 def _post_all(server_urls: Sequence[str], path: str, payload: Union[dict, Callable[[str], dict]], timeout_s: float,
               http_client: Optional[httpx.Client]) -> None:
     """POST ``payload`` (one body for all, or url -> body) to every server, in parallel (one server: from
@@ -100,7 +94,7 @@ def _post_all(server_urls: Sequence[str], path: str, payload: Union[dict, Callab
         body = payload(url) if callable(payload) else payload
         if http_client is not None:
             return _post_one(http_client, url, path, body)
-        with _plain_http_client([url], timeout_s) as client:
+        with plain_http_client([url], timeout_s) as client:
             return _post_one(client, url, path, body)
 
     errors = [e for e in per_server(list(server_urls), one) if e]
@@ -112,7 +106,7 @@ def verify_weight_version(server_urls: Sequence[str], weight_version: str, *, ti
                           http_client: Optional[httpx.Client] = None) -> None:
     """Raise WeightSyncError unless every server's /get_model_info reports ``weight_version``."""
     bad = []
-    client = http_client or _plain_http_client(server_urls, timeout_s)
+    client = http_client or plain_http_client(server_urls, timeout_s)
     try:
         for url in server_urls:
             try:
@@ -224,7 +218,7 @@ def server_tp_sizes(server_urls: Sequence[str], *, timeout_s: float = 30.0,
     cache = {} if cache is None else cache
     missing = [u for u in server_urls if u not in cache]
     if missing:
-        client = http_client or _plain_http_client(missing, timeout_s)
+        client = http_client or plain_http_client(missing, timeout_s)
         try:
             for url in missing:
                 try:
@@ -450,7 +444,7 @@ def sync_weights_from_tensor(server_urls: Sequence[str], hf_state_dict: Mapping[
         return 0
     from moerl.rollout.tensor_serde import serialize_shared
 
-    client = http_client or _plain_http_client(server_urls, timeout_s)  # one client per sync
+    client = http_client or plain_http_client(server_urls, timeout_s)  # one client per sync
     shm_urls = [u for u in server_urls if how[u] == "shm"]
     byte_urls = [u for u in server_urls if how[u] == "bytes"]
     if not byte_urls and all(_already_shared(t) for t in hf_state_dict.values()):
