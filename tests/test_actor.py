@@ -194,6 +194,51 @@ def test_old_log_probs_from_the_update_forward_give_the_same_update(dist, correc
         assert got[k] == pytest.approx(v, rel=1e-6, abs=1e-9), k
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_fused_log_probs_on_response_rows_only_give_the_same_update(dist, monkeypatch, packed):
+    """A training forward with the fused log-prob computes it only at the response rows
+    (moerl.train.batching.response_rows): the loss, metrics and gradients equal those of the
+    same step over every row (prompt rows included), with an entropy bonus so the entropy's gradient
+    is checked too; packed THD and padded micro-batches. The rows are exactly the response labels."""
+    from moerl.train import actor as actor_mod
+    from moerl.train.batching import make_packed_micro_batch, response_rows
+
+    hf = random_hf_model()
+    samples = make_samples(FIELDS["vocab_size"])
+    algo = SimpleNamespace(**vars(ALGO), entropy_coef=0.01)
+    fields = None
+    runs = []
+    for restrict in (True, False):
+        actor = actor_with(hf, lr=1e-2, clip_grad=0.0, fused_logprob=True)
+        actor.entropy_grad = True  # what moerl.train.components sets for algorithm.entropy_coef > 0
+        if fields is None:
+            fields = {"old_log_probs": [[x - 0.05 for x in v] for v in _old_log_probs(actor, samples, 6)]}
+        if packed:
+            mbatches = [make_packed_micro_batch(samples[:4], [0, 1, 2, 3], 0, {k: v[:4] for k, v in fields.items()}),
+                        make_packed_micro_batch(samples[4:], [4, 5], 0, {k: v[4:] for k, v in fields.items()})]
+        else:
+            mbatches = split_micro_batches(samples, 2, 0, fields)
+        if restrict:  # the rows: every response label, nothing else
+            for mb in mbatches:
+                rows = response_rows(mb)
+                labels = (mb.packed_labels if packed else mb.labels).reshape(-1)
+                want = [tok for i in mb.sample_indices for tok in samples[i].response_ids]
+                assert labels[rows].tolist() == want
+        else:
+            monkeypatch.setattr(actor_mod, "response_rows", lambda mb: None)
+        n_tok = int(sum(mb.loss_mask.sum() for mb in mbatches))
+        m = actor.train_step(mbatches, policy_loss(algo, global_num_tokens=n_tok, global_num_seqs=len(samples)), 1.0)
+        runs.append((m, torch.cat([p.main_grad.detach().flatten() for p in actor.model.parameters()])))
+        monkeypatch.undo()
+        destroy_distributed()
+        init_distributed(seed=0, num_threads=2)
+    (m_rows, g_rows), (m_all, g_all) = runs
+    assert float(m_all["grad_norm"]) > 0 and m_all["entropy_loss"] != 0
+    for k, v in m_all.items():
+        assert m_rows[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
+    assert float((g_rows - g_all).abs().max()) <= 1e-5 * float(g_all.abs().max())  # fp32 summation order
+
+
 def test_set_step_lr_sets_the_size_of_the_next_adam_step(dist):
     """Adam's first step moves every parameter by lr * g / (|g| + eps) (bias-corrected moments m = g, v = g^2):
     about lr for a parameter with |g| >> eps. An actor built at lr 1 and set to 1e-3 by set_step_lr (the SFT

@@ -277,11 +277,27 @@ def test_optimizer_cuda_checks_patch_full_train_step(dist, use_distributed_optim
         assert torch.nn.Parameter(torch.zeros(2)).type() == "torch.cuda.FloatTensor"
         assert torch.zeros(2, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
         assert torch.zeros(2).type(torch.float64).dtype == torch.float64  # conversions untouched
+    _full_train_step_equals_reference(use_distributed_optimizer, fused=False)
+
+
+@pytest.mark.parametrize("use_distributed_optimizer", [False, True])
+def test_fused_cpu_adam_full_train_step(dist, use_distributed_optimizer):
+    """moerl.train.actor.fused_cpu_adam (what every actor's optimizer gets on CPU) switches Megatron's
+    torch AdamW to the fused kernel and keeps the step equal to plain torch's single-tensor AdamW."""
+    _full_train_step_equals_reference(use_distributed_optimizer, fused=True)
+
+
+def _full_train_step_equals_reference(use_distributed_optimizer: bool, fused: bool) -> None:
+    from moerl.train.actor import fused_cpu_adam
 
     model = _model()
     reference = _model()
     reference.load_state_dict(model.state_dict())
     ddp, opt = h.build_ddp_and_optimizer(model, use_distributed_optimizer=use_distributed_optimizer)
+    if fused:
+        assert fused_cpu_adam(opt) >= 1
+        inner = [w.optimizer for w in getattr(opt, "chained_optimizers", None) or [opt]]
+        assert all(g["fused"] for o in inner for g in o.param_groups)
     tokens, labels = h.fixed_batch(h.TINY_FIELDS["vocab_size"])
     fwd_loss, _ = h.megatron_train_step(ddp, opt, tokens, labels, forward_only=True)
     loss, grad_norm = h.megatron_train_step(ddp, opt, tokens, labels)
@@ -375,3 +391,55 @@ def test_torchrun_env_single_rank(monkeypatch):
     monkeypatch.delenv("MASTER_PORT")
     with pytest.raises(ValueError, match="MASTER_PORT"):
         init_distributed()
+
+
+# ------------------------------------------------------------------------------------------
+# thd_rope (speed): packed RoPE without the per-sequence Python loop
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,mscale", [(torch.float32, 1.0), (torch.bfloat16, 1.0), (torch.float32, 1.3)])
+def test_thd_rope_equals_megatrons_bit_for_bit(dtype, mscale):
+    """moerl.models.packed_attention.packed_rotary_pos_emb gives megatron's unfused THD RoPE
+    (rope_utils.apply_rotary_pos_emb with cu_seqlens) bit for bit, for q- and k-shaped inputs, and a
+    new cu_seqlens is not served from the previous micro-batch's cache; the cases it does not
+    vectorise go to the fallback."""
+    from types import SimpleNamespace
+
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from moerl.models.packed_attention import packed_rotary_pos_emb
+
+    class OneRank:
+        def size(self):
+            return 1
+
+        def rank(self):
+            return 0
+
+    cfg = SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=False, multi_latent_attention=False)
+    g = torch.Generator().manual_seed(0)
+    inv = 1.0 / (5000.0 ** (torch.arange(0, 16, 2).float() / 16))
+    for lengths in ([5, 1, 9, 3], [2, 7, 7, 1, 4]):
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        angles = torch.outer(torch.arange(max(lengths)).float(), inv)
+        freqs = torch.cat([angles, angles], -1)[:, None, None, :]
+        for heads in (4, 2):  # query, key (GQA)
+            t = torch.randn(int(cu[-1]), heads, 16, generator=g).to(dtype)
+            want = rope_utils.apply_rotary_pos_emb(t, freqs, cfg, cu_seqlens=cu, mscale=mscale, cp_group=OneRank())
+            got = packed_rotary_pos_emb(t, freqs, cfg, cu_seqlens=cu, mscale=mscale, cp_group=OneRank())
+            assert got.dtype == want.dtype and torch.equal(got, want), (lengths, heads)
+    calls = []
+    for case in ({"cu_seqlens": None}, {"cfg": SimpleNamespace(**{**vars(cfg), "rotary_interleaved": True})}):
+        packed_rotary_pos_emb(t, freqs, case.get("cfg", cfg), cu_seqlens=case.get("cu_seqlens", cu),
+                              fallback=lambda *a, **k: calls.append(k) or t)
+    assert len(calls) == 2
+
+
+def test_thd_rope_patch_is_installed(dist):
+    from megatron.core.transformer import attention
+
+    assert "thd_rope" in cpu_compat.applied_patches()
+    assert attention.apply_rotary_pos_emb.__wrapped__ is not attention.apply_rotary_pos_emb
+    with cpu_compat.without_patch("thd_rope"):
+        assert not hasattr(attention.apply_rotary_pos_emb, "__wrapped__")

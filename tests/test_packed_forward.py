@@ -143,6 +143,59 @@ def test_padded_cu_seqlens_layout(models):
         assert float((out[0, o : o + len(seq)] - ref).abs().max()) <= TOL
 
 
+def _packed_loss_and_grads(model, seqs, cu):
+    model.zero_grad(set_to_none=True)
+    logits = model(torch.cat(seqs).unsqueeze(0), None, None, packed_seq_params=make_packed_seq_params(cu))
+    (logits.float().square().mean()).backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return logits.detach(), grads
+
+
+def test_flash_kernel_equals_the_parents_math_forward_and_backward(models, monkeypatch):
+    """The THD branch's torch scaled_dot_product_attention (GQA: 4 query heads on 2 KV heads) gives
+    the logits AND the parameter gradients of the same branch run through Megatron's own
+    DotProductAttention math (baddbmm, masked softmax, bmm), in fp32, in training mode."""
+    _, model = models
+    lengths = [5, 1, 9, 3, 9, 5]  # repeated lengths: batched segments
+    seqs, cu = _seqs(lengths, seed=4), _cu(lengths)
+    model.train()
+    try:
+        assert all(layer.self_attention.core_attention.uses_flash_kernel() for layer in model.decoder.layers)
+        flash_logits, flash_grads = _packed_loss_and_grads(model, seqs, cu)
+        monkeypatch.setattr(PackedDotProductAttention, "uses_flash_kernel", lambda self: False)
+        math_logits, math_grads = _packed_loss_and_grads(model, seqs, cu)
+    finally:
+        model.eval()
+    assert float((flash_logits - math_logits).abs().max()) <= TOL
+    assert flash_grads.keys() == math_grads.keys() and any("linear_qkv" in n for n in flash_grads)
+    for name, g in flash_grads.items():
+        scale = float(math_grads[name].abs().max()) + 1e-12
+        assert float((g - math_grads[name]).abs().max()) <= 1e-4 * scale, name
+
+
+def test_flash_kernel_only_where_it_computes_the_same(models):
+    """Attention dropout in training, a non-vanilla softmax or a sliding window go through the
+    parent's math (dropout under Megatron's RNG tracker); eval mode with dropout configured uses
+    the kernel (no dropout applied)."""
+    _, model = models
+    core = model.decoder.layers[0].self_attention.core_attention
+    p = core.attention_dropout.p
+    try:
+        core.attention_dropout.p = 0.1
+        core.train()
+        assert not core.uses_flash_kernel()
+        core.eval()
+        assert core.uses_flash_kernel()
+        core.attention_dropout.p = p
+        core.scale_mask_softmax.window_size = (4, 0)
+        assert not core.uses_flash_kernel()
+    finally:
+        core.attention_dropout.p = p
+        core.scale_mask_softmax.window_size = None
+        core.eval()
+
+
 def test_make_packed_seq_params_checks():
     p = make_packed_seq_params([0, 3, 4, 9])
     assert p.qkv_format == "thd" and p.max_seqlen_q == p.max_seqlen_kv == 5

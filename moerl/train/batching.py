@@ -431,6 +431,27 @@ def model_labels(mb: MicroBatch) -> torch.Tensor:
     return mb.packed_labels if isinstance(mb, PackedMicroBatch) else mb.labels
 
 
+def response_rows(mb: MicroBatch) -> torch.Tensor:
+    """Positions of the model's output rows whose label is a response token, flattened: int64 [R]
+    (R = sum of response lengths) into the packed row's T positions (PackedMicroBatch) or into the
+    B * S positions of a padded [B, S] micro-batch, sample by sample in token order. The rows a loss
+    reads (every loss in moerl.train.losses masks with ``loss_mask``, which lies inside the response)
+    are among them, so a training forward needs log-probs only there (MegatronActor's fused log-prob
+    skips the prompt rows)."""
+    b = len(mb.response_starts)
+    layout = mb.unpack_index if isinstance(mb, PackedMicroBatch) else mb.labels
+    s = layout.shape[1]
+    if b == 0:
+        return torch.zeros(0, dtype=torch.long)
+    starts = torch.tensor(mb.response_starts, dtype=torch.long).unsqueeze(1)
+    ends = starts + torch.tensor(mb.response_lengths, dtype=torch.long).unsqueeze(1)
+    t = torch.arange(s).unsqueeze(0)
+    inside = (t >= starts) & (t < ends)  # [B, S]
+    if isinstance(mb, PackedMicroBatch):
+        return mb.unpack_index[:b][inside].to(torch.long)
+    return torch.arange(b * s).view(b, s)[inside]
+
+
 def to_label_layout(mb: MicroBatch, per_token: torch.Tensor) -> torch.Tensor:
     """Per-token values computed on the model's output layout -> the padded [B, S] layout of
     ``mb.labels`` / ``mb.loss_mask`` (identity for a padded MicroBatch, ``mb.unpack`` for a
