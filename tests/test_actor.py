@@ -17,7 +17,7 @@ from moerl.checkpoint.hf_convert import fused_experts_to_per_expert  # noqa: E40
 from moerl.models.qwen3_moe import make_hf_config  # noqa: E402
 from moerl.runtime.distributed import destroy_distributed, init_distributed  # noqa: E402
 from moerl.train.actor import MegatronActor  # noqa: E402
-from moerl.train.batching import split_micro_batches  # noqa: E402
+from moerl.train.batching import split_micro_batches, split_packed_micro_batches  # noqa: E402
 from moerl.train.losses import policy_loss, sft_loss  # noqa: E402
 from moerl.types import Sample  # noqa: E402
 
@@ -237,6 +237,36 @@ def test_fused_log_probs_on_response_rows_only_give_the_same_update(dist, monkey
     for k, v in m_all.items():
         assert m_rows[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
     assert float((g_rows - g_all).abs().max()) <= 1e-5 * float(g_all.abs().max())  # fp32 summation order
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_fused_log_prob_ratio_is_exactly_one_on_small_micro_batches(dist, dtype, packed):
+    """The step-0 check with the fused log-prob: micro-batches of 3 samples hold 6-7 response tokens, where CPU
+    BLAS takes another GEMM path than for all B x S rows (found by review: an old-log-prob pass over every row
+    then differed from the update's response rows by an ulp, ratio != 1). compute_log_probs computes the same
+    response rows as train_step, so the ratio is exactly 1; with response_only=False it computes every row and
+    agrees with the rows to rounding."""
+    hf = random_hf_model()
+    actor = actor_with(hf, lr=1e-3, fused_logprob=True, params_dtype=dtype)
+    samples = make_samples(FIELDS["vocab_size"], n=6, seed=5)
+
+    def micro_batches(fields=None):
+        if packed:
+            return split_packed_micro_batches(samples, [[0, 1, 2], [3, 4, 5]], 0, fields)
+        return split_micro_batches(samples, 3, 0, fields)
+
+    old, every_row = [None] * 6, [None] * 6
+    for target, response_only in ((old, True), (every_row, False)):
+        for mb, lp, _ in actor.compute_log_probs(micro_batches(), 1.0, response_only=response_only):
+            for i, resp in zip(mb.sample_indices, mb.gather_response(lp)):
+                target[i] = resp.tolist()
+    for a, b in zip(old, every_row):
+        assert a == pytest.approx(b, abs=1e-5)
+    mbs = micro_batches({"old_log_probs": old})
+    n_tok = int(sum(mb.loss_mask.sum() for mb in mbs))
+    m = actor.train_step(mbs, policy_loss(ALGO, global_num_tokens=n_tok, global_num_seqs=len(samples)), 1.0)
+    assert m["logratio_abs_sum"] == 0.0
 
 
 def test_set_step_lr_sets_the_size_of_the_next_adam_step(dist):

@@ -282,13 +282,38 @@ def test_optimizer_cuda_checks_patch_full_train_step(dist, use_distributed_optim
 
 @pytest.mark.parametrize("use_distributed_optimizer", [False, True])
 def test_fused_cpu_adam_full_train_step(dist, use_distributed_optimizer):
-    """moerl.train.actor.fused_cpu_adam (what every actor's optimizer gets on CPU) switches Megatron's
+    """moerl.runtime.cpu_compat.fused_cpu_adam (what every actor's optimizer gets on CPU) switches Megatron's
     torch AdamW to the fused kernel and keeps the step equal to plain torch's single-tensor AdamW."""
     _full_train_step_equals_reference(use_distributed_optimizer, fused=True)
 
 
+@pytest.mark.parametrize("use_distributed_optimizer", [False, True])
+def test_fused_cpu_adam_survives_a_checkpoint_load(dist, tmp_path, use_distributed_optimizer):
+    """torch's load_state_dict replaces the param groups (kernel flags included) with the saved ones:
+    loading a checkpoint written by a single-tensor optimizer (the previous version, a GPU run) keeps the
+    running optimizer fused, and the next step still matches the single-tensor one."""
+    from moerl.checkpoint.dist_ckpt import load_dist_checkpoint, save_dist_checkpoint
+    from moerl.runtime.cpu_compat import fused_cpu_adam
+
+    tokens, labels = h.fixed_batch(h.TINY_FIELDS["vocab_size"])
+    model = _model()
+    ddp, opt = h.build_ddp_and_optimizer(model, use_distributed_optimizer=use_distributed_optimizer)
+    h.megatron_train_step(ddp, opt, tokens, labels)
+    path = save_dist_checkpoint(ddp, opt, tmp_path / "ckpt")
+    fresh = _model()
+    fresh_ddp, fresh_opt = h.build_ddp_and_optimizer(fresh, use_distributed_optimizer=use_distributed_optimizer)
+    assert fused_cpu_adam(fresh_opt) >= 1
+    load_dist_checkpoint(fresh_ddp, fresh_opt, path)
+    inner = [w.optimizer for w in getattr(fresh_opt, "chained_optimizers", None) or [fresh_opt]]
+    assert all(g["fused"] is True and g["foreach"] is False for o in inner for g in o.param_groups)
+    h.megatron_train_step(ddp, opt, tokens, labels)
+    h.megatron_train_step(fresh_ddp, fresh_opt, tokens, labels)
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
 def _full_train_step_equals_reference(use_distributed_optimizer: bool, fused: bool) -> None:
-    from moerl.train.actor import fused_cpu_adam
+    from moerl.runtime.cpu_compat import fused_cpu_adam
 
     model = _model()
     reference = _model()
@@ -401,8 +426,8 @@ def test_torchrun_env_single_rank(monkeypatch):
 @pytest.mark.parametrize("dtype,mscale", [(torch.float32, 1.0), (torch.bfloat16, 1.0), (torch.float32, 1.3)])
 def test_thd_rope_equals_megatrons_bit_for_bit(dtype, mscale):
     """moerl.models.packed_attention.packed_rotary_pos_emb gives megatron's unfused THD RoPE
-    (rope_utils.apply_rotary_pos_emb with cu_seqlens) bit for bit, for q- and k-shaped inputs, and a
-    new cu_seqlens is not served from the previous micro-batch's cache; the cases it does not
+    (rope_utils.apply_rotary_pos_emb with cu_seqlens) bit for bit, for q- and k-shaped inputs, and
+    neither a new cu_seqlens nor one changed in place is served from the cache; the cases it does not
     vectorise go to the fallback."""
     from types import SimpleNamespace
 
@@ -429,6 +454,9 @@ def test_thd_rope_equals_megatrons_bit_for_bit(dtype, mscale):
             want = rope_utils.apply_rotary_pos_emb(t, freqs, cfg, cu_seqlens=cu, mscale=mscale, cp_group=OneRank())
             got = packed_rotary_pos_emb(t, freqs, cfg, cu_seqlens=cu, mscale=mscale, cp_group=OneRank())
             assert got.dtype == want.dtype and torch.equal(got, want), (lengths, heads)
+    cu.copy_(torch.tensor([0, 3, 6, 13, 14, 21], dtype=torch.int32))  # in place: not served from the cache
+    want = rope_utils.apply_rotary_pos_emb(t, freqs, cfg, cu_seqlens=cu, mscale=mscale, cp_group=OneRank())
+    assert torch.equal(packed_rotary_pos_emb(t, freqs, cfg, cu_seqlens=cu, mscale=mscale, cp_group=OneRank()), want)
     calls = []
     for case in ({"cu_seqlens": None}, {"cfg": SimpleNamespace(**{**vars(cfg), "rotary_interleaved": True})}):
         packed_rotary_pos_emb(t, freqs, case.get("cfg", cfg), cu_seqlens=case.get("cu_seqlens", cu),

@@ -81,8 +81,12 @@ Targets (PASS / FAIL printed; the exit code stays 0): sync wall / async(s=1) wal
 greedy accuracy (mean over the rounds' seeds) within 3 points of sync's; the model's predicted sync / async(s=1) ratio within 20% of the
 measured one.
 
-Measured (--repeats 3; the README's Async section has the tables). Latest, commits 13b0b73 to 2c97851, an AMD
-EPYC 2-core VM (sync 0.25-0.29 s/step): async s=1 median 1.61, 1.72, 1.62, 1.54, 1.52, 1.54, 1.54 at 40 steps and
+Measured (--repeats 3; the README's Async section has the tables). Latest, commit cb123fb (a 14% faster CPU
+training step: the update 0.114-0.122 s per step in both modes, from 0.142-0.148), an AMD EPYC 2-core VM (sync
+0.234-0.237 s/step): async s=1 median 1.76 and 1.68 at 40 steps, 1.68 at 100 steps (rounds 1.58-1.78), accuracy
+-0.9 and -1.7 points against sync, time model 1-5% off, steady-state limit 1.77-1.80. The demo is trainer-bound,
+so a faster update raises sync / async = (R + U + W) / (U + We + wait). Before, commits 13b0b73 to 2c97851, the
+same VM (sync 0.25-0.29 s/step): async s=1 median 1.61, 1.72, 1.62, 1.54, 1.52, 1.54, 1.54 at 40 steps and
 1.62 at 100 steps, accuracy -1.1 to -1.9 points against sync, time model 2-9% off. The async update now costs what
 sync's does (0.136-0.154 s against 0.137-0.160): the producer process pauses and continues the servers itself,
 the trainer keeps its HTTP connections alive, and an update pauses the servers only when a group is in flight

@@ -89,14 +89,23 @@ def make_packed_seq_params(cu_seqlens: torch.Tensor | Sequence[int], device=None
 _ROPE_CACHE = threading.local()
 
 
+def _tensor_version(t: torch.Tensor) -> Optional[int]:
+    """``t``'s in-place modification counter, or None where it has none (inference-mode tensors)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
 def packed_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, config, cu_seqlens: Optional[torch.Tensor] = None,
                           mscale: float = 1.0, cp_group=None, *, fallback=None) -> torch.Tensor:
     """RoPE for packed THD input in one vectorised step: what megatron-core 0.16.1's unfused
     ``rope_utils.apply_rotary_pos_emb`` computes for ``cu_seqlens`` (each segment from position 0,
     rotate-half form, ``cos``/``sin`` times ``mscale`` in ``t``'s dtype), bit for bit, without its
     Python loop over the segments and with ``cos``/``sin`` made once per packed micro-batch instead of
-    once per call (the query and key of every layer share them: one cache entry, held while the same
-    ``freqs`` and ``cu_seqlens`` tensors come back). On GPUs Transformer Engine's fused THD RoPE does
+    once per call (the query and key of every layer share them: one cache entry per thread, held while
+    the same ``freqs`` and ``cu_seqlens`` tensors come back unmodified: their identity and in-place version
+    counters are the key). On GPUs Transformer Engine's fused THD RoPE does
     this; moerl.runtime.cpu_compat installs this function in megatron's attention module on CPU.
 
     Args:
@@ -119,15 +128,16 @@ def packed_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, config, cu_seqle
             or getattr(config, "multi_latent_attention", False) or t.dim() != 3 or freqs.shape[-1] != t.shape[-1]
             or (cp_group is not None and cp_group.size() > 1) or freqs.size(0) == int(cu_seqlens[-1])):
         return fallback(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
+    key = (mscale, t.dtype, t.device, _tensor_version(freqs), _tensor_version(cu_seqlens))
     hit = getattr(_ROPE_CACHE, "entry", None)
-    if hit is None or hit[0] is not freqs or hit[1] is not cu_seqlens or hit[2] != (mscale, t.dtype, t.device):
+    if hit is None or hit[0] is not freqs or hit[1] is not cu_seqlens or hit[2] != key or None in key:
         cu = cu_seqlens.to(device=freqs.device, dtype=torch.long)
         lengths = cu[1:] - cu[:-1]
         positions = torch.arange(int(cu[-1]), device=freqs.device) - torch.repeat_interleave(cu[:-1], lengths)
         angles = freqs.index_select(0, positions).squeeze(1)  # [T, 1, rot_dim]
         cos = (torch.cos(angles) * mscale).to(device=t.device, dtype=t.dtype)
         sin = (torch.sin(angles) * mscale).to(device=t.device, dtype=t.dtype)
-        hit = _ROPE_CACHE.entry = (freqs, cu_seqlens, (mscale, t.dtype, t.device), cos, sin)
+        hit = _ROPE_CACHE.entry = (freqs, cu_seqlens, key, cos, sin)
     cos, sin = hit[3], hit[4]
     x1, x2 = torch.chunk(t, 2, dim=-1)
     return t * cos + torch.cat((-x2, x1), dim=-1) * sin

@@ -78,14 +78,16 @@ from moerl.models.dtypes import params_torch_dtype
 from moerl.models.gpt import build_gpt_model, hf_moe_layer_pattern, transformer_config_from_hf
 from moerl.moe.balancing import install_balancing_losses, set_step_normalisers
 from moerl.pipeline.megatron_stages import stage_model_args
+from moerl.runtime.cpu_compat import fused_cpu_adam
 from moerl.train.batching import MicroBatch, PackedMicroBatch, model_labels, response_rows, to_label_layout
 from moerl.train.losses import MAX_METRIC_SUFFIX, combine_micro_batch_metrics
 from moerl.train.vocab_parallel import skip_output_layer, vocab_parallel_entropy, vocab_parallel_log_probs
 
-__all__ = ["LossFn", "MegatronActor", "RECOMPUTE_MODES", "actor_parallel_kwargs", "fused_cpu_adam", "params_torch_dtype",
+__all__ = ["LossFn", "MegatronActor", "RECOMPUTE_MODES", "actor_parallel_kwargs", "params_torch_dtype",
            "recompute_config"]
 
-# loss_fn(log_probs [B,S], entropy [B,S], micro_batch) -> (scalar loss, metrics dict of floats)
+# loss_fn(log_probs [B,S], entropy [B,S], micro_batch) -> (scalar loss, metrics dict of floats); with the fused
+# log-prob (train.fused_logprob) both are 0 outside the response rows (moerl.train.batching.response_rows)
 LossFn = Callable[[torch.Tensor, torch.Tensor, MicroBatch], tuple[torch.Tensor, dict]]
 
 RECOMPUTE_MODES = ("none", "full", "selective")
@@ -197,31 +199,6 @@ def _to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
     }
     changes["extras"] = {k: v.to(device) for k, v in mb.extras.items()}
     return dataclasses.replace(mb, **changes)
-
-
-def fused_cpu_adam(optimizer) -> int:
-    """Switch the torch Adam(W) inside a Megatron optimizer (``get_megatron_optimizer``'s wrapper, or a
-    ``ChainedOptimizer`` of them) to torch's fused kernel (``fused=True``, torch >= 2.4 on CPU) when all
-    of its parameters are CPU tensors; returns how many torch optimizers were switched.
-
-    Megatron-Core takes Transformer Engine's or Apex's FusedAdam on GPUs and falls back to
-    ``torch.optim.AdamW`` without them: on CPU that runs one Python-level update per parameter
-    tensor (``foreach`` is off by default for CPU tensors). The fused kernel computes the same AdamW
-    update (to float32 rounding) in one call: on the demo model the whole Megatron optimizer step
-    (grad norm, clipping, Adam) took 2.8 ms instead of 6.4. GPU optimizers are left alone.
-    """
-    switched = 0
-    for wrapper in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-        inner = getattr(wrapper, "optimizer", None)
-        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
-            continue
-        params = [p for g in inner.param_groups for p in g["params"]]
-        if not params or any(p.device.type != "cpu" for p in params):
-            continue
-        for group in inner.param_groups:
-            group["fused"], group["foreach"] = True, False
-        switched += 1
-    return switched
 
 
 class MegatronActor:
@@ -466,7 +443,7 @@ class MegatronActor:
         """(Re)build the Megatron Adam optimizer at learning rate ``lr`` with fresh moments (used
         between the SFT warm start and RL, which run at different learning rates). With BF16 params
         the new optimizer takes the old one's FP32 main params (a fresh one would start from the
-        BF16-rounded model weights). On CPU the Adam step runs torch's fused kernel (:func:`fused_cpu_adam`)."""
+        BF16-rounded model weights). On CPU the Adam step runs torch's fused kernel (moerl.runtime.cpu_compat.fused_cpu_adam)."""
         if not self.trainable:
             raise RuntimeError("set_lr on a frozen actor (trainable=False)")
         old = getattr(self, "optimizer", None)
@@ -606,9 +583,11 @@ class MegatronActor:
         return log_probs, entropy
 
     def _forward_step(self, temperature: float, loss_fn: Optional[LossFn], num_microbatches: int,
-                      index: Optional[dict] = None):
+                      index: Optional[dict] = None, response_only: bool = True):
         """Megatron ``forward_step_func``; with ``index`` (id(micro-batch) -> position, dual schedules)
-        each loss_func result also carries ``"_mb"``, the micro-batch's position."""
+        each loss_func result also carries ``"_mb"``, the micro-batch's position. ``response_only``: the
+        fused log-prob (train.fused_logprob) only at the response rows (moerl.train.batching.response_rows;
+        0 elsewhere)."""
         from megatron.core.utils import get_attr_wrapped_model
 
         first_stage = parallel_state.is_pipeline_first_stage()
@@ -655,8 +634,8 @@ class MegatronActor:
                 if with_labels:
                     log_probs = -logits.float()
                     log_probs, entropy = log_probs, torch.zeros_like(log_probs)
-                else:  # a training forward: log-probs at the response rows only (the losses read no others)
-                    rows = response_rows(mb) if weight is not None and loss_fn is not None and mb.sample_indices else None
+                else:  # the fused log-prob at the response rows only: the losses read no others
+                    rows = response_rows(mb) if weight is not None and response_only and mb.sample_indices else None
                     log_probs, entropy = self._token_log_probs(logits, model_labels(mb), temperature, weight, rows)
                 log_probs, entropy = to_label_layout(mb, log_probs), to_label_layout(mb, entropy)
                 tag = {} if index is None else {"_mb": index[id(mb)]}
@@ -702,7 +681,7 @@ class MegatronActor:
 
     @torch.no_grad()
     def compute_log_probs(
-        self, micro_batches: Sequence[MicroBatch], temperature: float
+        self, micro_batches: Sequence[MicroBatch], temperature: float, response_only: bool = True
     ) -> list[tuple[MicroBatch, torch.Tensor, torch.Tensor]]:
         """Per-token log-probs (and entropies) of ``labels`` under the current weights.
 
@@ -714,13 +693,19 @@ class MegatronActor:
         from the last pipeline stage; gathered from the ranks ending the routes with DualPipe(V)). Values are log_softmax(logits / temperature) at the label
         (REFERENCE.md sec. 1: the trainer must use the sampling temperature).
 
+        ``response_only`` (default): with the fused log-prob (train.fused_logprob) only the rows whose
+        label is a response token are computed, the others are 0, exactly as in :meth:`train_step`'s
+        forward. The two then form the log-probs with the same GEMM shapes: CPU BLAS (and cuBLAS) pick
+        kernels by the row count, so an old-log-prob pass over every row could differ from the update's
+        forward by an ulp and break the step-0 check that the policy ratio is exactly 1. False: every row.
+
         Raises:
             ValueError: no micro-batches, or ranks given different numbers of micro-batches.
         """
         padded = self._prepare(micro_batches)
         self.ddp_model.eval()
-        out = self._run_schedule(padded, self._forward_step(temperature, None, len(padded), self._index(padded)),
-                                 forward_only=True)
+        step = self._forward_step(temperature, None, len(padded), self._index(padded), response_only=response_only)
+        out = self._run_schedule(padded, step, forward_only=True)
         if self.dual:
             out = self._gather_pipeline(out)
         elif self.pp_size > 1:
