@@ -196,8 +196,10 @@ def test_actor_fused_on_vs_off(dist):
     samples = make_samples(FIELDS["vocab_size"])
     outs = {}
     for flag, actor in actors.items():
-        padded = actor.compute_log_probs(split_micro_batches(samples, 4, pad_id=0), 0.7)
-        packed = actor.compute_log_probs(split_packed_micro_batches(samples, [[0, 1, 2], [3, 4, 5]], 0), 0.7)
+        # every row (response_only=False): the prompt rows are compared too
+        padded = actor.compute_log_probs(split_micro_batches(samples, 4, pad_id=0), 0.7, response_only=False)
+        packed = actor.compute_log_probs(split_packed_micro_batches(samples, [[0, 1, 2], [3, 4, 5]], 0), 0.7,
+                                         response_only=False)
         old = [None] * len(samples)
         for mb, lp, _ in padded:
             for i, resp in zip(mb.sample_indices, mb.gather_response(lp)):
@@ -307,9 +309,10 @@ def _actor_tp_case(out_path: str) -> None:
         for flag in (False, True):
             actor = MegatronActor(hf.config, lr=1e-3, fused_logprob=flag)
             actor.load_hf_state_dict(hf.state_dict())
-            padded = actor.compute_log_probs(split_micro_batches(samples, 3, pad_id=0), 0.7)
+            padded = actor.compute_log_probs(split_micro_batches(samples, 3, pad_id=0), 0.7, response_only=False)
             packed = actor.compute_log_probs(
-                split_packed_micro_batches(samples, [[0, 1, 2], [3, 4, 5]], 0, pad_to_multiple_of=2), 0.7)
+                split_packed_micro_batches(samples, [[0, 1, 2], [3, 4, 5]], 0, pad_to_multiple_of=2), 0.7,
+                response_only=False)
             old = [None] * len(samples)
             for mb, lp, _ in padded:
                 for i, resp in zip(mb.sample_indices, mb.gather_response(lp)):
