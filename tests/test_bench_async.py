@@ -255,7 +255,10 @@ def test_proc_sampler_counts_a_thread_that_started_and_ended_between_two_samples
     sampler.sample()
     th = threading.Thread(target=burn)
     th.start()
-    th.join()  # gone before the next sample
+    th.join()  # gone before the next sample: join returns before the kernel has released the task on a busy
+    deadline = time.time() + 5  # machine, so wait until /proc no longer lists it
+    while str(th.native_id) in os.listdir(f"/proc/{os.getpid()}/task") and time.time() < deadline:
+        time.sleep(0.01)
     sampler.sample()
     w = sampler.window(t0, time.time())
     assert 0.25 <= w["threads"] <= 0.6, w
