@@ -86,9 +86,9 @@ training step: the update 0.114-0.122 s per step in both modes, from 0.142-0.148
 0.234-0.237 s/step): async s=1 median 1.76 and 1.68 at 40 steps, 1.68 at 100 steps (rounds 1.58-1.78), accuracy
 -0.9 and -1.7 points against sync, time model 1-5% off, steady-state limit 1.77-1.80. The demo is trainer-bound,
 so a faster update raises sync / async = (R + U + W) / (U + We + wait). After midnight, the same code on the same
-VM (sync 0.212-0.219 s/step): 1.57, 1.51, 1.54, 1.57 (time model 11-15% off): async's update became 5-9% slower
-than sync's (the trainer's core now slows while the rollout core generates) and its step 1 took 0.48-0.61 s
-against sync's 0.24-0.26. Before, commits 13b0b73 to 2c97851, the
+VM (sync 0.212-0.219 s/step) between 00:10 and 00:27: 1.57, 1.51, 1.54, 1.57 (time model 11-15% off): async's
+update became 5-9% slower than sync's and its step 1 took 0.48-0.61 s against sync's 0.24-0.26; at 00:38-00:43
+1.68 and 1.63 again (step 1 back at 0.32-0.36 s). Before, commits 13b0b73 to 2c97851, the
 same VM (sync 0.25-0.29 s/step): async s=1 median 1.61, 1.72, 1.62, 1.54, 1.52, 1.54, 1.54 at 40 steps and
 1.62 at 100 steps, accuracy -1.1 to -1.9 points against sync, time model 2-9% off. The async update now costs what
 sync's does (0.136-0.154 s against 0.137-0.160): the producer process pauses and continues the servers itself,
