@@ -165,10 +165,7 @@ def _restore_torch_adam_steps(optimizer) -> None:
     and gives all parameters one shared step tensor (which torch Adam would increment once per
     parameter). Each parameter gets its own tensor holding the checkpoint's step.
     """
-    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-        inner = getattr(opt, "optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer):
-            continue
+    for inner in _torch_optimizers(optimizer):
         for group in inner.param_groups:
             if "step" not in group or group["step"] is None:
                 continue
@@ -177,22 +174,27 @@ def _restore_torch_adam_steps(optimizer) -> None:
                     inner.state[p]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
 
 
+def _torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside a Megatron optimizer (a ChainedOptimizer is unrolled; stubs skipped)."""
+    inners = [getattr(opt, "optimizer", None) for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]]
+    return [o for o in inners if isinstance(o, torch.optim.Optimizer)]
+
+
 _KERNEL_FLAGS = ("fused", "foreach")
 
 
-def _adam_kernel_flags(optimizer, restore: Optional[list] = None) -> list:
-    """The torch optimizers' kernel choice (each param group's ``fused`` / ``foreach``), read, or with
-    ``restore`` (an earlier read) set back. torch's ``load_state_dict`` replaces the param groups with
-    the saved ones, flags included: without this a checkpoint written elsewhere (another version, a GPU
-    run) would switch the running optimizer's kernel (moerl.runtime.cpu_compat.fused_cpu_adam on CPU)."""
-    inners = [getattr(opt, "optimizer", None) for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]]
-    inners = [o for o in inners if isinstance(o, torch.optim.Optimizer)]
-    if restore is None:
-        return [[{k: g.get(k) for k in _KERNEL_FLAGS} for g in o.param_groups] for o in inners]
-    for o, flags in zip(inners, restore):
+@contextlib.contextmanager
+def _kernel_flags_kept(optimizer):
+    """Keep the torch optimizers' kernel choice (each param group's ``fused`` / ``foreach``) over the block.
+    torch's ``load_state_dict`` replaces the param groups with the saved ones, flags included: without this a
+    checkpoint written elsewhere (another version, a GPU run) would switch the running optimizer's kernel
+    (moerl.runtime.cpu_compat.fused_cpu_adam on CPU)."""
+    inners = _torch_optimizers(optimizer)
+    kept = [[{k: g.get(k) for k in _KERNEL_FLAGS} for g in o.param_groups] for o in inners]
+    yield
+    for o, flags in zip(inners, kept):
         for group, saved in zip(o.param_groups, flags):
             group.update(saved)
-    return restore
 
 
 def _sharded_state_dict(model, optimizer, is_loading: bool) -> dict:
@@ -307,9 +309,7 @@ def load_dist_checkpoint(model, optimizer, path: Union[str, os.PathLike]) -> dic
         # no_grad: with fp32 params the distributed optimizer's main params are views of the
         # model params, and 0.16.1 copies into them in place.
         _fill_step_0(loaded["optimizer"])
-        kernels = _adam_kernel_flags(optimizer)
-        with torch.no_grad():
+        with _kernel_flags_kept(optimizer), torch.no_grad():
             optimizer.load_state_dict(loaded["optimizer"])
         _restore_torch_adam_steps(optimizer)
-        _adam_kernel_flags(optimizer, kernels)
     return dict(loaded.get(_EXTRA_KEY, {}))
