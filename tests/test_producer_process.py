@@ -170,6 +170,19 @@ def test_child_process_gives_the_thread_managers_batches(tok, reward_path):
     assert {r for b in batches for (*_, r, _m) in b[:-1]} == {0.0, 1.0}  # the reward function really ran
 
 
+@pytest.mark.parametrize("freeze", [True, False])
+def test_the_child_freezes_its_start_up_objects_out_of_the_gc_as_train_freeze_gc_says(tok, reward_path, freeze):
+    """train.freeze_gc: the child moves what it built before its first draw (torch, the tokenizer, the manager)
+    to the permanent GC generation, as the trainer does; otherwise a full collection walks them mid-rollout."""
+    servers = HttpFakeServers()
+    cfg = _cfg(reward_path, max_staleness=0)
+    cfg.train.freeze_gc = freeze
+    with _process(servers, cfg, tok, 1) as mgr:
+        info = dict(mgr.child_info)
+        assert len(mgr.get_batch(1).samples) == 8
+    assert (info["gc_frozen"] > 10_000) if freeze else (info["gc_frozen"] == 0)
+
+
 def test_child_process_keeps_the_staleness_bound_through_cut_requests(tok, reward_path):
     servers = HttpFakeServers(token_s=0.01)
     cfg = _cfg(reward_path, max_staleness=1)

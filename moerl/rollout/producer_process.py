@@ -33,6 +33,7 @@ The resume contract is the RolloutManager's (its module docstring): ``state_dict
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import socket
@@ -164,6 +165,9 @@ class RolloutManagerProcess(_PushWaiter):
         self.version = int(spec["version"])
         self.background_push = background_push(cfg)
         self.proc: Optional[subprocess.Popen] = None
+        #: what the child reports once its producer started: ``gc_frozen`` (objects it moved to the permanent GC
+        #: generation first: train.freeze_gc; 0 = none)
+        self.child_info: dict = {}
         self._main = self._push = self._cluster_conn = None
         self._push_thread: Optional[threading.Thread] = None
         self._push_error: Optional[BaseException] = None
@@ -200,7 +204,7 @@ class RolloutManagerProcess(_PushWaiter):
         spec = dict(self.spec, cluster=cluster_view(self.cluster))
         self._sent_view = (tuple(spec["cluster"]["live"]), spec["cluster"]["fatal"])
         try:
-            self._call(self._main, ("start", spec), "start")
+            self.child_info = self._call(self._main, ("start", spec), "start")
         except BaseException:
             self._stop.set()
             self.close()
@@ -443,16 +447,14 @@ def _log(msg: str) -> None:
     print(f"[moerl {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def _serve_push(conn: Connection, manager) -> None:
+def _serve_push(conn: Connection, manager, http) -> None:
     """Answer the trainer's push messages: ``("begin", version)``; ``("hold", urls)``: hold the requests and,
     in async mode, pause ``urls`` here -> "none" (no pause needed), "paused" (done here) or "pause" (a server
     failed here: the trainer's cluster pauses them); ``("end", step, version, seconds, failed)``: continue
     what was paused here, then :meth:`RolloutManager.end_push` -> "done", or "continue" (a server failed the
-    continue here: nothing ended yet, the trainer continues them and sends ``end`` again)."""
-    view = manager.cluster  # the _ClusterView
-    # made now, not at the first pause: importing httpx in this process costs 60-130 ms on a busy rollout core,
-    # which the first async update that found a group in flight used to wait for (a stalled step)
-    state = {"paused": [], "http": plain_http_client(view.server_urls + view.extra_worker_urls, 600.0)}
+    continue here: nothing ended yet, the trainer continues them and sends ``end`` again). ``http``: the
+    httpx client of the pause / continue calls (closed on return)."""
+    state = {"paused": [], "http": http}
 
     def control(path: str, mode: Optional[str], urls: list, timeout_s: float) -> bool:
         return not any(post_control(urls, path, mode, timeout_s, state["http"]).values())
@@ -514,21 +516,31 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise ProducerProcessError(f"expected the start message, got {msg[0]!r}")
     built: dict = {}
 
-    def build() -> None:
+    def build() -> dict:
         manager, pool, view = _child_manager(msg[1])
         try:
+            # before the producer starts its first draw (it starts at once), so that none of this delays it:
+            # the pause / continue client (importing httpx costs 50-130 ms on the busy rollout core: it used to
+            # run while the first batch generated, and that batch took 40-50 ms longer than sync's)
+            built["http"] = plain_http_client(view.server_urls + view.extra_worker_urls, 600.0)
+            if getattr(msg[1]["cfg"].train, "freeze_gc", True):  # as the trainer (moerl.train.components.frozen_gc):
+                gc.collect()  # start-up state (~290,000 objects: torch, the tokenizer) out of the collector's walks
+                gc.freeze()
             manager.start()
         except BaseException:
+            if "http" in built:
+                built["http"].close()
             _close(manager, pool)
             raise
         built.update(manager=manager, pool=pool, view=view)
+        return {"gc_frozen": gc.get_freeze_count()}
 
     _answer(conn, build)
     if "manager" not in built:
         return 1
     manager, pool = built["manager"], built["pool"]
-    for target, c, arg in ((_serve_push, push_conn, manager), (_serve_cluster, cluster_conn, built["view"])):
-        threading.Thread(target=target, args=(c, arg), daemon=True).start()
+    for target, args in ((_serve_push, (push_conn, manager, built["http"])), (_serve_cluster, (cluster_conn, built["view"]))):
+        threading.Thread(target=target, args=args, daemon=True).start()
     try:
         while True:
             try:
