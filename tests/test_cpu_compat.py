@@ -6,6 +6,7 @@ megatron-core error, then shows the patched behaviour against an independent ref
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -471,3 +472,49 @@ def test_thd_rope_patch_is_installed(dist):
     assert attention.apply_rotary_pos_emb.__wrapped__ is not attention.apply_rotary_pos_emb
     with cpu_compat.without_patch("thd_rope"):
         assert not hasattr(attention.apply_rotary_pos_emb, "__wrapped__")
+
+
+# ------------------------------------------------------------------------------------------
+# identity_chunk_sort (speed): no split + cat of the tokens when the local-expert order is the identity
+# ------------------------------------------------------------------------------------------
+
+
+def test_identity_chunk_sort_gives_megatrons_logits_and_gradients_bit_for_bit(dist):
+    """One EP x TP rank with several local experts: the alltoall dispatcher's sort / unsort by local expert
+    is skipped, and the logits and every parameter gradient equal the unpatched model's exactly (the reference:
+    Megatron's own split + cat). The patched function really skips: the token dispatcher's
+    sort_chunks_by_idxs returns its input object."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    tokens, pos = _batch()
+    mask = causal_attention_mask(tokens.shape[1])
+    out = {}
+    for patched in (True, False):
+        model = _model(moe_token_dispatcher_type="alltoall")
+        with contextlib.ExitStack() as stack:
+            if not patched:
+                stack.enter_context(cpu_compat.without_patch("identity_chunk_sort"))
+            logits = model(tokens, pos, mask)
+            logits.float().pow(2).mean().backward()
+        out[patched] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert torch.equal(out[True][0], out[False][0])
+    assert out[True][1].keys() == out[False][1].keys() and any("local_experts" in n for n in out[True][1])
+    for n, g in out[True][1].items():
+        assert torch.equal(g, out[False][1][n]), n
+    x, probs = torch.randn(6, 4), torch.rand(6)
+    got, got_probs = token_dispatcher.sort_chunks_by_idxs(x, torch.tensor([2, 1, 3]), torch.arange(3), probs=probs)
+    assert got is x and got_probs is probs
+
+
+def test_identity_chunk_sort_leaves_a_real_permutation_to_megatron(dist):
+    """A non-identity order (tp * ep > 1) is Megatron's own result: chunks [2, 1, 3] of the rows in order 2, 0, 1."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    assert "identity_chunk_sort" in cpu_compat.applied_patches()
+    x, probs = torch.arange(12.0).view(6, 2), torch.arange(6.0)
+    got, got_probs = token_dispatcher.sort_chunks_by_idxs(x, torch.tensor([2, 1, 3]), torch.tensor([2, 0, 1]),
+                                                          probs=probs)
+    rows = [3, 4, 5, 0, 1, 2]  # chunk 2 = rows 3..5, chunk 0 = rows 0..1, chunk 1 = row 2
+    assert torch.equal(got, x[rows]) and torch.equal(got_probs, probs[rows])
+    with cpu_compat.without_patch("identity_chunk_sort"):
+        assert not hasattr(token_dispatcher.sort_chunks_by_idxs, "__wrapped__")

@@ -26,6 +26,10 @@ patch name                              item   error it removes
 ``thd_rope``                            speed  (no error) Megatron's unfused RoPE for packed THD
                                                input loops over the sequences in Python (TE fuses
                                                it on GPU): moerl's vectorised, bit-equal version
+``identity_chunk_sort``                 speed  (no error) with one EP x TP rank the alltoall
+                                               dispatcher still splits and re-concatenates the
+                                               tokens (and probs) in their own order, forward and
+                                               backward: skipped when the order is the identity
 ======================================  =====  ==============================================
 
 Item 4 also covers ``ep_size > 1`` with the alltoall dispatcher: the split sizes must become
@@ -549,6 +553,39 @@ def patch_thd_rope(p: _Patch) -> None:
     p.set(attention, "apply_rotary_pos_emb", apply_rotary_pos_emb)
 
 
+def _is_identity_order(sorted_idxs: Any) -> bool:
+    """``sorted_idxs`` (int tensor) is 0, 1, ..., n-1, read on the host (a CPU tensor only: no device sync)."""
+    return (isinstance(sorted_idxs, torch.Tensor) and sorted_idxs.device.type == "cpu" and sorted_idxs.dim() == 1
+            and torch.equal(sorted_idxs, torch.arange(sorted_idxs.numel(), dtype=sorted_idxs.dtype)))
+
+
+def patch_identity_chunk_sort(p: _Patch) -> None:
+    """Speed, not an error: ``MoEAlltoAllTokenDispatcher`` sorts the received tokens by local expert
+    (``moe_utils.sort_chunks_by_idxs``: split into tp*ep x num_local_experts chunks, concatenate them in
+    ``sort_input_by_local_experts`` order) and unsorts the expert outputs the same way, whenever a rank
+    holds more than one expert. With tp_size * ep_size == 1 both orders are the identity, so each call
+    is a copy of the tokens (and of the probs) forward and a split + concatenation of their gradients
+    backward: 68 ``cat`` per training step of the demo (3 MoE layers, 3 micro-batches), 15 ms of its
+    140 (torch.profiler), most of it these copies.
+
+    Fix: megatron's token dispatcher calls a ``sort_chunks_by_idxs`` that returns ``input`` and
+    ``probs`` themselves when ``sorted_idxs`` is 0, 1, ..., n-1 (the result the original gives, without
+    the copies; checked on the host index tensor, which is on the CPU unless moe_permute_fusion), and the
+    original otherwise (tp * ep > 1, the fused TE path).
+    """
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original = token_dispatcher.__dict__["sort_chunks_by_idxs"]
+
+    @functools.wraps(original)
+    def sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None, fused=False):
+        if not fused and _is_identity_order(sorted_idxs):
+            return input, probs
+        return original(input, split_sizes, sorted_idxs, probs=probs, fused=fused)
+
+    p.set(token_dispatcher, "sort_chunks_by_idxs", sort_chunks_by_idxs)
+
+
 # --------------------------------------------------------------------------------------------
 # Not a patch: torch's fused Adam kernel for Megatron's CPU fallback optimizer
 # --------------------------------------------------------------------------------------------
@@ -598,6 +635,7 @@ _PATCHES: dict[str, Callable[[_Patch], None]] = {
     "tied_embedding_cuda": patch_tied_embedding_cuda,
     "mla_te_placeholders": patch_mla_te_placeholders,
     "thd_rope": patch_thd_rope,
+    "identity_chunk_sort": patch_identity_chunk_sort,
 }
 
 PATCH_NAMES: tuple[str, ...] = tuple(_PATCHES)
