@@ -486,17 +486,31 @@ def test_identity_chunk_sort_gives_megatrons_logits_and_gradients_bit_for_bit(di
     sort_chunks_by_idxs returns its input object."""
     from megatron.core.transformer.moe import token_dispatcher
 
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountCat(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            CountCat.n += func is torch.ops.aten.cat.default
+            return func(*args, **(kwargs or {}))
+
     tokens, pos = _batch()
     mask = causal_attention_mask(tokens.shape[1])
-    out = {}
+    out, cats = {}, {}
     for patched in (True, False):
         model = _model(moe_token_dispatcher_type="alltoall")
+        CountCat.n = 0
         with contextlib.ExitStack() as stack:
             if not patched:
                 stack.enter_context(cpu_compat.without_patch("identity_chunk_sort"))
-            logits = model(tokens, pos, mask)
-            logits.float().pow(2).mean().backward()
+            with CountCat():
+                logits = model(tokens, pos, mask)
+                logits.float().pow(2).mean().backward()
+        cats[patched] = CountCat.n
         out[patched] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    # the patch really ran in the model: per MoE layer 3 forward cats (tokens, probs, outputs) and 3 backward fewer
+    assert cats[False] - cats[True] == 6 * _hf().num_hidden_layers, cats
     assert torch.equal(out[True][0], out[False][0])
     assert out[True][1].keys() == out[False][1].keys() and any("local_experts" in n for n in out[True][1])
     for n, g in out[True][1].items():

@@ -695,7 +695,8 @@ class TrainConfig(_Section):
     # CPU cores the trainer process is pinned to (os.sched_setaffinity; [] = not pinned); see
     # rollout.cpu_affinity
     cpu_affinity: list[int] = Field(default_factory=list)
-    # at the start of RL, move every object alive in the trainer processes and in the rollout servers moerl
+    # at the start of RL, move every object alive in the trainer processes, the rollout producer process
+    # (one_step_off / async) and the rollout servers moerl
     # started (SGLang's POST /freeze_gc) to Python's permanent GC generation, so that the cyclic collector
     # no longer walks the model, tokenizer and start-up state: on the demo a full collection paused the
     # server for ~0.3 s every ~9 s and the trainer for ~0.25 s (moerl.train.components.freeze_gc)

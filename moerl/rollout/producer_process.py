@@ -401,7 +401,12 @@ class RolloutManagerProcess(_PushWaiter):
 
 # ---------------------------------------------------------------------- child
 def _child_manager(spec: dict):
-    """The child's RolloutManager, RewardPool and cluster view, from the trainer's ``spec``."""
+    """The child's RolloutManager, RewardPool, cluster view and the httpx client of its pause / continue calls,
+    from the trainer's ``spec``. While the reward workers start, it makes that client and (train.freeze_gc, as the
+    trainer's moerl.train.components.frozen_gc) moves what this process holds to the permanent GC generation
+    (never undone: the process ends with RL), so that neither runs during the first draw: importing httpx there
+    (50-130 ms on the busy rollout core) made async's first batch 40-50 ms slower than sync's, and a full
+    collection walks ~280,000 start-up objects (torch, the tokenizer) for ~0.1 s."""
     from moerl.data.tokenizer import PromptEncoder, decode_response
     from moerl.rewards import reward_pool_from_config
     from moerl.rollout.client import RolloutClient
@@ -414,7 +419,12 @@ def _child_manager(spec: dict):
     encoder = PromptEncoder(tokenizer, spec["system_prompt"])
     with pinned(spec.get("reward_cpu_affinity") or ()):  # the workers on the rollout cores, its threads here
         pool = reward_pool_from_config(cfg.reward, log=_log)
+    http = None
     try:
+        http = plain_http_client(view.server_urls + view.extra_worker_urls, 600.0)
+        if getattr(cfg.train, "freeze_gc", True):
+            gc.collect()
+            gc.freeze()
         # workers up before the first group, else the first batch waits for their start (~0.2-0.5 s here); a reward
         # model loads first (the first batch needed it anyway), for at most rollout.startup_timeout_s
         try:
@@ -430,11 +440,13 @@ def _child_manager(spec: dict):
             num_steps=spec["num_steps"], version=spec["version"], steps_done=spec["steps_done"], state=spec["state"],
             routing_shape=spec["routing_shape"], log=_log)
     except BaseException:
+        if http is not None:
+            http.close()
         pool.close()
         raise
     manager.client_process = False  # this process is already off the trainer: aiohttp in its own loop
     manager.background_push = False  # the trainer runs the push; this side only holds and resumes
-    return manager, pool, view
+    return manager, pool, view, http
 
 
 def _close(manager, pool) -> None:
@@ -517,22 +529,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     built: dict = {}
 
     def build() -> dict:
-        manager, pool, view = _child_manager(msg[1])
+        manager, pool, view, http = _child_manager(msg[1])
         try:
-            # before the producer starts its first draw (it starts at once), so that none of this delays it:
-            # the pause / continue client (importing httpx costs 50-130 ms on the busy rollout core: it used to
-            # run while the first batch generated, and that batch took 40-50 ms longer than sync's)
-            built["http"] = plain_http_client(view.server_urls + view.extra_worker_urls, 600.0)
-            if getattr(msg[1]["cfg"].train, "freeze_gc", True):  # as the trainer (moerl.train.components.frozen_gc):
-                gc.collect()  # start-up state (~290,000 objects: torch, the tokenizer) out of the collector's walks
-                gc.freeze()
-            manager.start()
+            manager.start()  # its first draw starts at once
         except BaseException:
-            if "http" in built:
-                built["http"].close()
+            http.close()
             _close(manager, pool)
             raise
-        built.update(manager=manager, pool=pool, view=view)
+        built.update(manager=manager, pool=pool, view=view, http=http)
         return {"gc_frozen": gc.get_freeze_count()}
 
     _answer(conn, build)
