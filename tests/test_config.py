@@ -83,6 +83,7 @@ EXPECTED_TINY = {
         "max_tokens_per_micro_batch": 2048, "pack_balance": "tokens", "pipeline_schedule": "1f1b",
         "pipeline_overlap": False, "split_backward": "store", "mode": "sync", "max_staleness": 1, "staleness_policy": "wait",
         "partial_rollout_mask_old": False, "cpu_affinity": [], "fused_logprob": None, "freeze_gc": True,
+        "warm_memory_mb": None,
     },
     "sft": {
         "enabled": True, "lr": 1.0e-3, "global_batch_size": 128, "micro_batch_size": 128, "max_steps": 3000,

@@ -701,6 +701,12 @@ class TrainConfig(_Section):
     # no longer walks the model, tokenizer and start-up state: on the demo a full collection paused the
     # server for ~0.3 s every ~9 s and the trainer for ~0.25 s (moerl.train.components.freeze_gc)
     freeze_gc: bool = True
+    # MiB of fresh memory each trainer process touches and frees just before RL (moerl.train.components
+    # .warm_page_pool; CPU training only); null = 512 in one_step_off / async, 0 (off) in sync. On the 2-core
+    # Firecracker VMs this project is measured on, a page the trainer touched for the first time while the
+    # rollout core was busy cost 30-40 us instead of ~2.5 us, and the async update stalled 0.1-0.65 s at the
+    # steps where its memory grew; after touching 512 MiB first those steps ran at normal speed
+    warm_memory_mb: Optional[int] = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _cross_fields(self) -> "TrainConfig":

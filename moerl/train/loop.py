@@ -35,7 +35,7 @@ from moerl.runtime.world import broadcast_from_main, log
 from moerl.train.advantages import needs_token_advantages, outcome_advantages, shape_rewards, token_advantages
 from moerl.train.components import (build_actor, build_critic, build_reference, export_final, frozen_gc,
                                     reset_reference, reward_pool, rollout_manager, rollout_servers,
-                                    train_critic, warm_start)
+                                    train_critic, warm_page_pool, warm_start)
 from moerl.train.losses import policy_loss, update_mismatch_metrics
 from moerl.train.micro_batches import attach_pre_update, build_micro_batches, recompute_old_log_probs
 from moerl.train.setup import prepare_run
@@ -119,7 +119,7 @@ def _train(ctx, t_start: float) -> dict:
             telemetry.enabled = True
         if cfg.moe.routing_replay != "none":  # R2/R3 in the RL passes only (not SFT)
             actor.routing_replay = RoutingReplay(actor.model, cfg.moe.routing_replay)
-        # train.freeze_gc: start-up state out of the cyclic GC's walks during RL (before the producer starts)
+        warm_page_pool(cfg.train)  # train.warm_memory_mb; train.freeze_gc: start-up state out of the GC's walks
         with frozen_gc(ctx, cluster), (manager if manager is not None else contextlib.nullcontext()):
             for step in timers.steps(first, cfg.train.num_steps):  # step clock, profile.steps
                 metrics = rl_step(ctx, step, actor, ref, manager, sync, timers, critic)
