@@ -237,7 +237,9 @@ def test_proc_sampler_counts_threads_pinned_to_core_1_as_core_1_time():
     th.join()
     w = sampler.window(t0, time.time())
     assert 0.3 <= w["threads_core1"] <= 0.6, w
-    assert w["threads"] >= w["threads_core1"] and w["main"] >= 0.15
+    # the process total and the per-thread counts are separate /proc reads, each rounded to clock ticks: they may
+    # differ by a tick or two (under load 0.38 against 0.39 was seen)
+    assert w["threads"] >= w["threads_core1"] - 2.5 / os.sysconf("SC_CLK_TCK") and w["main"] >= 0.15
 
 
 def test_proc_sampler_counts_a_thread_that_started_and_ended_between_two_samples():
