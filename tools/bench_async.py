@@ -82,8 +82,9 @@ greedy accuracy (mean over the rounds' seeds) within 3 points of sync's; the mod
 measured one.
 
 Measured (--repeats 3; the README's Async section has the tables). Latest, 2026-12-05 (commits d2c2bc1 to
-4d36966, the same AMD EPYC 2-core VM, sync 0.209-0.228 s/step): async s=1 median 1.67, 1.68, 1.75, 1.76, 1.63
-(rounds 1.50-1.82), accuracy -0.8 / -0.9 points against sync, time model 0-6% off, steady-state limit 1.75-1.79;
+4d36966, the same AMD EPYC 2-core VM, sync 0.209-0.228 s/step): async s=1 median 1.67, 1.68, 1.75, 1.76, 1.63,
+1.76 and 1.70 at 100 steps (rounds 1.50-1.82), accuracy -0.9 to +0.2 points against sync, time model 0-6% off,
+steady-state limit 1.75-1.79;
 and one run on a bad stretch of the VM, 1.34 (FAIL): the trainer's page faults at the steps where its memory
 grows cost 30-40 us each while the rollout core was busy (2.5 us in sync), stalling async updates 0.1-0.65 s.
 train.warm_memory_mb (512 MiB touched and unmapped before RL, the default in the overlapped modes on CPU since
