@@ -257,3 +257,26 @@ def test_train_warm_memory_mb_touches_that_many_fresh_pages_before_rl(mode, give
     assert faults >= want * (1 << 20) // mmap.PAGESIZE
     if not want:
         assert faults < 1000
+
+
+def test_train_warm_memory_mb_never_fails_the_run(monkeypatch):
+    """A value above a quarter of the available memory touches that quarter (warned); a mapping the system
+    refuses is skipped (warned): the warm-up is a speed-up, never an error."""
+    import mmap
+    from types import SimpleNamespace
+
+    from moerl.train import components
+
+    logs: list[str] = []
+    monkeypatch.setattr(components, "log", logs.append)
+    monkeypatch.setattr(components, "_available_mib", lambda: 40)
+    assert components.warm_page_pool(SimpleNamespace(warm_memory_mb=10**9, mode="async"), on_cpu=True) == 10
+    assert "train.warm_memory_mb=1000000000" in logs[-1] and "10 MiB" in logs[-1]
+
+    def refuse(*a, **k):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(components, "_available_mib", lambda: None)
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    assert components.warm_page_pool(SimpleNamespace(warm_memory_mb=64, mode="async"), on_cpu=True) == 0
+    assert "train.warm_memory_mb=64" in logs[-1] and "skipped" in logs[-1]

@@ -81,14 +81,15 @@ Targets (PASS / FAIL printed; the exit code stays 0): sync wall / async(s=1) wal
 greedy accuracy (mean over the rounds' seeds) within 3 points of sync's; the model's predicted sync / async(s=1) ratio within 20% of the
 measured one.
 
-Measured (--repeats 3; the README's Async section has the tables). Latest, 2026-12-05 (commits d2c2bc1 to
-4d36966, the same AMD EPYC 2-core VM, sync 0.209-0.228 s/step): async s=1 median 1.67, 1.68, 1.75, 1.76, 1.63,
+Measured (--repeats 3; the README's Async section has the tables). Latest, 2026-12-05 (commits 7d1520c to
+0ff87eb, the same AMD EPYC 2-core VM, sync 0.209-0.228 s/step): async s=1 median 1.67, 1.68, 1.75, 1.76, 1.63,
 1.76 and 1.70 at 100 steps (rounds 1.50-1.82), accuracy -0.9 to +0.2 points against sync, time model 0-6% off,
 steady-state limit 1.75-1.79;
 and one run on a bad stretch of the VM, 1.34 (FAIL): the trainer's page faults at the steps where its memory
 grows cost 30-40 us each while the rollout core was busy (2.5 us in sync), stalling async updates 0.1-0.65 s.
 train.warm_memory_mb (512 MiB touched and unmapped before RL, the default in the overlapped modes on CPU since
-4d36966) made those faults cheap in 6 of 6 runs on that stretch. d2c2bc1 moved the producer process's httpx
+4d36966) made those faults cheap in 6 of 6 runs on that stretch (4 with the memory kept in the heap, 2 touched and
+unmapped as the default does). d2c2bc1 moved the producer process's httpx
 import and GC freeze off its first draw (async's step-1 wait 0.149 -> 0.105-0.119 s). Before, commit cb123fb (a 14% faster CPU
 training step: the update 0.114-0.122 s per step in both modes, from 0.142-0.148), an AMD EPYC 2-core VM (sync
 0.234-0.237 s/step): async s=1 median 1.76 and 1.68 at 40 steps, 1.68 at 100 steps (rounds 1.58-1.78), accuracy
