@@ -172,8 +172,9 @@ def test_child_process_gives_the_thread_managers_batches(tok, reward_path):
 
 @pytest.mark.parametrize("freeze", [True, False])
 def test_the_child_freezes_its_start_up_objects_out_of_the_gc_as_train_freeze_gc_says(tok, reward_path, freeze):
-    """train.freeze_gc: the child moves what it built before its first draw (torch, the tokenizer, the manager)
-    to the permanent GC generation, as the trainer does; otherwise a full collection walks them mid-rollout."""
+    """train.freeze_gc: while its reward workers start, before its first draw, the child moves its start-up
+    objects (torch, the tokenizer, the spec) to the permanent GC generation, as the trainer does; otherwise a
+    full collection walks them mid-rollout."""
     servers = HttpFakeServers()
     cfg = _cfg(reward_path, max_staleness=0)
     cfg.train.freeze_gc = freeze
